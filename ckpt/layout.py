@@ -1,0 +1,46 @@
+"""Where things live inside a checkpoint directory; the only module that builds checkpoint paths.
+
+    <ckpt.dir>/
+      .lock                   held (flock) by rank 0 of the job that owns this directory
+      step-000020/            one checkpoint: DCP shards (__<rank>_<n>.distcp) + .metadata
+        meta.json             human-readable: step, world size, versions, time, config hash
+        config.yaml           the resolved training config
+        commit.json           written last, atomically: manifest of every file with size + checksum
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+COMMIT_FILE = "commit.json"
+META_FILE = "meta.json"
+CONFIG_FILE = "config.yaml"
+LOCK_FILE = ".lock"
+_STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, f"step-{step:06d}")
+
+
+def step_of(path: str) -> int | None:
+    m = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def list_step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every step-NNNNNN folder, committed or not, oldest first."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    found = []
+    for name in os.listdir(ckpt_dir):
+        step = step_of(name)
+        if step is not None and os.path.isdir(os.path.join(ckpt_dir, name)):
+            found.append((step, os.path.join(ckpt_dir, name)))
+    return sorted(found)
+
+
+def is_marked_committed(path: str) -> bool:
+    """Cheap check: the marker exists. `commit.verify_checkpoint` is the full check."""
+    return os.path.isfile(os.path.join(path, COMMIT_FILE))

@@ -1,0 +1,307 @@
+"""CheckpointManager: the training script says *when* (save / load / finish); this decides *how*.
+
+    python -m pytest tests/test_ckpt_resume.py
+
+- save(): sync (`dcp.save`) or async (`dcp.async_save` with a reused `DefaultStager`, thread or
+  process uploader). Training blocks only while the state is staged; at most one save is in flight.
+- commit: after the upload, rank 0 hashes the files and writes the marker (commit.py), then applies
+  retention. Errors in the background are kept and raised by the next poll()/wait()/save().
+- load(): verified checkpoints only; resume="auto" walks back from the newest, logging what it skips.
+- lock: rank 0 holds an flock on <ckpt.dir>/.lock for the life of the job.
+Checkpoint collectives run on a dedicated gloo group, so they never queue behind training collectives
+and async save has the CPU backend it needs even when training runs on NCCL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from .commit import VerifyError, commit_checkpoint, verify_checkpoint
+from .faults import fault_point
+from .layout import LOCK_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
+
+
+class CheckpointError(RuntimeError):
+    """A save, load or lock problem; the message names the checkpoint and the cause."""
+
+
+class _Writer(FileSystemWriter):
+    """FileSystemWriter that fsyncs every file, with the `write` fault point for the tests."""
+
+    def __init__(self, path: str, step: int):
+        super().__init__(path, sync_files=True)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        fault_point("write", self.step)
+        return super().write_data(plan, planner)
+
+
+def _noop(*_args, **_kwargs) -> None:
+    pass
+
+
+def on_rank0_then_share(fn: Callable[[], object], group=None, error_type=None) -> object:
+    """Run fn on rank 0 only and hand every rank its result or its error, so all ranks fail together
+    with the same message instead of the others hanging in the next collective."""
+    error_type = error_type or CheckpointError
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = [None, None]
+    if rank == 0:
+        try:
+            out[0] = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            out[1] = f"{e}" if isinstance(e, error_type) else f"{type(e).__name__}: {e}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(out, src=0, group=group)
+    if out[1] is not None:
+        raise error_type(out[1])
+    return out[0]
+
+
+class CheckpointManager:
+    def __init__(self, ckpt_dir: str, async_mode: str = "thread", keep_last: int = 3,
+                 on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop):
+        if async_mode not in ("off", "thread", "process"):
+            raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
+        self.dir, self.async_mode, self.keep_last = ckpt_dir, async_mode, keep_last
+        self.on_event, self.on_log = on_event, on_log
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._stager: DefaultStager | None = None
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
+        self._inflight: Future | None = None
+        self._staging: Future | None = None
+        self._lock_file = None
+        self.last_saved_step: int | None = None
+
+    # ------------------------------------------------------------ agreement helpers
+
+    def _on_rank0_then_share(self, fn: Callable[[], object]) -> object:
+        return on_rank0_then_share(fn, self.pg)
+
+    def barrier(self) -> None:
+        if self.pg is not None:
+            dist.barrier(group=self.pg)
+
+    # ------------------------------------------------------------ lock
+
+    def acquire_lock(self) -> None:
+        """Refuse to run if another live job owns this ckpt.dir (flock dies with its holder)."""
+        def lock():
+            try:
+                os.makedirs(self.dir, exist_ok=True)
+                f = open(os.path.join(self.dir, LOCK_FILE), "a+")
+            except OSError as e:
+                raise CheckpointError(f"ckpt.dir {self.dir} is not writable: {e.strerror}") from None
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                f.close()
+                raise CheckpointError(f"ckpt.dir {self.dir} is in use by another job ({holder}); "
+                                      "stop it or point ckpt.dir elsewhere") from None
+            f.seek(0)
+            f.truncate()
+            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}\n")
+            f.flush()
+            self._lock_file = f
+        self._on_rank0_then_share(lock)
+
+    # ------------------------------------------------------------ save
+
+    def _stager_for_mode(self) -> DefaultStager:
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            # Reused across saves: StateDictStager caches its CPU buffers per source storage, so only
+            # the first save allocates. Shared memory lets the uploader process read them with no copy.
+            self._stager = DefaultStager(StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=self.async_mode == "process",
+                use_async_staging=cuda, use_non_blocking_copy=cuda))
+        return self._stager
+
+    def save(self, step: int, state: dict, files: dict[str, str], blocking: bool = False) -> float:
+        """Save `state` (Statefuls and plain values) as step-NNNNNN; returns the training-blocking seconds.
+
+        `files` (name -> text) are written beside the shards by rank 0 (meta.json, config.yaml).
+        blocking=True (or async_mode=off) returns only once the checkpoint is committed.
+        """
+        t0 = time.perf_counter()
+        self.wait()  # at most one save in flight; raises a previous save's error
+        path = step_dir(self.dir, step)
+
+        def prepare():
+            if os.path.exists(path):
+                shutil.rmtree(path)  # leftover of a crashed save of this same step, never committed data we keep
+            os.makedirs(path)
+            for name, text in files.items():
+                with open(os.path.join(path, name), "w") as f:
+                    f.write(text)
+        self._on_rank0_then_share(prepare)
+        writer = _Writer(path, step)
+        if blocking or self.async_mode == "off":
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.pg)
+                fault_point("before_commit", step)
+                self._on_rank0_then_share(lambda: self._commit(path, step))
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"save of {path} failed: {type(e).__name__}: {e}") from e
+            blocking_s = time.perf_counter() - t0
+            self.last_saved_step = step
+            self.on_event("checkpoint", step=step, path=path, mode="sync", blocking_s=blocking_s,
+                          committed_s=blocking_s)
+            return blocking_s
+        resp = dcp.async_save(
+            state, storage_writer=writer, process_group=self.pg, async_stager=self._stager_for_mode(),
+            async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                                     else AsyncCheckpointerType.THREAD))
+        if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
+            self._staging, upload = resp.staging_completion, resp.upload_completion
+        else:
+            upload = resp
+        fault_point("staged", step)
+        blocking_s = time.perf_counter() - t0
+        self.last_saved_step = step
+        self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s)
+        return blocking_s
+
+    def wait_for_staging(self) -> None:
+        """Call before the optimizer mutates parameters again: the staged copy must be complete."""
+        if self._staging is not None:
+            self._staging.result()
+            self._staging = None
+
+    def _finish_async(self, upload: Future, path: str, step: int, t0: float, blocking_s: float) -> None:
+        try:
+            upload.result()
+        except Exception as e:
+            raise CheckpointError(f"background save of {path} failed: {type(e).__name__}: {e}") from e
+        fault_point("before_commit", step)
+        if self.rank == 0:
+            self._commit(path, step)
+        self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s,
+                      committed_s=time.perf_counter() - t0)
+
+    def _commit(self, path: str, step: int) -> None:
+        marker = commit_checkpoint(path, self.world_size)
+        fault_point("after_commit", step)
+        size = sum(f["size"] for f in marker["files"].values())
+        self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Delete committed checkpoints beyond keep_last (oldest first) and dead partial folders older
+        than the newest commit. Runs right after a commit, when no other save can be in flight."""
+        dirs = list_step_dirs(self.dir)
+        committed = [(s, p) for s, p in dirs if is_marked_committed(p)]
+        if not committed:
+            return
+        newest = committed[-1][0]
+        doomed = committed[:-self.keep_last] if self.keep_last else []
+        doomed += [(s, p) for s, p in dirs if s < newest and not is_marked_committed(p)]
+        for s, p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+            self.on_log(f"retention: deleted {p}")
+
+    def poll(self) -> None:
+        """Raise the error of a finished background save, if any. Cheap: call it every step."""
+        if self._inflight is not None and self._inflight.done():
+            fut, self._inflight = self._inflight, None
+            fut.result()
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is committed; raise its error."""
+        self.wait_for_staging()
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            fut.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._committer.shutdown(wait=True)
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+            if self._lock_file is not None:
+                self._lock_file.close()
+                self._lock_file = None
+
+    # ------------------------------------------------------------ resume
+
+    def find_resume(self, resume: str) -> str | None:
+        """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
+        if resume == "none":
+            return None
+
+        def choose():
+            if resume != "auto":
+                try:
+                    verify_checkpoint(resume)
+                except VerifyError as e:
+                    raise CheckpointError(f"cannot resume from {resume}: {e}") from None
+                return resume
+            for step, path in reversed(list_step_dirs(self.dir)):
+                try:
+                    verify_checkpoint(path)
+                    return path
+                except VerifyError as e:
+                    self.on_log(f"resume: skipping {path}: {e}")
+                    self.on_event("resume_skip", step=step, path=path, reason=str(e))
+            return None
+        return self._on_rank0_then_share(choose)
+
+    def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "app.model.") -> None:
+        """Load `state` in place from a verified checkpoint; `model_state` (the current model's state
+        dict) is checked against the saved shapes first, for an error that names the mismatch."""
+        if model_state is not None:
+            check_model_matches(path, model_state, prefix)
+        try:
+            dcp.load(state, checkpoint_id=path, process_group=self.pg)
+        except Exception as e:
+            raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}") from e
+
+
+def read_meta(path: str) -> dict:
+    with open(os.path.join(path, "meta.json")) as f:
+        return json.load(f)
+
+
+def check_model_matches(path: str, model_state: dict, prefix: str = "app.model.") -> None:
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    for name, tensor in model_state.items():
+        key = prefix + name
+        if key not in saved:
+            raise CheckpointError(f"checkpoint {path} does not match the model: it has no '{name}' "
+                                  "(a different model architecture?)")
+        saved_shape = tuple(getattr(saved[key], "size", ()))
+        if saved_shape != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {path} does not match the model: '{name}' is {list(saved_shape)} "
+                                  f"in the checkpoint but {list(tensor.shape)} in the model")
+
+
+def latest_committed_step(ckpt_dir: str) -> int | None:
+    steps = [s for s, p in list_step_dirs(ckpt_dir) if is_marked_committed(p)]
+    return steps[-1] if steps else None
+
+
+__all__ = ["CheckpointManager", "CheckpointError", "on_rank0_then_share", "read_meta", "latest_committed_step", "step_of"]

@@ -1,0 +1,204 @@
+"""The one typed config of a fine-tuning run: defaults < YAML preset < `key=value` overrides.
+
+    python -c "from finetune.config import load_config; print(load_config('configs/tiny.yaml', ['train.max_steps=5']))"
+
+Every field has a default and a one-line doc. Unknown keys and wrong types raise `ConfigError`
+naming the key, before any process group exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix; the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/tiny"  # where metrics.jsonl, config.yaml, checkpoints/ and hf/ go
+    log_interval: int = 10  # print one line every N optimizer steps (metrics.jsonl gets every step)
+    progress_bar: bool = True  # tqdm bar on rank 0, only when stdout is a terminal
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = ""  # local HF model dir (config.json + safetensors + tokenizer), or empty
+    config_path: str = "assets/tiny-llama"  # HF config dir used when name_or_path is empty (random init)
+    tokenizer_path: str = ""  # tokenizer dir; empty = name_or_path, else config_path
+    param_dtype: str = "auto"  # fp32 | bf16 | auto (bf16 on CUDA, fp32 on CPU)
+    reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter
+    activation_checkpointing: bool = False  # recompute each decoder block in backward
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
+    init_std: float = 0.02  # std of the normal init for random-init models
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tiny/train.jsonl"  # local jsonl/json/parquet/txt file(s) (comma separated), or a hub name
+    format: str = "auto"  # text | chat | auto (chat when a `messages` column exists)
+    text_field: str = "text"  # column holding plain text
+    messages_field: str = "messages"  # column holding chat messages [{role, content}, ...]
+    pack: bool = False  # concatenate documents into seq_len chunks instead of padding each one
+    seq_len: int = 64  # tokens per sample
+    global_batch_size: int = 16  # samples per optimizer step, summed over all ranks
+    micro_batch_size: int = 8  # samples per forward/backward on one rank (accumulation makes up the rest)
+    epochs: int = 1  # passes over the data; training ends when they run out, even before max_steps
+    cache_dir: str = ".cache/tokenized"  # tokenized data is cached here, keyed by a hash of its inputs
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 100  # optimizer steps
+    seed: int = 1234  # model init, data order and dropout all derive from it
+    lr: float = 1e-3  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10  # linear warmup from 0
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    sample_at_end: bool = True  # greedy-generate from sample_prompts at the end (rank 0 prints)
+    sample_prompts: str = ""  # prompts separated by '|', sent as a user turn when the tokenizer has a chat template
+
+
+@dataclass
+class CkptConfig:
+    dir: str = ""  # default <run.dir>/checkpoints
+    interval: int = 50  # save every N optimizer steps (0: only the final save)
+    async_mode: str = "thread"  # off | thread | process
+    keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
+    resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
+    save_at_end: bool = True  # synchronous final save at max_steps / end of data / exception
+    continue_on_save_error: bool = False  # log a failed periodic save and keep training
+
+
+@dataclass
+class ExportConfig:
+    at_end: bool = False  # write a HF model folder to <run.dir>/hf after training
+    dtype: str = "fp32"  # fp32 | bf16
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+_CHOICES = {
+    "model.param_dtype": ("auto", "fp32", "bf16"),
+    "model.reduce_dtype": ("fp32", "bf16"),
+    "data.format": ("auto", "text", "chat"),
+    "ckpt.async_mode": ("off", "thread", "process"),
+    "export.dtype": ("fp32", "bf16"),
+}
+_POSITIVE = ("train.max_steps", "data.seq_len", "data.global_batch_size", "data.micro_batch_size", "data.epochs")
+
+
+def _coerce(key: str, value, typ):
+    """Return `value` as `typ` (bool/int/float/str), or raise ConfigError naming `key`."""
+    if isinstance(value, str) and typ is not str:
+        try:
+            value = yaml.safe_load(value)  # "20" -> 20, "true" -> True, "1e-3" -> 0.001
+        except yaml.YAMLError:
+            pass
+        if typ is float and isinstance(value, str):
+            try:
+                value = float(value)  # YAML 1.1 reads "1e-3" as a string
+            except ValueError:
+                pass
+    if typ is bool and isinstance(value, bool):
+        return value
+    if typ is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if typ is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if typ is str and isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ConfigError(f"config key '{key}' must be {typ.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def _apply(cfg: Config, key: str, value) -> None:
+    parts = key.split(".")
+    if len(parts) != 2:
+        raise ConfigError(f"unknown config key '{key}' (keys look like section.name, e.g. train.max_steps)")
+    section, name = parts
+    sub = getattr(cfg, section, None)
+    if sub is None or not dataclasses.is_dataclass(sub):
+        raise ConfigError(f"unknown config key '{key}': no section '{section}'")
+    hints = typing.get_type_hints(type(sub))
+    if name not in hints:
+        raise ConfigError(f"unknown config key '{key}'")
+    setattr(sub, name, _coerce(key, value, hints[name]))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            flat.update(_flatten(v, key + "."))
+        else:
+            flat[key] = v
+    return flat
+
+
+def validate(cfg: Config) -> None:
+    for key, allowed in _CHOICES.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) not in allowed:
+            raise ConfigError(f"config key '{key}' must be one of {'|'.join(allowed)}, got {getattr(getattr(cfg, section), name)!r}")
+    for key in _POSITIVE:
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name) <= 0:
+            raise ConfigError(f"config key '{key}' must be > 0")
+    if cfg.ckpt.interval < 0 or cfg.ckpt.keep_last < 0:
+        raise ConfigError("config keys 'ckpt.interval' and 'ckpt.keep_last' must be >= 0")
+
+
+def load_config(yaml_path: str | None, overrides: list[str] = ()) -> Config:
+    """Defaults < YAML file < `key=value` overrides. Raises ConfigError on any bad key or value."""
+    cfg = Config()
+    if yaml_path:
+        if not os.path.isfile(yaml_path):
+            raise ConfigError(f"config file not found: {yaml_path}")
+        with open(yaml_path) as f:
+            tree = yaml.safe_load(f) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {yaml_path} must hold a mapping of sections")
+        for key, value in _flatten(tree).items():
+            _apply(cfg, key, value)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key=value")
+        key, value = item.split("=", 1)
+        _apply(cfg, key.strip(), value)
+    if not cfg.ckpt.dir:
+        cfg.ckpt.dir = os.path.join(cfg.run.dir, "checkpoints")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def config_hash(cfg: Config) -> str:
+    """Hash of the resolved config, stored in each checkpoint's meta.json."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,124 @@
+"""Model: any HF causal LM, built on `meta`, `fully_shard`-ed per decoder block, then initialised or loaded.
+
+    python -m pytest tests/test_train_e2e.py
+
+Random init is world-size independent: each parameter is drawn in full from a generator seeded by
+(seed, parameter name) and each rank keeps only its shard, so W=1 and W=8 start from the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ModelError(ValueError):
+    """The model cannot be built or sharded as asked; the message names the model class."""
+
+
+def model_source(cfg_model) -> str:
+    return cfg_model.name_or_path or cfg_model.config_path
+
+
+def load_tokenizer(cfg_model):
+    from transformers import AutoTokenizer
+
+    path = cfg_model.tokenizer_path or model_source(cfg_model)
+    if not os.path.isdir(path):
+        raise ModelError(f"tokenizer directory not found: {path}")
+    return AutoTokenizer.from_pretrained(path)
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks: HF's `_no_split_modules` classes, else the longest ModuleList."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len({type(c) for c in m}) == 1]
+        blocks = list(max(lists, key=len)) if lists else []
+    if not blocks:
+        raise ModelError(f"cannot find decoder blocks in {type(model).__name__}: no _no_split_modules and no "
+                         "ModuleList of identical blocks; shard it by hand in finetune/model.py")
+    return blocks
+
+
+def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
+    """HF causal LM on `meta`, fully_shard each block then the root, then `to_empty` on `device`.
+
+    Parameters hold fp32 masters; MixedPrecisionPolicy casts for compute. Values are garbage until
+    `init_random` or a load fills them.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = model_source(cfg_model)
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ModelError(f"no config.json in model directory {src}")
+    hf_config = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if cfg_model.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=resolve_param_dtype(cfg_model.param_dtype, device),
+                              reduce_dtype=DTYPES[cfg_model.reduce_dtype])
+    kwargs = {"mesh": mesh, "mp_policy": mp}
+    if cfg_model.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in decoder_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    model.to_empty(device="cpu" if cfg_model.cpu_offload else device)
+    init_buffers(model)
+    return model
+
+
+def init_buffers(model: nn.Module) -> None:
+    """Recompute non-persistent buffers (rotary inv_freq) that `to_empty` left uninitialised."""
+    for module in model.modules():
+        if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.parameters(recurse=False)):
+            model._init_weights(module)
+
+
+def _seed_for(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_random(model: nn.Module, seed: int, std: float) -> None:
+    """HF-style init (normal for Linear/Embedding, ones for norms, zeros for biases), same at any world size."""
+    owners = {}
+    for mod_name, module in model.named_modules():
+        for p_name, _ in module.named_parameters(recurse=False):
+            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = module
+    for name, param in model.named_parameters():
+        module = owners[name]
+        full = torch.empty(param.shape, dtype=torch.float32)
+        if name.endswith("bias"):
+            full.zero_()
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            full.normal_(0.0, std, generator=torch.Generator().manual_seed(_seed_for(seed, name)))
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                full[module.padding_idx].zero_()
+        else:
+            full.fill_(1.0)  # RMSNorm / LayerNorm weights
+        _copy_full_into(param, full)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+    else:
+        param.copy_(full)

@@ -1,0 +1,343 @@
+"""Fine-tune a Hugging Face causal LM with FSDP2, with sharded async checkpoints that resume anywhere.
+
+    python train_fsdp.py --config configs/tiny.yaml                       # one process, CPU
+    torchrun --nproc_per_node 2 train_fsdp.py --config configs/tiny.yaml train.max_steps=50
+
+Reads in the order it runs: config -> process group -> model -> shard -> optimizer -> data -> resume
+-> loop -> final save. `ckpt/` decides how to checkpoint; this file only decides when.
+Exit codes: 0 done, 1 error, 2 bad config/input, 75 preempted (emergency checkpoint committed; requeue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, on_rank0_then_share, read_meta, \
+    reseed_all, rng_key
+from ckpt.faults import fault_point
+from finetune.config import Config, ConfigError, config_hash, load_config, to_yaml
+from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, cache_samples, open_samples
+from finetune.metrics import RankZeroLog, progress_bar, step_line
+from finetune.model import ModelError, build_sharded_model, init_random, load_tokenizer
+
+EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
+USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
+
+
+# ---------------------------------------------------------------- config and process group
+
+def parse_config(argv: list[str]) -> Config:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="YAML preset, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. train.max_steps=20 run.dir=runs/a")
+    args = p.parse_args(argv)
+    return load_config(args.config, args.overrides)
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """torchrun sets RANK/WORLD_SIZE; plain `python train_fsdp.py` becomes a world of one."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        # gloo beside nccl: async checkpointing needs a CPU backend for its collectives
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+        device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo")
+        device = torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+# ---------------------------------------------------------------- optimizer, schedule, train state
+
+def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine to min_ratio at max_steps. `step` counts finished steps."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model, cfg: Config):
+    t = cfg.train
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+    return optimizer, scheduler
+
+
+@dataclass
+class TrainProgress:
+    """The small explicit dict of training progress (the data position lives in BatchStream)."""
+    step: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "loss_tokens": self.loss_tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens, self.loss_tokens = int(state["step"]), int(state["tokens"]), int(state["loss_tokens"])
+
+
+class Preemption:
+    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, _frame):
+        self.requested = True
+
+    def agreed(self, device) -> bool:
+        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank signalled -> all stop at the same step
+        return bool(flag.item())
+
+
+# ---------------------------------------------------------------- one optimizer step
+
+def train_step(model, optimizer, micro_batches, device, world_size: int, grad_clip: float):
+    """Forward/backward over this rank's micro batches of one global batch, then one optimizer step.
+
+    Loss = sum of token losses over the *global* batch / global count of loss tokens, so it is the
+    same for any world size or micro-batch split. FSDP averages gradients over ranks, hence * world_size.
+    """
+    n_local = sum(int((lab[:, 1:] != IGNORE).sum()) for _, lab in micro_batches)
+    n_global = torch.tensor([n_local], dtype=torch.float64, device=device)
+    dist.all_reduce(n_global)
+    n_global = max(n_global.item(), 1.0)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, (ids, labels) in enumerate(micro_batches):
+        model.set_requires_gradient_sync(i == len(micro_batches) - 1)  # reduce-scatter once per step
+        ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        logits = model(input_ids=ids).logits.float()
+        tok_loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                                   ignore_index=IGNORE, reduction="sum")
+        (tok_loss * (world_size / n_global)).backward()
+        loss_sum += tok_loss.detach().double()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    dist.all_reduce(loss_sum)  # a sync point, once per step, for an exact logged loss
+    return loss_sum.item() / n_global, int(n_global), float(grad_norm)
+
+
+# ---------------------------------------------------------------- checkpoint plumbing
+
+def checkpoint_state(model, optimizer, scheduler, progress, stream, rank: int, with_rng: bool) -> dict:
+    state = {"app": ModelOptimizer(model, optimizer), "scheduler": scheduler, "progress": progress, "data": stream}
+    if with_rng:
+        state[rng_key(rank)] = RNGState()
+    return state
+
+
+def checkpoint_files(cfg: Config, step: int, world_size: int) -> dict[str, str]:
+    import transformers
+    meta = {"step": step, "world_size": world_size, "torch": torch.__version__,
+            "transformers": transformers.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "config_hash": config_hash(cfg), "model": cfg.model.name_or_path or cfg.model.config_path,
+            "seed": cfg.train.seed}
+    return {"meta.json": json.dumps(meta, indent=1) + "\n", "config.yaml": to_yaml(cfg)}
+
+
+def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size) -> None:
+    """Load the newest committed checkpoint (or the one named); restore RNG per rank when W is unchanged,
+    otherwise re-derive it from (seed, step, rank) and say so."""
+    path = mgr.find_resume(cfg.ckpt.resume)
+    if path is None:
+        reseed_all(cfg.train.seed * 1000 + rank)
+        return
+    saved_world = read_meta(path)["world_size"]
+    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=saved_world == world_size)
+    mgr.load(path, state, model_state=state["app"].state_dict()["model"])
+    if saved_world != world_size:
+        reseed_all(cfg.train.seed * 1000 + rank + 7919 * progress.step)
+        log.info(f"resume: world size {saved_world} -> {world_size}: RNG re-derived from (seed, step, rank)")
+    log.info(f"resume: loaded {path} at step {progress.step} (saved by {saved_world} ranks, now {world_size})")
+    log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
+
+
+def final_save(mgr, cfg, state, step: int, world_size: int, log) -> None:
+    """Drain the in-flight save, then save synchronously unless this step is already committed."""
+    pending_error = None
+    try:
+        mgr.wait()
+    except Exception as e:  # a failed background save must not stop the final one, but is re-raised
+        pending_error = e
+        log.info(f"error: in-flight checkpoint failed: {e}")
+    if mgr.last_saved_step != step or pending_error is not None:
+        mgr.save(step, state, checkpoint_files(cfg, step, world_size), blocking=True)
+    if pending_error is not None:
+        raise pending_error
+
+
+# ---------------------------------------------------------------- sample at the end
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts: list[str], device, max_new_tokens: int = 16) -> list[str]:
+    """Greedy decoding, one prompt at a time. Every rank runs it: FSDP forward needs all ranks."""
+    outs = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = prompt
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
+        new = []
+        for _ in range(max_new_tokens):  # fixed length: all ranks do the same number of forwards
+            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+            ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
+            new.append(nxt)
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id)]
+        outs.append(tokenizer.decode(new, skip_special_tokens=True))
+    return outs
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    rank, world_size, device = init_distributed()
+    try:
+        return train(cfg, rank, world_size, device)
+    except USER_ERRORS as e:
+        if rank == 0 or not isinstance(e, CheckpointError):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    log = RankZeroLog(rank, cfg.run.dir)
+    if rank == 0:
+        with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
+            f.write(to_yaml(cfg))
+    mgr = CheckpointManager(cfg.ckpt.dir, cfg.ckpt.async_mode, cfg.ckpt.keep_last, on_event=log.event, on_log=log.info)
+    mgr.acquire_lock()  # before anything expensive: a second job on this ckpt.dir stops here
+
+    # ---- model: meta -> fully_shard -> to_empty -> init
+    tokenizer = load_tokenizer(cfg.model)
+    mesh = init_device_mesh(device.type, (world_size,))
+    model = build_sharded_model(cfg.model, mesh, device)
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    if max_pos is not None and cfg.data.seq_len > max_pos:
+        raise DataError(f"data.seq_len={cfg.data.seq_len} is larger than the model allows "
+                        f"(max_position_embeddings={max_pos})")
+    if cfg.model.name_or_path:
+        from ckpt.hf import load_hf_weights
+        load_hf_weights(model, cfg.model.name_or_path)
+    else:
+        init_random(model, cfg.train.seed, cfg.model.init_std)
+    optimizer, scheduler = build_optimizer(model, cfg)
+
+    # ---- data: tokenized once on rank 0, global order independent of world size
+    plan = BatchPlan.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
+    cache = on_rank0_then_share(lambda: cache_samples(cfg.data, tokenizer), group=mgr.pg, error_type=DataError)
+    input_ids, labels = open_samples(cache)
+    stream = BatchStream(input_ids, labels, cfg.train.seed, cfg.data.epochs, plan, rank)
+    progress = TrainProgress()
+
+    # ---- resume (after the data stream exists, so restored RNG is not consumed by its creation)
+    resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size)
+    log.info(f"world {world_size} | device {device.type} | {sum(p.numel() for p in model.parameters()):,} params | "
+             f"{len(input_ids)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
+             f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
+
+    # ---- loop
+    preempt = Preemption()
+    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
+    bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, progress.step)
+    t_start, start_step, exit_code = time.perf_counter(), progress.step, 0
+    model.train()
+    try:
+        while progress.step < cfg.train.max_steps and stream.has_next():
+            rows = stream.global_rows()
+            micro = stream.next_global_batch()
+            mgr.wait_for_staging()  # the optimizer may not touch params still being copied out
+            loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            progress.step += 1
+            progress.tokens += plan.global_batch * cfg.data.seq_len
+            progress.loss_tokens += n_tok
+            elapsed = time.perf_counter() - t_start
+            log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
+                       loss_tokens=progress.loss_tokens, samples=stream.position, world_size=world_size,
+                       time=time.time(), sample_ids=rows)
+            if progress.step % cfg.run.log_interval == 0 or progress.step == cfg.train.max_steps:
+                tps = (progress.tokens - start_step * plan.global_batch * cfg.data.seq_len) / max(elapsed, 1e-9)
+                log.info(step_line(progress.step, cfg.train.max_steps, loss, lr, gnorm, tps, elapsed,
+                                   progress.step - start_step))
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            fault_point("after_step", progress.step)
+            mgr.poll()
+            if preempt.agreed(device):
+                log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
+                log.event("preempted", step=progress.step)
+                exit_code = EXIT_PREEMPTED
+                break
+            if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0 and progress.step < cfg.train.max_steps:
+                mgr.save(progress.step, state, checkpoint_files(cfg, progress.step, world_size))
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt) or not cfg.ckpt.save_at_end:
+            raise
+        log.info(f"error at step {progress.step}: {type(e).__name__}: {e}; saving the last state before exiting")
+        try:
+            final_save(mgr, cfg, state, progress.step, world_size, log)
+        except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
+            log.info(f"error: emergency save failed too: {save_err}")
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+    if not stream.has_next() and progress.step < cfg.train.max_steps:
+        log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
+    if cfg.ckpt.save_at_end and progress.step > 0:
+        final_save(mgr, cfg, state, progress.step, world_size, log)
+    mgr.close()
+    if exit_code == 0 and cfg.train.sample_at_end:
+        model.eval()
+        prompts = cfg.train.sample_prompts.split("|") if cfg.train.sample_prompts else []
+        for prompt, out in zip(prompts, sample(model, tokenizer, prompts, device)):
+            log.info(f"sample: {prompt!r} -> {out!r}")
+    log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - t_start:.1f}s")
+    log.close()
+    return exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
