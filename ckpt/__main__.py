@@ -1,0 +1,77 @@
+"""Command line for checkpoints: verify, inspect, reshard, export.
+
+    python -m ckpt verify  runs/tiny/checkpoints/step-000200
+    python -m ckpt inspect runs/tiny/checkpoints                  # list: step, world size, size, status
+    python -m ckpt inspect runs/tiny/checkpoints/step-000200      # keys, shapes, dtypes, train state
+    python -m ckpt reshard <src> <dst> --world-size 3
+    python -m ckpt export  <checkpoint> <out_dir> [--dtype bf16|fp32]
+
+Exit status 0 on success, 1 when a checkpoint is invalid or a command fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .commit import VerifyError, verify_checkpoint
+
+
+def cmd_verify(args) -> int:
+    try:
+        marker = verify_checkpoint(args.path)
+    except VerifyError as e:
+        print(f"INVALID: {e}")
+        return 1
+    size = sum(f["size"] for f in marker["files"].values())
+    print(f"OK: {args.path}: step {marker['step']}, {len(marker['files'])} files, {size / 2**20:.1f} MiB, "
+          "sizes and sha256 match the commit manifest")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .inspect import inspect_path
+    return inspect_path(args.path, world_size=args.world_size)
+
+
+def cmd_reshard(args) -> int:
+    from .reshard import reshard
+    return reshard(args.src, args.dst, args.world_size)
+
+
+def cmd_export(args) -> int:
+    from .hf import export_cli
+    return export_cli(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ckpt", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="check commit marker, manifest, sizes and checksums")
+    v.add_argument("path")
+    v.set_defaults(fn=cmd_verify)
+    i = sub.add_parser("inspect", help="list checkpoints of a directory, or show one checkpoint")
+    i.add_argument("path")
+    i.add_argument("--world-size", type=int, default=None, help="dry run: can this checkpoint resume at W ranks?")
+    i.set_defaults(fn=cmd_inspect)
+    r = sub.add_parser("reshard", help="rewrite a checkpoint as if saved by W ranks")
+    r.add_argument("src")
+    r.add_argument("dst")
+    r.add_argument("--world-size", type=int, required=True)
+    r.set_defaults(fn=cmd_reshard)
+    e = sub.add_parser("export", help="write a Hugging Face model folder from a checkpoint")
+    e.add_argument("checkpoint")
+    e.add_argument("out_dir")
+    e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    e.add_argument("--max-shard-size", default="2GB", help="split safetensors above this size (e.g. 500MB)")
+    e.set_defaults(fn=cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Shared helpers for the tests: run train_fsdp.py for real (python or torchrun, gloo, CPU) and read results.
+
+    python -m pytest tests -x -q
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from finetune.metrics import read_metrics  # noqa: E402
+
+# A small, fast variant of configs/tiny.yaml: a few seconds per run on 2 CPU cores.
+FAST = ["run.log_interval=1", "run.progress_bar=false", "train.sample_at_end=false", "data.seq_len=32",
+        "data.global_batch_size=12", "data.micro_batch_size=3", "train.warmup_steps=3"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_cmd(nproc: int, overrides: list[str]) -> list[str]:
+    script = os.path.join(ROOT, "train_fsdp.py")
+    cfg = ["--config", os.path.join(ROOT, "configs", "tiny.yaml")]
+    if nproc == 0:  # plain python: a world of one without torchrun
+        return [sys.executable, script, *cfg, *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *cfg, *overrides]
+
+
+def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None,
+              timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve)."""
+    args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={os.path.join(str(run_dir), '..', '.tok-cache')}",
+            *overrides]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(train_cmd(nproc, args), cwd=ROOT, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train_fsdp.py exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
+                             f"\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses(run_dir) -> dict[int, float]:
+    steps, _ = read_metrics(os.path.join(str(run_dir), "metrics.jsonl"))
+    return {s: r["loss"] for s, r in steps.items()}
+
+
+def events(run_dir, name: str | None = None) -> list[dict]:
+    _, evs = read_metrics(os.path.join(str(run_dir), "metrics.jsonl"))
+    return [e for e in evs if name is None or e["event"] == name]
+
+
+@pytest.fixture
+def repo_root():
+    return ROOT
