@@ -163,18 +163,26 @@ def checkpoint_files(cfg: Config, step: int, world_size: int) -> dict[str, str]:
 
 
 def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size) -> None:
-    """Load the newest committed checkpoint (or the one named); restore RNG per rank when W is unchanged,
-    otherwise re-derive it from (seed, step, rank) and say so."""
+    """Load the newest committed checkpoint (or the one named). Model, optimizer, schedule and data position
+    resume at any world size (DCP reshards; the data position is a global sample index).
+
+    RNG rule: if the checkpoint holds per-rank RNG of exactly this many ranks (meta.json `rng_world_size`,
+    default `world_size`; `python -m ckpt reshard` keeps the original's), rank r restores `rng_rank<r>`.
+    Otherwise every rank reseeds python/numpy/torch with seed*1000 + rank + 7919*step, and one line says so.
+    """
     path = mgr.find_resume(cfg.ckpt.resume)
     if path is None:
         reseed_all(cfg.train.seed * 1000 + rank)
         return
-    saved_world = read_meta(path)["world_size"]
-    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=saved_world == world_size)
+    meta = read_meta(path)
+    saved_world = meta["world_size"]
+    rng_world = meta.get("rng_world_size", saved_world)
+    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=rng_world == world_size)
     mgr.load(path, state, model_state=state["app"].state_dict()["model"])
-    if saved_world != world_size:
+    if rng_world != world_size:
         reseed_all(cfg.train.seed * 1000 + rank + 7919 * progress.step)
-        log.info(f"resume: world size {saved_world} -> {world_size}: RNG re-derived from (seed, step, rank)")
+        log.info(f"resume: RNG saved by {rng_world} ranks, now {world_size}: re-derived as "
+                 f"seed*1000 + rank + 7919*step (step {progress.step})")
     log.info(f"resume: loaded {path} at step {progress.step} (saved by {saved_world} ranks, now {world_size})")
     log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
 
@@ -334,6 +342,9 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
         prompts = cfg.train.sample_prompts.split("|") if cfg.train.sample_prompts else []
         for prompt, out in zip(prompts, sample(model, tokenizer, prompts, device)):
             log.info(f"sample: {prompt!r} -> {out!r}")
+    if exit_code == 0 and cfg.export.at_end and rank == 0:  # last: the other ranks need nothing more from it
+        from ckpt.hf import export_latest
+        log.info(export_latest(cfg.ckpt.dir, os.path.join(cfg.run.dir, "hf"), cfg.export.dtype))
     log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - t_start:.1f}s")
     log.close()
     return exit_code

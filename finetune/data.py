@@ -152,15 +152,14 @@ class BatchPlan:
 
     @staticmethod
     def make(global_batch: int, micro_batch: int, world_size: int) -> "BatchPlan":
+        """The global batch is fixed; micro_batch is an upper bound (memory), lowered to the largest divisor
+        of the per-rank batch, so any world size that divides the global batch works, e.g. on a resume."""
         if global_batch % world_size:
             ok = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
             raise DataError(f"data.global_batch_size={global_batch} is not divisible by world size {world_size}; "
                             f"world sizes that work: {ok}")
         per_rank = global_batch // world_size
-        micro = min(micro_batch, per_rank)
-        if per_rank % micro:
-            raise DataError(f"per-rank batch {per_rank} (= {global_batch} / {world_size} ranks) is not divisible "
-                            f"by data.micro_batch_size={micro}")
+        micro = max(m for m in range(1, min(micro_batch, per_rank) + 1) if per_rank % m == 0)
         return BatchPlan(global_batch, world_size, micro, per_rank // micro)
 
 

@@ -61,6 +61,6 @@ def events(run_dir, name: str | None = None) -> list[dict]:
     return [e for e in evs if name is None or e["event"] == name]
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def repo_root():
     return ROOT
