@@ -312,7 +312,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                 bar.set_postfix(loss=f"{loss:.4f}")
             fault_point("after_step", progress.step)
             mgr.poll()
-            if preempt.agreed(device):
+            if progress.step < cfg.train.max_steps and preempt.agreed(device):  # a signal at the last step: just finish
                 log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
                 log.event("preempted", step=progress.step)
                 exit_code = EXIT_PREEMPTED
@@ -334,7 +334,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     if not stream.has_next() and progress.step < cfg.train.max_steps:
         log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
-    if cfg.ckpt.save_at_end and progress.step > 0:
+    if (cfg.ckpt.save_at_end or exit_code == EXIT_PREEMPTED) and progress.step > 0:  # 75 promises a checkpoint
         final_save(mgr, cfg, state, progress.step, world_size, log)
     mgr.close()
     if exit_code == 0 and cfg.train.sample_at_end:

@@ -1,21 +1,416 @@
-"""Hugging Face weights in: read a local safetensors model straight into the sharded model.
+"""Hugging Face weights in and out: sharded import into the FSDP2 model, streaming export to a HF folder.
 
+    python -m ckpt export runs/tiny/checkpoints/step-000512 runs/tiny/hf --dtype bf16
     python -m pytest tests/test_hf.py
 
-Each rank reads only the slices of its own shards (DCP HuggingFaceStorageReader plans reads per
-shard), so the full model is never materialised on one rank.
+Import (`load_hf_weights`): DCP's HuggingFaceStorageReader plans reads against each rank's DTensor
+shards, so a rank reads only its own slices of the safetensors files; the full model never exists in
+one place. Export (`export_checkpoint`): one `dcp.load` with no process group whose planner, instead
+of filling a state dict, writes each saved chunk straight to its place in the output safetensors
+files, so memory peaks at about one saved chunk (a rank's shard of the largest tensor), not the model:
+`python bench/export_rss.py` measures it.
 """
 
 from __future__ import annotations
 
+import io
+import json
+import math
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+import yaml
+from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.futures import Future
+
+from .commit import VerifyError, verify_checkpoint
+from .layout import CONFIG_FILE, step_dir
+from .manager import CheckpointError, latest_committed_step, read_meta
+
+MODEL_PREFIX = "app.model."  # where CheckpointManager's ModelOptimizer puts the model's state dict
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+                      torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_PIECE = 4 << 20  # elements converted and written at a time (16 MiB of fp32)
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_hf_weights(model: torch.nn.Module, hf_dir: str) -> None:
-    sd = get_model_state_dict(model)
-    dcp.load(sd, storage_reader=HuggingFaceStorageReader(hf_dir), planner=DefaultLoadPlanner(allow_partial_load=True))
-    set_model_state_dict(model, sd, options=StateDictOptions(strict=False))
+def _few(names: list[str], n: int = 4) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: source} for parameters registered under two names, e.g. tied embeddings
+    {'lm_head.weight': 'model.embed_tokens.weight'}. save_pretrained writes only the source."""
+    first, aliases = {}, {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+# ---------------------------------------------------------------- import: HF safetensors -> sharded model
+
+def check_hf_keys(model: torch.nn.Module, model_sd: dict, saved: dict, hf_dir: str) -> list[str]:
+    """The state-dict names to read. Missing or unexpected names and shape mismatches are errors that
+    name the model class: a silently skipped tensor would leave random or stale weights in training."""
+    cls = type(model).__name__
+    aliases = tied_aliases(model)
+    wanted = [k for k in model_sd if k not in aliases]
+    missing = [k for k in wanted if k not in saved]
+    # HF's own list of leftovers it ignores on load (e.g. rotary inv_freq in old Llama files)
+    ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+    unexpected = [k for k in saved if k not in model_sd and not any(p.search(k) for p in ignore)]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{hf_dir} does not fit {cls}: " + "; ".join(
+                part for part in (f"missing {_few(missing)}" if missing else "",
+                                  f"unexpected {_few(unexpected)}" if unexpected else "") if part) +
+            f". Tensor names must be {cls}'s state-dict names, as its save_pretrained writes them")
+    for k in wanted:
+        if tuple(saved[k].size) != tuple(model_sd[k].shape):
+            raise CheckpointError(f"{hf_dir} does not fit {cls}: '{k}' is {list(saved[k].size)} in the files but "
+                                  f"{list(model_sd[k].shape)} in the model (config.json and weights disagree?)")
+    return wanted
+
+
+def check_safetensors_files(hf_dir: str) -> None:
+    """The reader takes every *.safetensors in the folder, so a stray file from another save would mix in
+    silently: with an index, the files must be exactly the ones it lists."""
+    present = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")) if os.path.isdir(hf_dir) else []
+    if not present:
+        raise CheckpointError(f"no *.safetensors files in {hf_dir}; only safetensors are read (re-save a "
+                              "pytorch_model.bin model with save_pretrained(dir, safe_serialization=True))")
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            listed = sorted(set(json.load(f)["weight_map"].values()))
+        if listed != present:
+            raise CheckpointError(f"{hf_dir}: model.safetensors.index.json lists {_few(listed)} but the folder "
+                                  f"holds {_few(present)}; remove the files of other saves")
+
+
+def load_hf_weights(model: torch.nn.Module, hf_dir: str, process_group=None) -> None:
+    """Read a local HF safetensors model (one file, or sharded with an index) into the fully_shard-ed
+    `model`, in place, on every rank. bf16/fp16 files are converted to the parameters' dtype as they are
+    copied; tied aliases (lm_head.weight) are filled through their source; non-persistent buffers
+    (rotary inv_freq) are not in the files and were computed when the model was built."""
+    check_safetensors_files(hf_dir)
+    saved = HuggingFaceStorageReader(hf_dir).read_metadata().state_dict_metadata  # file headers only
+    model_sd = get_model_state_dict(model)
+    state = {k: model_sd[k] for k in check_hf_keys(model, model_sd, saved, hf_dir)}
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(hf_dir), process_group=process_group)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # tied aliases are absent
+
+
+# ---------------------------------------------------------------- export: where the pieces come from
+
+def parse_size(text: str) -> int:
+    """'2GB' -> 2e9 bytes, '500MB', '100KiB', '123' (bytes); decimal and binary units as HF reads them."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", str(text), flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"size {text!r} must look like 2GB, 500MB or 100KiB")
+    unit = (m.group(2) or "B").upper()
+    power = "BKMGT".index(unit[0])
+    return int(float(m.group(1)) * ((1024 if "I" in unit else 1000) ** power))
+
+
+def _existing_dir(path: str) -> str | None:
+    for candidate in (path, os.path.join(_REPO_ROOT, path)):  # relative to where training ran, usually here
+        if path and os.path.isdir(candidate):
+            return candidate
+    return None
+
+
+def source_dirs(ckpt_path: str) -> tuple[str, str]:
+    """(model dir with config.json, tokenizer dir) the checkpoint was trained from, read from its
+    config.yaml (model.name_or_path / config_path / tokenizer_path), else meta.json's "model"."""
+    model_cfg = {}
+    if os.path.isfile(os.path.join(ckpt_path, CONFIG_FILE)):
+        with open(os.path.join(ckpt_path, CONFIG_FILE)) as f:
+            model_cfg = (yaml.safe_load(f) or {}).get("model") or {}
+    named = model_cfg.get("name_or_path") or model_cfg.get("config_path") or read_meta(ckpt_path).get("model", "")
+    model_dir = _existing_dir(named)
+    if model_dir is None or not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise CheckpointError(f"the model folder this checkpoint was trained from ({named!r}, from its config.yaml) "
+                              "has no config.json here; run the export from the directory training ran in")
+    tok_named = model_cfg.get("tokenizer_path") or named
+    tok_dir = _existing_dir(tok_named)
+    if tok_dir is None:
+        raise CheckpointError(f"tokenizer folder {tok_named!r} (from the checkpoint's config.yaml) not found")
+    return model_dir, tok_dir
+
+
+def model_names(config) -> tuple[str, list[str], dict[str, str]]:
+    """(class name, state-dict names, tied aliases) of the HF model for `config`, built on `meta`: no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return type(model).__name__, list(model.state_dict()), tied_aliases(model)
+
+
+# ---------------------------------------------------------------- export: safetensors files written in place
+
+@dataclass
+class OutTensor:
+    """One tensor of the output: which file, where its bytes go, and how many have arrived."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    file: int  # index into the list of output files
+    begin: int  # byte offset inside that file's data section
+    nbytes: int
+    written: int = 0
+
+
+def plan_files(saved: dict, names: list[str], dtype: torch.dtype, max_bytes: int) -> list[list[OutTensor]]:
+    """Assign tensors to files in state-dict order, a new file when the next tensor would pass max_bytes
+    (a tensor larger than that gets a file of its own), as save_pretrained shards."""
+    files: list[list[OutTensor]] = [[]]
+    used = 0
+    for name in names:
+        md = saved[MODEL_PREFIX + name]
+        out_dtype = dtype if md.properties.dtype.is_floating_point else md.properties.dtype
+        nbytes = math.prod(md.size) * torch.empty((), dtype=out_dtype).element_size()
+        if files[-1] and used + nbytes > max_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(OutTensor(name, tuple(md.size), out_dtype, len(files) - 1, used, nbytes))
+        used += nbytes
+    return files
+
+
+def file_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def open_safetensors(path: str, tensors: list[OutTensor]) -> tuple[int, int]:
+    """Create `path` with its header and its full size (holes for now); returns (fd, data start)."""
+    header = {"__metadata__": {"format": "pt"}}
+    for t in tensors:
+        header[t.name] = {"dtype": _SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [t.begin, t.begin + t.nbytes]}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.write(fd, len(blob).to_bytes(8, "little") + blob)
+    os.ftruncate(fd, 8 + len(blob) + sum(t.nbytes for t in tensors))
+    return fd, 8 + len(blob)
+
+
+def chunk_runs(offsets, sizes, shape) -> tuple[list[int], int]:
+    """Element offsets in the full row-major tensor where a saved chunk's contiguous runs start, and the
+    run length. An FSDP dim-0 shard is one run; a chunk split on a later dim is one run per row prefix."""
+    k = len(shape)
+    while k > 0 and offsets[k - 1] == 0 and sizes[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0:
+        return [0], math.prod(shape)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    run = sizes[k - 1] * strides[k - 1]
+    starts = [offsets[k - 1] * strides[k - 1]]
+    for d in reversed(range(k - 1)):  # every index of the dims before the partial one, row-major
+        starts = [(offsets[d] + i) * strides[d] + s for i in range(sizes[d]) for s in starts]
+    return starts, run
+
+
+class ChunkToFilePlanner(LoadPlanner):
+    """A DCP load planner with no state dict: it asks for every saved chunk of the exported tensors and
+    writes each one, converted a piece at a time, to its place in the output files as soon as it is read."""
+
+    def __init__(self, tensors: dict[str, OutTensor], fds: list[tuple[int, int]]):
+        self.tensors, self.fds = tensors, fds
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for name in self.tensors:
+            for chunk in self.metadata.state_dict_metadata[MODEL_PREFIX + name].chunks:
+                index = MetadataIndex(MODEL_PREFIX + name, chunk.offsets)
+                items.append(ReadItem(LoadItemType.TENSOR, index, chunk.offsets, index,
+                                      torch.Size([0] * len(chunk.sizes)), chunk.sizes))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        raise CheckpointError(f"{read_item.dest_index.fqn} is not a tensor in the checkpoint")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        """Only a stock FileSystemReader asks: a buffer it copies the chunk into (SingleCopyReader does not)."""
+        saved = self.metadata.state_dict_metadata[read_item.dest_index.fqn].properties.dtype
+        return torch.empty(read_item.lengths, dtype=saved)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        out = self.tensors[read_item.dest_index.fqn[len(MODEL_PREFIX):]]
+        fd, data_start = self.fds[out.file]
+        flat, size = tensor.contiguous().reshape(-1), out.dtype.itemsize
+        starts, run = chunk_runs(read_item.dest_offsets, read_item.lengths, out.shape)
+        for i, start in enumerate(starts):
+            for a in range(0, run, _PIECE):  # a bf16 export converts a piece at a time, never a whole chunk
+                piece = flat[i * run + a: i * run + min(a + _PIECE, run)].to(out.dtype)
+                os.pwrite(fd, piece.view(torch.uint8).numpy(), data_start + out.begin + (start + a) * size)
+                out.written += piece.numel() * size
+
+
+class SingleCopyReader(FileSystemReader):
+    """FileSystemReader that hands each chunk to the planner as torch.load returns it. The stock reader
+    first copies it into the planner's resolve_tensor buffer, which doubles the export's peak memory.
+    Same file walk, transforms and torch.load as FileSystemReader.read_data (torch 2.13), minus that copy."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
+                for item in items:
+                    info = self.storage_data[item.storage_index]
+                    data = self.transforms.transform_load_stream(item, info.transform_descriptors or (),
+                                                                 self._slice_file(stream, info))
+                    if not data.seekable():
+                        data = io.BytesIO(data.read())
+                    planner.commit_tensor(item, torch.load(data, map_location="cpu", weights_only=True))
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def write_weights(ckpt_path: str, out_dir: str, files: list[list[OutTensor]]) -> list[str]:
+    """Stream the checkpoint's model tensors into the planned safetensors files; returns their names."""
+    names = file_names(len(files))
+    fds = [open_safetensors(os.path.join(out_dir, n), ts) for n, ts in zip(names, files)]
+    tensors = {t.name: t for ts in files for t in ts}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
+            dcp.load({}, storage_reader=SingleCopyReader(ckpt_path), planner=ChunkToFilePlanner(tensors, fds),
+                     no_dist=True)
+        for fd, _ in fds:
+            os.fsync(fd)
+    finally:
+        for fd, _ in fds:
+            os.close(fd)
+    short = [t.name for t in tensors.values() if t.written != t.nbytes]
+    if short:
+        raise CheckpointError(f"{ckpt_path}: the saved chunks of {_few(short)} do not cover the whole tensor")
+    return names
+
+
+def write_index(out_dir: str, files: list[list[OutTensor]], names: list[str]) -> None:
+    if len(files) == 1:
+        return  # a single model.safetensors needs no index, as save_pretrained does it
+    index = {"metadata": {"total_parameters": sum(math.prod(t.shape) for ts in files for t in ts),
+                          "total_size": sum(t.nbytes for ts in files for t in ts)},
+             "weight_map": {t.name: names[t.file] for ts in files for t in ts}}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def write_model_files(model_dir: str, tok_dir: str, out_dir: str, config, cls_name: str, dtype) -> None:
+    """config.json (architectures and dtype set for vLLM and from_pretrained), generation config, tokenizer."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    config.architectures = [cls_name]
+    config.dtype = dtype
+    config.save_pretrained(out_dir)
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        gen = GenerationConfig.from_pretrained(model_dir)
+    else:
+        gen = GenerationConfig.from_model_config(config)
+    gen.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(out_dir)
+
+
+def _replace_dir(tmp: str, out_dir: str) -> None:
+    """Move the finished folder into place; an older export there is swapped out, then deleted."""
+    old = None
+    if os.path.exists(out_dir):
+        old = f"{out_dir}.old{os.getpid()}"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- export: the entry points
+
+def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "2GB",
+                      overwrite: bool = False, verify: bool = True) -> dict:
+    """Write a complete HF model folder from a checkpoint saved at any world size, in this one process
+    with no process group. The folder appears whole or not at all (built beside it, then renamed)."""
+    from transformers import AutoConfig
+
+    out_dir = os.path.normpath(out_dir)
+    if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not empty; choose a new folder")
+    if verify:
+        try:
+            verify_checkpoint(ckpt_path)
+        except VerifyError as e:
+            raise CheckpointError(f"cannot export {ckpt_path}: {e}") from None
+    model_dir, tok_dir = source_dirs(ckpt_path)
+    config = AutoConfig.from_pretrained(model_dir)
+    cls_name, names, aliases = model_names(config)
+    saved = FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
+    names = [n for n in names if n not in aliases]  # save_pretrained writes the tied source only
+    in_ckpt = {k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX)}
+    missing, extra = [n for n in names if n not in in_ckpt], sorted(in_ckpt - set(names) - set(aliases))
+    if missing or extra:
+        raise CheckpointError(f"{ckpt_path} is not a checkpoint of {cls_name} from {model_dir}: "
+                              f"missing {_few(missing)}, extra {_few(extra)}")
+    files = plan_files(saved, names, EXPORT_DTYPES[dtype], parse_size(max_shard_size))
+    tmp = f"{out_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        written = write_weights(ckpt_path, tmp, files)
+        write_index(tmp, files, written)
+        write_model_files(model_dir, tok_dir, tmp, config, cls_name, EXPORT_DTYPES[dtype])
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"path": out_dir, "class": cls_name, "tensors": len(names), "files": len(written),
+            "bytes": sum(t.nbytes for ts in files for t in ts)}
+
+
+def export_latest(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> str:
+    """End of training: export the newest committed checkpoint (just committed by this job, so not
+    re-hashed) over any earlier export in out_dir; returns a line for the log."""
+    step = latest_committed_step(ckpt_dir)
+    if step is None:
+        raise CheckpointError(f"export: no committed checkpoint in {ckpt_dir} (ckpt.save_at_end=false?)")
+    info = export_checkpoint(step_dir(ckpt_dir, step), out_dir, dtype, overwrite=True, verify=False)
+    return (f"export: step {step} -> {info['path']} ({info['class']}, {info['files']} safetensors file(s), "
+            f"{info['bytes'] / 2**20:.1f} MiB {dtype})")
+
+
+def export_cli(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "2GB") -> int:
+    """`python -m ckpt export`: 0 and one OK line, or 1 and one error line."""
+    try:
+        info = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
+    except (CheckpointError, OSError, ValueError) as e:
+        print(f"error: {e}")
+        return 1
+    print(f"OK: {checkpoint} -> {info['path']}: {info['class']}, {info['tensors']} tensors in {info['files']} "
+          f"safetensors file(s), {info['bytes'] / 2**20:.1f} MiB {dtype}, with config, generation config, tokenizer")
+    return 0
