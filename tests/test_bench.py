@@ -1,0 +1,26 @@
+"""The checkpoint benchmark runs end to end on a tiny model and reports every figure it promises.
+
+    python -m pytest tests/test_bench.py -q
+"""
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+
+def test_ckpt_bench_tiny(tmp_path):
+    out = tmp_path / "res"
+    proc = subprocess.run([sys.executable, "bench/ckpt_bench.py", "--hidden", "64", "--layers", "1", "--vocab", "256",
+                           "--saves", "2", "--train-steps", "4", "--every", "2", "--seq-len", "16", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((out / "ckpt_bench.json").read_text())
+    assert set(r["methods"]) == {"rank0_torch_save", "dcp_sync", "dcp_async_thread", "dcp_async_process"}
+    for m in r["methods"].values():
+        assert 0 < m["first_blocking_s"] and 0 < m["steady_blocking_s"] <= m["committed_s"] + 1e-9
+        assert m["checkpoint_GB"] > 0
+    assert r["memcpy_floor_s"] > 0 and r["load_s"]["world_1"] > 0 and r["load_s"]["same_world"] > 0
+    assert set(r["throughput_steps_per_s"]) == {"none", "thread", "process"}
+    assert "| dcp_async_thread |" in (out / "ckpt_bench.md").read_text()
