@@ -1,6 +1,6 @@
 """Checkpoint benchmark: rank-0 torch.save vs DCP sync vs DCP async (thread, process), against the memcpy floor.
 
-    python bench/ckpt_bench.py                          # ~170M params, 2 ranks, CPU here (CUDA where present)
+    python bench/ckpt_bench.py                          # ~190M params, 2 ranks, CPU here (CUDA where present)
     python bench/ckpt_bench.py --hidden 256 --layers 2  # seconds, for a smoke test
 
 Launches itself under torchrun: a save worker at 2 ranks (every way of saving, load at the same world
@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--layers", type=int, default=10)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--saves", type=int, default=3, help="saves per method (first + steady state)")
