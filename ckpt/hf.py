@@ -183,7 +183,7 @@ def plan_files(saved: dict, names: list[str], dtype: torch.dtype, max_bytes: int
     for name in names:
         md = saved[MODEL_PREFIX + name]
         out_dtype = dtype if md.properties.dtype.is_floating_point else md.properties.dtype
-        nbytes = math.prod(md.size) * torch.empty((), dtype=out_dtype).element_size()
+        nbytes = math.prod(md.size) * out_dtype.itemsize
         if files[-1] and used + nbytes > max_bytes:
             files.append([])
             used = 0
