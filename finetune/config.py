@@ -50,7 +50,7 @@ class DataConfig:
     pack: bool = False  # concatenate documents into seq_len chunks instead of padding each one
     seq_len: int = 64  # tokens per sample
     global_batch_size: int = 16  # samples per optimizer step, summed over all ranks
-    micro_batch_size: int = 8  # samples per forward/backward on one rank (accumulation makes up the rest)
+    micro_batch_size: int = 8  # cap on samples per forward on one rank: lowered to a divisor of the per-rank batch
     epochs: int = 1  # passes over the data; training ends when they run out, even before max_steps
     cache_dir: str = ".cache/tokenized"  # tokenized data is cached here, keyed by a hash of its inputs
 

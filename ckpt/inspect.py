@@ -1,0 +1,241 @@
+"""Look inside checkpoints without a GPU or a process group: list them, show one, dry-run a world-size change.
+
+    python -m ckpt inspect runs/tiny/checkpoints                              # step, world size, size, status
+    python -m ckpt inspect runs/tiny/checkpoints/step-000200                  # keys, shapes, dtypes, train state
+    python -m ckpt inspect runs/tiny/checkpoints/step-000200 --world-size 3   # can it resume at 3 ranks?
+
+Reads meta.json, config.yaml, DCP's .metadata and the few small bytes items of the train state (a no-dist
+dcp.load of just those keys), so it costs the same for a tiny model and a 70B one. Exit status 1 when the
+path holds no checkpoint, the checkpoint shown is not committed and verified, or the dry run finds the
+resume would fail; 0 otherwise (a listing is 0 even when it shows bad checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections import defaultdict
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from .commit import VerifyError, verify_checkpoint
+from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, step_of
+
+# Small bytes items worth showing as "train state" (what train_fsdp.py stores besides model and optimizer).
+TRAIN_STATE_KEYS = ("progress.", "data.", "scheduler.last_epoch", "scheduler._last_lr")
+
+
+# ---------------------------------------------------------------- reading one checkpoint
+
+def read_meta_or_empty(path: str) -> dict:
+    try:
+        with open(os.path.join(path, META_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def rng_world_size(meta: dict) -> int | None:
+    """How many ranks' RNG blobs (rng_rank<r>) the checkpoint holds: a reshard keeps the original's."""
+    return meta.get("rng_world_size", meta.get("world_size"))
+
+
+def global_batch_size(path: str) -> int | None:
+    """data.global_batch_size from the checkpoint's config.yaml (None when there is none)."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            return int(yaml.safe_load(f)["data"]["global_batch_size"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def world_size_problem(path: str, world_size: int) -> str | None:
+    """Why `path` cannot resume at `world_size` ranks, or None. The same rule as finetune.data.BatchPlan."""
+    if world_size < 1:
+        return f"world size must be >= 1, got {world_size}"
+    g = global_batch_size(path)
+    if g is not None and g % world_size:
+        ok = [w for w in range(1, g + 1) if g % w == 0]
+        return (f"data.global_batch_size={g} is not divisible by world size {world_size}; "
+                f"world sizes that work: {ok}")
+    return None
+
+
+def checkpoint_status(path: str) -> tuple[bool, str]:
+    """(resumable, words): committed and verified, uncommitted, or corrupt with the reason."""
+    try:
+        verify_checkpoint(path)
+        return True, "committed, verified"
+    except VerifyError as e:
+        if not is_marked_committed(path):
+            return False, "uncommitted (no commit.json: a save that never finished)"
+        return False, f"CORRUPT: {e}"
+
+
+def read_items(path: str, keys: list[str]) -> dict:
+    """Load just `keys` (bytes items or plain tensors, in full) in this process, no process group needed."""
+    md = FileSystemReader(path).read_metadata().state_dict_metadata
+    state = {k: (torch.empty(md[k].size, dtype=md[k].properties.dtype)
+                 if isinstance(md[k], TensorStorageMetadata) else None) for k in keys}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
+               if os.path.isfile(os.path.join(path, n)))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------- how shards move to W' ranks
+
+def is_dim0_sharded(md: TensorStorageMetadata, saved_world: int) -> bool:
+    """FSDP2 shards every parameter (and its optimizer state) on dim 0; 0-dim tensors (Adam's step) and
+    tensors that W > 1 ranks saved as one chunk (replicated buffers) are plain, read whole."""
+    return len(md.size) > 0 and not (saved_world > 1 and len(md.chunks) == 1)
+
+
+def dim0_range(rows: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows of rank r under Shard(0): torch.chunk semantics (ceil-sized pieces, the last ones short or empty)."""
+    c = math.ceil(rows / world_size)
+    return min(rows, rank * c), min(rows, (rank + 1) * c)
+
+
+def remap_reads(metadata: Metadata, saved_world: int, world_size: int) -> dict[int, dict[str, int]]:
+    """For each new rank, bytes it reads from each saved file to fill its dim-0 shards."""
+    files = {(i.fqn, tuple(i.offset or ())): s.relative_path for i, s in metadata.storage_data.items()}
+    reads: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata) or not is_dim0_sharded(md, saved_world):
+            continue
+        row_bytes = math.prod(md.size[1:]) * md.properties.dtype.itemsize
+        for r in range(world_size):
+            lo, hi = dim0_range(md.size[0], r, world_size)
+            for ch in md.chunks:
+                overlap = min(hi, ch.offsets[0] + ch.sizes[0]) - max(lo, ch.offsets[0])
+                if overlap > 0:
+                    reads[r][files[(key, tuple(ch.offsets))]] += overlap * row_bytes
+    return reads
+
+
+# ---------------------------------------------------------------- the three views
+
+def list_checkpoints(ckpt_dir: str) -> int:
+    dirs = list_step_dirs(ckpt_dir)
+    if not dirs:
+        print(f"{ckpt_dir}: no step-NNNNNN checkpoints")
+        return 1
+    print(f"{'step':>8}  {'world':>5}  {'size':>10}  status")
+    for step, path in dirs:
+        meta = read_meta_or_empty(path)
+        world = meta.get("world_size", "?")
+        if meta.get("rng_world_size", world) != world:
+            world = f"{world}*"  # resharded: RNG blobs still from the original world size
+        print(f"{step:>8}  {world!s:>5}  {_mib(_dir_bytes(path)):>10}  {checkpoint_status(path)[1]}")
+    return 0
+
+
+def show_checkpoint(path: str) -> int:
+    meta = read_meta_or_empty(path)
+    ok, status = checkpoint_status(path)
+    print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
+    if meta.get("resharded_from"):
+        print(f"  resharded from {meta['resharded_from']} (RNG blobs of {rng_world_size(meta)} ranks)")
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a missing or broken .metadata is the whole answer
+        print(f"  cannot read DCP metadata: {type(e).__name__}: {e}")
+        return 1
+    md = metadata.state_dict_metadata
+    wanted = [k for k in md if k.startswith(TRAIN_STATE_KEYS) and isinstance(md[k], BytesStorageMetadata)]
+    if ok and wanted:
+        print("train state:")
+        for k, v in sorted(read_items(path, wanted).items()):
+            print(f"  {k} = {v}")
+    tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
+    total = sum(math.prod(v.size) * v.properties.dtype.itemsize for v in tensors.values())
+    print(f"{len(tensors)} tensors ({_mib(total)}), {len(md) - len(tensors)} bytes items:")
+    width = max(len(k) for k in md)
+    for k, v in md.items():
+        if isinstance(v, TensorStorageMetadata):
+            print(f"  {k:<{width}}  {str(list(v.size)):<14} {str(v.properties.dtype).replace('torch.', '')}")
+        else:
+            print(f"  {k:<{width}}  bytes")
+    return 0 if ok else 1
+
+
+def dry_run(path: str, world_size: int) -> int:
+    """Would `train_fsdp.py` resume `path` at `world_size` ranks, and what moves? Mirrors train_fsdp.resume."""
+    meta = read_meta_or_empty(path)
+    saved = meta.get("world_size", "?")
+    print(f"dry run: resume {path} (step {meta.get('step', step_of(path))}, saved by {saved} ranks) "
+          f"at {world_size} ranks")
+    ok, status = checkpoint_status(path)
+    problem = None if ok else f"checkpoint is {status}"
+    problem = problem or world_size_problem(path, world_size)
+    if problem:
+        print(f"  NO: {problem}")
+        return 1
+    g = global_batch_size(path)
+    if g is not None:
+        print(f"  global batch {g} = {world_size} ranks x {g // world_size} samples (micro batches adapt)")
+    state = read_items(path, [k for k in ("data.position", "progress.step")
+                              if k in FileSystemReader(path).read_metadata().state_dict_metadata])
+    if "data.position" in state:
+        print(f"  data: continues at global sample {state['data.position']}: the same samples in the same "
+              "order as a run that never stopped")
+    _print_remap(path, saved if isinstance(saved, int) else 1, world_size)
+    rng_world = rng_world_size(meta)
+    if rng_world == world_size:
+        print(f"  RNG: restored per rank from rng_rank0..{world_size - 1}")
+    else:
+        step = state.get("progress.step", meta.get("step"))
+        print(f"  RNG: saved by {rng_world} ranks, so re-derived on each rank as seed*1000 + rank + 7919*step "
+              f"(seed {meta.get('seed', '?')}, step {step}); dropout-free training follows the same trajectory")
+    print(f"  OK: resume with {world_size} ranks and ckpt.resume={path}")
+    return 0
+
+
+def _print_remap(path: str, saved_world: int, world_size: int) -> None:
+    metadata = FileSystemReader(path).read_metadata()
+    md = metadata.state_dict_metadata
+    sharded = [k for k, v in md.items() if isinstance(v, TensorStorageMetadata) and is_dim0_sharded(v, saved_world)]
+    whole = [k for k, v in md.items() if k not in sharded and not k.startswith("rng_rank")]
+    verb = ("keep their layout" if saved_world == world_size
+            else f"go from {saved_world} to {world_size} shards (DCP reshards on load)")
+    print(f"  model + optimizer: {len(sharded)} tensors sharded on dim 0 {verb}:")
+    for r, by_file in sorted(remap_reads(metadata, saved_world, world_size).items()):
+        print(f"    rank {r} reads " + ", ".join(f"{_mib(n)} from {f}" for f, n in sorted(by_file.items())))
+    print(f"  {len(whole)} scalars and small items (Adam steps, param groups, scheduler, train state) "
+          "are read whole by every rank")
+
+
+def inspect_path(path: str, world_size: int | None = None) -> int:
+    """`python -m ckpt inspect`: a ckpt.dir lists its checkpoints (and dry-runs the newest resumable one);
+    a checkpoint shows its contents, or with world_size, the dry run."""
+    if not os.path.isdir(path):
+        print(f"{path}: not a directory")
+        return 1
+    is_checkpoint = any(os.path.exists(os.path.join(path, n)) for n in (".metadata", META_FILE, "commit.json"))
+    if is_checkpoint:
+        return show_checkpoint(path) if world_size is None else dry_run(path, world_size)
+    rc = list_checkpoints(path)
+    if rc or world_size is None:
+        return rc
+    resumable = [p for _, p in reversed(list_step_dirs(path)) if checkpoint_status(p)[0]]
+    if not resumable:
+        print("no committed, verified checkpoint to resume from")
+        return 1
+    print()
+    return dry_run(resumable[0], world_size)

@@ -1,0 +1,160 @@
+"""Rewrite a checkpoint as if W' ranks had saved it, offline, on CPU: no GPU and no training job needed.
+
+    python -m ckpt reshard runs/a/checkpoints/step-000008 runs/b/checkpoints --world-size 3
+    python -m ckpt reshard <src step dir> <dst step dir> --world-size 3
+
+Training already resumes at any world size straight from the original (DCP reshards on load). Resharding
+ahead of time gives each new rank exactly one file to read, and a result to `python -m ckpt verify`
+before the big job starts. This starts W' processes (gloo on 127.0.0.1); each rebuilds the state skeleton
+from the checkpoint's .metadata - tensors of 1+ dims as DTensors sharded on dim 0 over a 1-D mesh, as
+FSDP2 shards them; scalars and bytes items (train state, scheduler, param groups, RNG) whole - loads it
+with dcp.load and writes it with dcp.save. Rank 0 writes meta.json and config.yaml and commits last.
+
+RNG: the per-rank RNG blobs of the ranks that trained are carried over unchanged and meta.json records
+`rng_world_size`, so resuming the copy behaves exactly like resuming the original: RNG restored per
+rank at the original world size, re-derived from (seed, step, rank) at any other (train_fsdp.resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor import empty as dtensor_empty
+
+from .commit import VerifyError, commit_checkpoint, verify_checkpoint
+from .inspect import is_dim0_sharded, read_meta_or_empty, rng_world_size, world_size_problem
+from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, step_dir, step_of
+
+
+class ReshardError(RuntimeError):
+    """The reshard cannot start; the message says why and what to change."""
+
+
+def prepare_destination(src: str, dst: str, world_size: int) -> str:
+    """Check src and W', and return the (empty, created) destination step directory.
+
+    A dst that is not a step-NNNNNN folder is taken as a ckpt.dir and gets src's step folder name,
+    so `ckpt.dir=<dst> ckpt.resume=auto` finds it.
+    """
+    if list_step_dirs(src):
+        raise ReshardError(f"{src} is a ckpt.dir; give one of its step-NNNNNN checkpoints "
+                           f"(`python -m ckpt inspect {src}` lists them)")
+    try:
+        verify_checkpoint(src)
+    except VerifyError as e:
+        raise ReshardError(f"source is not a committed, verified checkpoint: {e}") from None
+    problem = world_size_problem(src, world_size)
+    if problem:
+        raise ReshardError(problem)
+    if step_of(dst) is None and step_of(src) is not None:
+        dst = step_dir(dst, step_of(src))
+    if os.path.abspath(dst) == os.path.abspath(src):
+        raise ReshardError("destination is the source; write the resharded copy somewhere else")
+    if os.path.exists(dst):
+        if is_marked_committed(dst):
+            raise ReshardError(f"{dst} already holds a committed checkpoint; remove it or pick another destination")
+        if step_of(dst) is None and os.listdir(dst):
+            raise ReshardError(f"{dst} exists and is not empty")
+        shutil.rmtree(dst)  # an uncommitted step folder: the leftover of a reshard that crashed
+    os.makedirs(dst)
+    return dst
+
+
+def _set_nested(root: dict, path: tuple, value) -> None:
+    """root[path[0]][path[1]]... = value, creating dicts (str keys) and lists (int keys) on the way."""
+    node = root
+    for key, nxt in zip(path[:-1], path[1:]):
+        child = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            node[key] = child if node[key] is None else node[key]
+        else:
+            node.setdefault(key, child)
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def state_skeleton(metadata: Metadata, saved_world: int, mesh: DeviceMesh) -> dict:
+    """Empty state with the checkpoint's structure (DCP's flatten mappings), ready for dcp.load to fill:
+    dim-0 sharded tensors as Shard(0) DTensors (this rank's slice only), the rest whole."""
+    mappings = metadata.planner_data or {}
+    state: dict = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            value = None  # a bytes item: dcp.load puts the stored object here
+        elif is_dim0_sharded(md, saved_world):
+            value = dtensor_empty(*md.size, dtype=md.properties.dtype, device_mesh=mesh, placements=[Shard(0)])
+        else:
+            value = torch.empty(md.size, dtype=md.properties.dtype)
+        _set_nested(state, tuple(mappings.get(key, (key,))), value)
+    return state
+
+
+def write_files_and_commit(src: str, dst: str, world_size: int) -> None:
+    """Rank 0, after every rank's shards and .metadata are written: meta.json, config.yaml, then the marker."""
+    meta = read_meta_or_empty(src)
+    meta.update(world_size=world_size, rng_world_size=rng_world_size(meta), resharded_from=os.path.abspath(src),
+                resharded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    with open(os.path.join(dst, META_FILE), "w") as f:
+        f.write(json.dumps(meta, indent=1) + "\n")
+    if os.path.isfile(os.path.join(src, CONFIG_FILE)):
+        shutil.copyfile(os.path.join(src, CONFIG_FILE), os.path.join(dst, CONFIG_FILE))
+    commit_checkpoint(dst, world_size)
+
+
+def _reshard_rank(rank: int, world_size: int, port: int, src: str, dst: str) -> None:
+    """One of the W' processes: load this rank's slices from src, save them to dst."""
+    torch.set_num_threads(1)  # W' processes share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        metadata = FileSystemReader(src).read_metadata()
+        saved_world = int(read_meta_or_empty(src).get("world_size", 1))
+        state = state_skeleton(metadata, saved_world, mesh)
+        dcp.load(state, storage_reader=FileSystemReader(src))
+        dcp.save(state, storage_writer=FileSystemWriter(dst, sync_files=True))
+        if rank == 0:
+            write_files_and_commit(src, dst, world_size)
+        dist.barrier()  # nobody exits (and tears down the group) before the commit
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reshard(src: str, dst: str, world_size: int) -> int:
+    """`python -m ckpt reshard`: returns 0 once dst is committed, 1 (with a message) otherwise."""
+    try:
+        dst = prepare_destination(src, dst, world_size)
+    except ReshardError as e:
+        print(f"error: {e}")
+        return 1
+    t0 = time.perf_counter()
+    try:
+        mp.start_processes(_reshard_rank, args=(world_size, _free_port(), src, dst), nprocs=world_size,
+                           start_method="spawn")
+    except mp.ProcessException as e:
+        print(f"error: reshard to {dst} failed (left uncommitted, so never resumed from): {e}")
+        return 1
+    saved = read_meta_or_empty(src).get("world_size", "?")
+    print(f"resharded {src} ({saved} ranks) -> {dst} ({world_size} ranks), committed in "
+          f"{time.perf_counter() - t0:.1f}s")
+    return 0
