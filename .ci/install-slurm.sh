@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Install a real single-machine SLURM (Debian packages) for tests/test_slurm.py; tests skip without it.
 #   bash .ci/install-slurm.sh
+# Only installs: tests/slurm_cluster.py starts munged, slurmctld and slurmd itself, with its own config
+# and state in a temp dir (no systemd, nothing under /etc touched). Never fails the CI run: when it
+# cannot install, test_slurm.py skips and says why.
 set -uo pipefail
-if command -v slurmctld >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null; then
+have() { command -v "$1" >/dev/null || [ -x "/usr/sbin/$1" ]; }  # /usr/sbin is not on every PATH
+if have slurmctld && have slurmd && have sbatch && have munged; then
   exit 0
 fi
 if [ "$(id -u)" != 0 ]; then
