@@ -5,7 +5,8 @@
 
 Reads in the order it runs: config -> process group -> model -> shard -> optimizer -> data -> resume
 -> loop -> final save. `ckpt/` decides how to checkpoint; this file only decides when.
-Exit codes: 0 done, 1 error, 2 bad config/input, 75 preempted (emergency checkpoint committed; requeue).
+Exit codes: 0 done, 1 error, 2 bad config/input or a checkpoint error (lock, mismatch, failed save), 75 preempted
+(emergency checkpoint committed; requeue).
 """
 
 from __future__ import annotations
@@ -187,18 +188,31 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
 
 
-def final_save(mgr, cfg, state, step: int, world_size: int, log) -> None:
-    """Drain the in-flight save, then save synchronously unless this step is already committed."""
+def final_save(mgr, cfg, state, step: int, world_size: int, log, save_now: bool = True) -> None:
+    """Drain the in-flight save, then save synchronously unless this step is already committed (or save_now
+    is False: the state is half a step and only the in-flight save, of an earlier step, is worth keeping)."""
     pending_error = None
     try:
         mgr.wait()
     except Exception as e:  # a failed background save must not stop the final one, but is re-raised
         pending_error = e
         log.info(f"error: in-flight checkpoint failed: {e}")
-    if mgr.last_saved_step != step or pending_error is not None:
+    if save_now and (mgr.last_saved_step != step or pending_error is not None):
         mgr.save(step, state, checkpoint_files(cfg, step, world_size), blocking=True)
-    if pending_error is not None:
+    if pending_error is not None and not cfg.ckpt.continue_on_save_error:
         raise pending_error
+
+
+def tolerate_save_error(cfg, log, step: int, checkpoint_call) -> None:
+    """Run a periodic checkpoint call (poll, wait, save). With ckpt.continue_on_save_error a failure is a
+    logged line + event and training goes on: the failed folder has no commit marker, so no resume takes it."""
+    try:
+        checkpoint_call()
+    except CheckpointError as e:
+        if not cfg.ckpt.continue_on_save_error:
+            raise
+        log.info(f"warning: checkpoint failed, training continues (ckpt.continue_on_save_error=true): {e}")
+        log.event("checkpoint_failed", step=step, error=str(e))
 
 
 # ---------------------------------------------------------------- sample at the end
@@ -274,6 +288,9 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     cache = on_rank0_then_share(lambda: cache_samples(cfg.data, tokenizer), group=mgr.pg, error_type=DataError)
     input_ids, labels = open_samples(cache)
     stream = BatchStream(input_ids, labels, cfg.train.seed, cfg.data.epochs, plan, rank)
+    if not stream.has_next():
+        raise DataError(f"data set {cfg.data.path} has {len(input_ids)} samples x {cfg.data.epochs} epoch(s), "
+                        f"fewer than one global batch (data.global_batch_size={plan.global_batch})")
     progress = TrainProgress()
 
     # ---- resume (after the data stream exists, so restored RNG is not consumed by its creation)
@@ -287,11 +304,14 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
     bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, progress.step)
     t_start, start_step, exit_code = time.perf_counter(), progress.step, 0
+    mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
     model.train()
     try:
         while progress.step < cfg.train.max_steps and stream.has_next():
             rows = stream.global_rows()
+            mid_step = True
             micro = stream.next_global_batch()
+            fault_point("mid_step", progress.step + 1)
             mgr.wait_for_staging()  # the optimizer may not touch params still being copied out
             loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip)
             lr = scheduler.get_last_lr()[0]
@@ -299,6 +319,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
             progress.step += 1
             progress.tokens += plan.global_batch * cfg.data.seq_len
             progress.loss_tokens += n_tok
+            mid_step = False
             elapsed = time.perf_counter() - t_start
             log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
                        loss_tokens=progress.loss_tokens, samples=stream.position, world_size=world_size,
@@ -311,20 +332,26 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
             fault_point("after_step", progress.step)
-            mgr.poll()
+            tolerate_save_error(cfg, log, progress.step, mgr.poll)
             if progress.step < cfg.train.max_steps and preempt.agreed(device):  # a signal at the last step: just finish
                 log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
                 log.event("preempted", step=progress.step)
                 exit_code = EXIT_PREEMPTED
                 break
             if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0 and progress.step < cfg.train.max_steps:
-                mgr.save(progress.step, state, checkpoint_files(cfg, progress.step, world_size))
+                tolerate_save_error(cfg, log, progress.step, mgr.wait)  # a failed previous save must not skip this one
+                tolerate_save_error(cfg, log, progress.step, lambda: mgr.save(
+                    progress.step, state, checkpoint_files(cfg, progress.step, world_size)))
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or not cfg.ckpt.save_at_end:
             raise
-        log.info(f"error at step {progress.step}: {type(e).__name__}: {e}; saving the last state before exiting")
+        if mid_step:  # saving now would record a batch as consumed that was never (fully) trained on
+            log.info(f"error inside step {progress.step + 1}: {type(e).__name__}: {e}; no checkpoint of a "
+                     "half-done step: finishing the in-flight one, if any, before exiting")
+        else:
+            log.info(f"error at step {progress.step}: {type(e).__name__}: {e}; saving the last state before exiting")
         try:
-            final_save(mgr, cfg, state, progress.step, world_size, log)
+            final_save(mgr, cfg, state, progress.step, world_size, log, save_now=not mid_step)
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
             log.info(f"error: emergency save failed too: {save_err}")
         raise

@@ -2,13 +2,21 @@
 
     CKPT_FAULT="kill@after_step:8" torchrun ... train_fsdp.py ...       # SIGKILL every rank after step 8
     CKPT_FAULT="oserror@write:6" ...                                    # ENOSPC while writing step 6's shards
+    python -m pytest tests/test_faults.py -q                            # the suite that uses it
 
 Format `<action>@<point>[:<step>][,rank=<r>][,secs=<s>]`, several joined by `;`. Actions: `kill` (SIGKILL
 this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like a
-full disk) and `sleep` (wait `secs`, to widen a window, e.g. let an async save finish). Points:
-`after_step` (train loop), `staged` (state copied, upload not started), `write` (inside the storage
-writer, on the upload path), `before_commit` (data durable, marker not written), `after_commit`.
-Unset in normal runs: `fault_point` is then one environment lookup.
+full disk) and `sleep` (wait `secs`, to widen a window, e.g. let an async save finish). Points, in the
+order a step and its save reach them:
+  mid_step       batch taken from the data stream, optimizer step not finished (train loop)
+  after_step     step finished and logged (train loop)
+  staged         state copied for an async save, upload not started (training process)
+  write          storage writer starts writing this rank's shards (the upload: in process async mode
+                 this runs in the uploader process, so `kill` kills only the uploader)
+  partial_write  the first bytes of a shard file are on disk, the rest are not (a torn file)
+  before_commit  every rank's data is durable, commit marker not written
+  after_commit   marker written (rank 0 only), retention not run yet
+Unset in normal runs: `fault_point` is then one environment lookup, and the writer is the plain one.
 """
 
 from __future__ import annotations
@@ -17,6 +25,9 @@ import errno
 import os
 import signal
 import time
+from contextlib import contextmanager
+
+from torch.distributed.checkpoint.filesystem import FileSystem
 
 
 def _parse(spec: str) -> list[dict]:
@@ -29,6 +40,11 @@ def _parse(spec: str) -> list[dict]:
         faults.append({"action": action, "point": point, "step": int(step) if step else None,
                        "rank": int(kv["rank"]) if "rank" in kv else None, "secs": float(kv.get("secs", 5))})
     return faults
+
+
+def wants(point: str) -> bool:
+    """Whether CKPT_FAULT names `point`: lets callers install a test-only hook only when it is asked for."""
+    return any(f["point"] == point for f in _parse(os.environ.get("CKPT_FAULT", "")))
 
 
 def fault_point(point: str, step: int | None = None) -> None:
@@ -48,3 +64,31 @@ def fault_point(point: str, step: int | None = None) -> None:
             time.sleep(f["secs"])
         else:
             raise ValueError(f"CKPT_FAULT: unknown action {f['action']!r}")
+
+
+class TornWriteFileSystem(FileSystem):
+    """DCP's FileSystem whose write streams reach `partial_write` right after their first bytes hit the file.
+    Module level so that it pickles into the process-mode uploader with the storage writer."""
+
+    def __init__(self, step: int):
+        super().__init__()
+        self.step = step
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            yield _TornStream(stream, self.step) if "w" in mode else stream
+
+
+class _TornStream:
+    def __init__(self, stream, step: int):
+        self._stream, self._step = stream, step
+
+    def write(self, data) -> int:
+        n = self._stream.write(data)
+        self._stream.flush()  # these bytes reach the file; a kill now leaves it torn
+        fault_point("partial_write", self._step)
+        return n
+
+    def __getattr__(self, name):  # tell, fileno, flush, close: the real file's
+        return getattr(self._stream, name)

@@ -14,10 +14,13 @@ and async save has the CPU backend it needs even when training runs on NCCL.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,8 +34,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from .commit import VerifyError, commit_checkpoint, verify_checkpoint
-from .faults import fault_point
-from .layout import LOCK_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
+from .faults import TornWriteFileSystem, fault_point, wants
+from .layout import COMMIT_FILE, LOCK_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
 
 
 class CheckpointError(RuntimeError):
@@ -45,6 +48,8 @@ class _Writer(FileSystemWriter):
     def __init__(self, path: str, step: int):
         super().__init__(path, sync_files=True)
         self.step = step
+        if wants("partial_write"):  # tests only: files that tear after their first bytes
+            self.fs = TornWriteFileSystem(step)
 
     def write_data(self, plan, planner):
         fault_point("write", self.step)
@@ -53,6 +58,46 @@ class _Writer(FileSystemWriter):
 
 def _noop(*_args, **_kwargs) -> None:
     pass
+
+
+@contextlib.contextmanager
+def _preemption_signals_blocked():
+    """Block SIGTERM/SIGUSR1 while DCP starts its upload thread (and, in process mode, the uploader
+    process): both inherit the mask, so a preemption signal sent to every process of the job (SLURM
+    does) reaches only the training process, which finishes the in-flight upload before its emergency
+    save, instead of killing the uploader mid-write. A signal arriving meanwhile stays pending and is
+    delivered to the training process when the mask is restored."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()  # started lazily later, it would SIG_UNBLOCK SIGTERM in the spawning thread
+    atexit.register(stop_uploader_process)  # the uploader ignores SIGTERM, so multiprocessing's exit hook can't stop it
+    sigs = {signal.SIGTERM, signal.SIGUSR1}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def stop_uploader_process() -> None:
+    """Stop DCP's process-mode uploader: ask it to exit, SIGKILL it if it doesn't within 30 s.
+
+    It has SIGTERM blocked (above), so `Process.terminate()` in multiprocessing's own exit hook would
+    wait forever. DCP keeps it in a private module global; this is the one place that touches it."""
+    from torch.distributed.checkpoint import _async_process_executor as uploader
+    proc = getattr(uploader, "_CHECKPOINT_PROCESS", None)
+    if proc is None:
+        return
+    uploader._CHECKPOINT_PROCESS = None
+    try:
+        if proc._save_process.is_alive():
+            proc._send(uploader._CheckpointSaveProcessControlOpts.TERMINATE)
+            proc._save_process.join(timeout=30)
+    except (OSError, EOFError):  # pipe already gone: the process is dead or dying
+        pass
+    finally:
+        if proc._save_process.is_alive():
+            proc._save_process.kill()
+            proc._save_process.join()
 
 
 def on_rank0_then_share(fn: Callable[[], object], group=None, error_type=None) -> object:
@@ -83,9 +128,12 @@ class CheckpointManager:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # main thread only: rank agreement on save outcomes while the upload thread may be busy on self.pg
+        self._agree_pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._stager: DefaultStager | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._inflight: Future | None = None
+        self._inflight_step: int | None = None
         self._staging: Future | None = None
         self._lock_file = None
         self.last_saved_step: int | None = None
@@ -98,6 +146,15 @@ class CheckpointManager:
     def barrier(self) -> None:
         if self.pg is not None:
             dist.barrier(group=self.pg)
+
+    def _any_rank(self, *flags: bool) -> list[bool]:
+        """Each flag, OR-ed over all ranks. A save that fails on one rank only (its uploader died, rank 0's
+        commit failed) must raise on every rank at the same step, or the others wait in the next collective."""
+        if self._agree_pg is None:
+            return list(flags)
+        t = torch.tensor([float(f) for f in flags])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_pg)
+        return [bool(v) for v in t.tolist()]
 
     # ------------------------------------------------------------ lock
 
@@ -148,7 +205,7 @@ class CheckpointManager:
 
         def prepare():
             if os.path.exists(path):
-                shutil.rmtree(path)  # leftover of a crashed save of this same step, never committed data we keep
+                _remove_checkpoint(path)  # leftover of a crashed save of this same step, never committed data we keep
             os.makedirs(path)
             for name, text in files.items():
                 with open(os.path.join(path, name), "w") as f:
@@ -169,10 +226,11 @@ class CheckpointManager:
             self.on_event("checkpoint", step=step, path=path, mode="sync", blocking_s=blocking_s,
                           committed_s=blocking_s)
             return blocking_s
-        resp = dcp.async_save(
-            state, storage_writer=writer, process_group=self.pg, async_stager=self._stager_for_mode(),
-            async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.async_mode == "process"
-                                     else AsyncCheckpointerType.THREAD))
+        with _preemption_signals_blocked():
+            resp = dcp.async_save(
+                state, storage_writer=writer, process_group=self.pg, async_stager=self._stager_for_mode(),
+                async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                                         else AsyncCheckpointerType.THREAD))
         if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
             self._staging, upload = resp.staging_completion, resp.upload_completion
         else:
@@ -181,6 +239,7 @@ class CheckpointManager:
         blocking_s = time.perf_counter() - t0
         self.last_saved_step = step
         self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s)
+        self._inflight_step = step
         return blocking_s
 
     def wait_for_staging(self) -> None:
@@ -205,40 +264,55 @@ class CheckpointManager:
         fault_point("after_commit", step)
         size = sum(f["size"] for f in marker["files"].values())
         self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
-        self._apply_retention()
+        self._apply_retention(step)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, newest: int) -> None:
         """Delete committed checkpoints beyond keep_last (oldest first) and dead partial folders older
-        than the newest commit. Runs right after a commit, when no other save can be in flight."""
-        dirs = list_step_dirs(self.dir)
+        than `newest`, the step just committed. Folders of later steps are left alone: they are from an
+        earlier run (e.g. skipped as corrupt on resume) and must not push out the checkpoint just made.
+        Runs right after a commit, when no other save can be in flight."""
+        dirs = [(s, p) for s, p in list_step_dirs(self.dir) if s <= newest]
         committed = [(s, p) for s, p in dirs if is_marked_committed(p)]
-        if not committed:
-            return
-        newest = committed[-1][0]
         doomed = committed[:-self.keep_last] if self.keep_last else []
         doomed += [(s, p) for s, p in dirs if s < newest and not is_marked_committed(p)]
         for s, p in doomed:
-            shutil.rmtree(p, ignore_errors=True)
+            _remove_checkpoint(p)
             self.on_log(f"retention: deleted {p}")
 
     def poll(self) -> None:
-        """Raise the error of a finished background save, if any. Cheap: call it every step."""
-        if self._inflight is not None and self._inflight.done():
-            fut, self._inflight = self._inflight, None
-            fut.result()
+        """Raise the error of a finished background save, on every rank at once. Call it every step:
+        while a save is in flight it costs one tiny all-reduce, otherwise nothing."""
+        if self._inflight is None:  # the same on every rank: saves start and settle on all ranks together
+            return
+        done = self._inflight.done()
+        failed, running = self._any_rank(done and self._inflight.exception() is not None, not done)
+        if failed:
+            self.wait()  # raises everywhere
+        elif not running:
+            self._inflight = None
 
     def wait(self) -> None:
-        """Block until the in-flight save (if any) is committed; raise its error."""
+        """Block until the in-flight save (if any) is committed on every rank; if it failed on any rank,
+        raise on all (this rank's error, or one naming the step)."""
         self.wait_for_staging()
-        if self._inflight is not None:
-            fut, self._inflight = self._inflight, None
-            fut.result()
+        if self._inflight is None:
+            return
+        fut, self._inflight = self._inflight, None
+        error = fut.exception()  # blocks until this rank's upload and commit are done
+        if not self._any_rank(error is not None)[0]:
+            return
+        if isinstance(error, CheckpointError):
+            raise error
+        cause = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
+        raise CheckpointError(f"background save of step {self._inflight_step} failed: {cause}") from error
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
             self._committer.shutdown(wait=True)
+            if self.async_mode == "process":
+                stop_uploader_process()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
@@ -279,6 +353,17 @@ class CheckpointManager:
             dcp.load(state, checkpoint_id=path, process_group=self.pg)
         except Exception as e:
             raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}") from e
+        if os.path.realpath(os.path.dirname(os.path.normpath(path))) == os.path.realpath(self.dir):
+            self.last_saved_step = step_of(path)  # a final save of this same step must not rewrite (and risk) it
+
+
+def _remove_checkpoint(path: str) -> None:
+    """Marker first: a crash halfway through leaves an uncommitted folder, never a marked partial one."""
+    try:
+        os.remove(os.path.join(path, COMMIT_FILE))
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def read_meta(path: str) -> dict:

@@ -40,9 +40,18 @@ def load_documents(path: str):
         missing = [p for p in files if not os.path.isfile(p)]
         if missing:
             raise DataError(f"data file not found: {missing[0]}")
+        empty = [p for p in files if os.path.getsize(p) == 0]
+        if empty:  # datasets would fail with a bare StopIteration
+            raise DataError(f"data file is empty: {empty[0]}")
         if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
             raise DataError(f"data files must share one of the extensions {sorted(_FILE_BUILDERS)}, got {sorted(exts)}")
-        return datasets.load_dataset(_FILE_BUILDERS[exts.pop()], data_files=files, split="train")
+        try:
+            ds = datasets.load_dataset(_FILE_BUILDERS[exts.pop()], data_files=files, split="train")
+        except Exception as e:  # noqa: BLE001 - a parse error should name the file, not datasets' internals
+            raise DataError(f"cannot read data file(s) {path}: {type(e).__name__}: {e}") from None
+        if len(ds) == 0:
+            raise DataError(f"data set {path} is empty")
+        return ds
     return datasets.load_dataset(path, split="train")  # hub name: needs network
 
 

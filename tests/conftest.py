@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -37,14 +39,39 @@ def train_cmd(nproc: int, overrides: list[str]) -> list[str]:
             "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *cfg, *overrides]
 
 
+def kill_workers(parent_pid: int) -> None:
+    """SIGKILL the process group of every child of `parent_pid` (ranks and their uploader processes)."""
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent_pid:  # fields after "(comm)": state, ppid, pgrp, ...
+            pid, group = int(stat.split("/")[2]), int(fields[2])
+            try:  # never our own group: a child of plain `python train_fsdp.py` shares pytest's
+                os.killpg(group, signal.SIGKILL) if group != os.getpgrp() else os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None,
               timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
     """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve)."""
     args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={os.path.join(str(run_dir), '..', '.tok-cache')}",
             *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.run(train_cmd(nproc, args), cwd=ROOT, env=full_env, capture_output=True, text=True,
-                          timeout=timeout)
+    with subprocess.Popen(train_cmd(nproc, args), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_workers(p.pid)  # torchrun starts each rank in its own session: killing torchrun alone orphans them
+            p.kill()
+            out, err = p.communicate()
+            raise AssertionError(f"train_fsdp.py hung: killed after {timeout}s\n--- stdout\n{out[-4000:]}"
+                                 f"\n--- stderr\n{err[-6000:]}") from None
+    proc = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"train_fsdp.py exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")

@@ -133,3 +133,19 @@ def test_sigusr1_without_torchrun_exits_75_with_a_checkpoint_even_without_save_a
     ckpt_dir = os.path.join(str(run), "checkpoints")
     assert latest_committed_step(ckpt_dir) == preempted["step"] == max(losses(run))
     verify_checkpoint(step_dir(ckpt_dir, preempted["step"]))
+
+
+def test_sigterm_to_whole_process_group_in_process_mode_keeps_the_uploader_alive(tmp_path, reference):
+    """SLURM signals every process of the job, the process-mode uploader included. The uploader has the
+    preemption signals blocked, so the in-flight save of step 8 still commits, then the emergency save."""
+    run = tmp_path / "run"
+    proc, out = start_train(run, env={"CKPT_FAULT": "sleep@write:8,secs=4"}, overrides=["ckpt.async_mode=process"])
+    wait_for_step(run, 9, proc, out)
+    assert not [r for r in metrics_so_far(run) if r.get("event") == "checkpoint" and r["step"] == 8]
+    os.killpg(proc.pid, signal.SIGTERM)  # agent, workers, uploaders: everything, like scancel --signal=TERM
+    step = assert_emergency_checkpoint(run, proc, out)
+    order = [(e["event"], e["step"]) for e in events(run) if e["event"] in ("preempted", "checkpoint")]
+    assert ("checkpoint", 8) in order and order[-1] == ("checkpoint", step), order
+    verify_checkpoint(step_dir(os.path.join(str(run), "checkpoints"), 8))
+    assert "background save" not in open(out).read()
+    assert_resumes_bit_identical(run, step, reference)
