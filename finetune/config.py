@@ -74,7 +74,7 @@ class TrainConfig:
 class CkptConfig:
     dir: str = ""  # default <run.dir>/checkpoints
     interval: int = 50  # save every N optimizer steps (0: only the final save)
-    async_mode: str = "thread"  # off | thread | process
+    async_mode: str = "process"  # off | thread | process (process: fastest steady state in bench/, see README)
     keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
     save_at_end: bool = True  # synchronous final save at max_steps / end of data / exception
