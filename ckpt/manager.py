@@ -143,10 +143,6 @@ class CheckpointManager:
     def _on_rank0_then_share(self, fn: Callable[[], object]) -> object:
         return on_rank0_then_share(fn, self.pg)
 
-    def barrier(self) -> None:
-        if self.pg is not None:
-            dist.barrier(group=self.pg)
-
     def _any_rank(self, *flags: bool) -> list[bool]:
         """Each flag, OR-ed over all ranks. A save that fails on one rank only (its uploader died, rank 0's
         commit failed) must raise on every rank at the same step, or the others wait in the next collective."""

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, GlobalOrder, cache_samples, open_samples, \
-    to_samples, tokenize_chat, tokenize_text
+    to_samples, tokenize_chat
 from finetune.config import DataConfig
 
 TOK_DIR = "assets/tiny-llama"
