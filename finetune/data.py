@@ -127,6 +127,9 @@ def cache_samples(cfg_data, tokenizer) -> str:
     field_name = cfg_data.messages_field if fmt == "chat" else cfg_data.text_field
     if field_name not in ds.column_names:
         raise DataError(f"data set {cfg_data.path} has no column '{field_name}' (columns: {ds.column_names})")
+    if fmt == "text" and not isinstance(ds[0][field_name], str):
+        raise DataError(f"column '{field_name}' of {cfg_data.path} holds {type(ds[0][field_name]).__name__}, not text; "
+                        "set data.format=chat for a messages column, or data.text_field to a text column")
     fn = tokenize_chat if fmt == "chat" else tokenize_text
     docs = [fn(tokenizer, row) for row in ds[field_name]]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

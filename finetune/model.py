@@ -75,6 +75,8 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
                               reduce_dtype=DTYPES[cfg_model.reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
     if cfg_model.cpu_offload:
+        if device.type == "cpu":  # FSDP2's offload pins host memory, which needs an accelerator
+            raise ModelError("model.cpu_offload=true needs a GPU: without one the parameters already live on the CPU")
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)

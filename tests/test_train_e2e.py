@@ -58,3 +58,14 @@ def test_plot_command_renders_png(tmp_path):
     assert out.returncode == 0, out.stderr
     png = run / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+
+
+def test_activation_checkpointing_keeps_the_losses(tmp_path):
+    """Recomputing blocks in backward changes memory, not math."""
+    common = ["train.max_steps=4", "ckpt.interval=0", "ckpt.save_at_end=false"]
+    run_train(tmp_path / "plain", nproc=0, overrides=common)
+    run_train(tmp_path / "ac", nproc=0, overrides=[*common, "model.activation_checkpointing=true"])
+    a, b = losses(tmp_path / "plain"), losses(tmp_path / "ac")
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for k in a:
+        assert math.isclose(a[k], b[k], rel_tol=1e-6), f"step {k}: {a[k]} vs {b[k]}"
