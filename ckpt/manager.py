@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
@@ -58,6 +59,12 @@ class _Writer(FileSystemWriter):
 
 def _noop(*_args, **_kwargs) -> None:
     pass
+
+
+def _planner() -> DefaultSavePlanner:
+    """Save-plan caching: from the second save on, a rank whose local plan is unchanged (same keys,
+    shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan."""
+    return DefaultSavePlanner(enable_plan_caching=True)
 
 
 @contextlib.contextmanager
@@ -210,7 +217,7 @@ class CheckpointManager:
         writer = _Writer(path, step)
         if blocking or self.async_mode == "off":
             try:
-                dcp.save(state, storage_writer=writer, process_group=self.pg)
+                dcp.save(state, storage_writer=writer, process_group=self.pg, planner=_planner())
                 fault_point("before_commit", step)
                 self._on_rank0_then_share(lambda: self._commit(path, step))
             except CheckpointError:
@@ -225,6 +232,7 @@ class CheckpointManager:
         with _preemption_signals_blocked():
             resp = dcp.async_save(
                 state, storage_writer=writer, process_group=self.pg, async_stager=self._stager_for_mode(),
+                planner=_planner(),
                 async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.async_mode == "process"
                                          else AsyncCheckpointerType.THREAD))
         if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
