@@ -73,6 +73,9 @@ def read_metrics(path: str) -> tuple[dict[int, dict], list[dict]]:
     return steps, events
 
 
+_EVENT_STYLES = {"checkpoint": ("tab:green", ":"), "resume": ("tab:red", "--")}  # (color, line style)
+
+
 def plot_metrics(path: str, out: str) -> str:
     import matplotlib
     matplotlib.use("Agg")
@@ -85,9 +88,9 @@ def plot_metrics(path: str, out: str) -> str:
     for ev in events:
         if "step" not in ev:
             continue
-        style = {"checkpoint": ("tab:green", ":"), "resume": ("tab:red", "--")}.get(ev["event"], ("gray", "-."))
+        style = _EVENT_STYLES.get(ev["event"], ("gray", "-."))
         ax.axvline(ev["step"], color=style[0], ls=style[1], lw=0.8)
-    for name, (color, ls) in {"checkpoint": ("tab:green", ":"), "resume": ("tab:red", "--")}.items():
+    for name, (color, ls) in _EVENT_STYLES.items():
         ax.plot([], [], color=color, ls=ls, label=name)
     if xs and all(steps[s]["loss"] > 0 for s in xs) and max(steps[s]["loss"] for s in xs) > 10 * min(
             steps[s]["loss"] for s in xs):
