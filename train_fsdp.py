@@ -20,14 +20,15 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
-from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, on_rank0_then_share, read_meta, \
-    reseed_all, rng_key
+from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, collective_timed_out, \
+    on_rank0_then_share, read_meta, reseed_all, rng_key
 from ckpt.faults import fault_point
 from finetune.config import Config, ConfigError, config_hash, load_config, to_yaml
 from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, cache_samples, open_samples
@@ -48,8 +49,30 @@ def parse_config(argv: list[str]) -> Config:
     return load_config(args.config, args.overrides)
 
 
-def init_distributed() -> tuple[int, int, torch.device]:
-    """torchrun sets RANK/WORLD_SIZE; plain `python train_fsdp.py` becomes a world of one."""
+def die_with_torchrun_agent() -> None:
+    """Under torchrun, ask Linux to SIGKILL this worker when its agent dies: a `kill -9` of the agent must
+    not leave ranks training on, holding the ckpt.dir lock. Plain `python train_fsdp.py` keeps running
+    when its shell goes away (nohup), so only torchrun's workers (TORCHELASTIC_RUN_ID set) do this."""
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    import ctypes
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL) != 0:
+        print(f"warning: prctl(PR_SET_PDEATHSIG) failed (errno {ctypes.get_errno()}); workers outlive their agent",
+              file=sys.stderr)
+    elif os.getppid() == 1:  # the agent died before the prctl: nobody would send the signal
+        os._exit(EXIT_ERROR)
+
+
+def collective_timeout(minutes: float) -> timedelta:
+    """The one conversion of a config's minutes into a process-group timeout (training and checkpoint groups)."""
+    return timedelta(minutes=minutes)
+
+
+def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
+    """torchrun sets RANK/WORLD_SIZE; plain `python train_fsdp.py` becomes a world of one.
+    `timeout`: how long a training collective waits for the slowest rank before the job ends (gloo raises;
+    NCCL's watchdog aborts the process)."""
     if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -59,10 +82,10 @@ def init_distributed() -> tuple[int, int, torch.device]:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         # gloo beside nccl: async checkpointing needs a CPU backend for its collectives
-        dist.init_process_group("cpu:gloo,cuda:nccl")
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
         device = torch.device("cuda", local_rank)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
         device = torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -247,26 +270,36 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    rank, world_size, device = init_distributed()
+    die_with_torchrun_agent()
+    rank, world_size, device = init_distributed(collective_timeout(cfg.train.collective_timeout_minutes))
     try:
         return train(cfg, rank, world_size, device)
     except USER_ERRORS as e:
         if rank == 0 or not isinstance(e, CheckpointError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
+    except RuntimeError as e:
+        if not collective_timed_out(e):
+            raise
+        print(f"error: rank {rank}: a training collective waited more than {cfg.train.collective_timeout_minutes:g} "
+              "min (train.collective_timeout_minutes) for another rank, which is stuck or dead", file=sys.stderr,
+              flush=True)
+        return EXIT_ERROR
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
+    mgr = CheckpointManager(cfg.ckpt.dir, cfg.ckpt.async_mode, cfg.ckpt.keep_last,
+                            timeout=collective_timeout(cfg.ckpt.timeout_minutes))
+    mgr.acquire_lock()  # first: a second job on this ckpt.dir stops here, before it writes anything
     os.makedirs(cfg.run.dir, exist_ok=True)
     log = RankZeroLog(rank, cfg.run.dir)
+    mgr.on_event, mgr.on_log = log.event, log.info
     if rank == 0:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
-    mgr = CheckpointManager(cfg.ckpt.dir, cfg.ckpt.async_mode, cfg.ckpt.keep_last, on_event=log.event, on_log=log.info)
-    mgr.acquire_lock()  # before anything expensive: a second job on this ckpt.dir stops here
 
     # ---- model: meta -> fully_shard -> to_empty -> init
     tokenizer = load_tokenizer(cfg.model)
@@ -344,6 +377,9 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     progress.step, state, checkpoint_files(cfg, progress.step, world_size)))
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or not cfg.ckpt.save_at_end:
+            raise
+        if collective_timed_out(e):  # a save needs every rank, and one of them is stuck or gone
+            log.info(f"error at step {progress.step}: a collective timed out; no emergency checkpoint without all ranks")
             raise
         if mid_step:  # saving now would record a batch as consumed that was never (fully) trained on
             log.info(f"error inside step {progress.step + 1}: {type(e).__name__}: {e}; no checkpoint of a "

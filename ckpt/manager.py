@@ -24,12 +24,13 @@ import signal
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
@@ -107,6 +108,14 @@ def stop_uploader_process() -> None:
             proc._save_process.join()
 
 
+def collective_timed_out(error: BaseException) -> bool:
+    """Whether `error` is a collective that gave up waiting for a rank (gloo's "Timed out waiting ...", as
+    such or inside a DCP CheckpointException). NCCL's watchdog aborts the process instead of raising."""
+    if isinstance(error, CheckpointException):
+        return any(collective_timed_out(exc) for exc, _ in error.failures.values())
+    return isinstance(error, RuntimeError) and "Timed out waiting" in str(error)
+
+
 def on_rank0_then_share(fn: Callable[[], object], group=None, error_type=None) -> object:
     """Run fn on rank 0 only and hand every rank its result or its error, so all ranks fail together
     with the same message instead of the others hanging in the next collective."""
@@ -127,16 +136,20 @@ def on_rank0_then_share(fn: Callable[[], object], group=None, error_type=None) -
 
 class CheckpointManager:
     def __init__(self, ckpt_dir: str, async_mode: str = "thread", keep_last: int = 3,
-                 on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop):
+                 on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop,
+                 timeout: timedelta | None = None):
+        """`timeout`: how long a checkpoint collective (DCP's plan/finish steps, the rank-0 commit, the
+        agreement on a save's outcome) waits for a stuck or dead rank before it raises; torch's default
+        (30 min) when None. Checkpoint groups have their own, as a save can take far longer than a step."""
         if async_mode not in ("off", "thread", "process"):
             raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
         self.dir, self.async_mode, self.keep_last = ckpt_dir, async_mode, keep_last
         self.on_event, self.on_log = on_event, on_log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         # main thread only: rank agreement on save outcomes while the upload thread may be busy on self.pg
-        self._agree_pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._agree_pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self._stager: DefaultStager | None = None
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._inflight: Future | None = None
@@ -393,4 +406,4 @@ def latest_committed_step(ckpt_dir: str) -> int | None:
     return steps[-1] if steps else None
 
 
-__all__ = ["CheckpointManager", "CheckpointError", "on_rank0_then_share", "read_meta", "latest_committed_step", "step_of"]
+__all__ = ["CheckpointManager", "CheckpointError", "collective_timed_out", "on_rank0_then_share", "read_meta", "latest_committed_step", "step_of"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
     sample_at_end: bool = True  # greedy-generate from sample_prompts at the end (rank 0 prints)
     sample_prompts: str = ""  # prompts separated by '|', sent as a user turn when the tokenizer has a chat template
 
@@ -79,6 +81,8 @@ class CkptConfig:
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
     save_at_end: bool = True  # synchronous final save at max_steps / end of data / exception
     continue_on_save_error: bool = False  # log a failed periodic save and keep training
+    timeout_minutes: float = 30.0  # checkpoint collectives (save, load, rank-0 tokenizing) wait this long for a rank
+    resume_config_check: str = "refuse"  # refuse | warn: resuming with a changed model/data/seed/batch (docs/resume-rules.md)
 
 
 @dataclass
@@ -103,8 +107,45 @@ _CHOICES = {
     "data.format": ("auto", "text", "chat"),
     "ckpt.async_mode": ("off", "thread", "process"),
     "export.dtype": ("fp32", "bf16"),
+    "ckpt.resume_config_check": ("refuse", "warn"),
 }
-_POSITIVE = ("train.max_steps", "data.seq_len", "data.global_batch_size", "data.micro_batch_size", "data.epochs")
+
+
+def _at_least(low):
+    return lambda v: v >= low, f">= {low}"
+
+
+def _above(low):
+    return lambda v: v > low, f"> {low}"
+
+
+def _between(low, high, high_open=False):
+    return (lambda v: low <= v < high) if high_open else (lambda v: low <= v <= high), \
+        f"in [{low}, {high}{')' if high_open else ']'}"
+
+
+# Every int and float field: (check, allowed range in words). tests/test_config.py keeps this complete.
+_RANGES = {
+    "run.log_interval": _at_least(1),
+    "model.init_std": _above(0),
+    "data.seq_len": _at_least(2),  # the loss needs a next token
+    "data.global_batch_size": _at_least(1),
+    "data.micro_batch_size": _at_least(1),
+    "data.epochs": _at_least(1),
+    "train.max_steps": _at_least(1),
+    "train.seed": _between(0, 2**32, high_open=True),
+    "train.lr": _above(0),
+    "train.min_lr_ratio": _between(0, 1),
+    "train.warmup_steps": _at_least(0),
+    "train.weight_decay": _at_least(0),
+    "train.beta1": _between(0, 1, high_open=True),
+    "train.beta2": _between(0, 1, high_open=True),
+    "train.grad_clip": _at_least(0),
+    "train.collective_timeout_minutes": _above(0),
+    "ckpt.interval": _at_least(0),
+    "ckpt.keep_last": _at_least(0),
+    "ckpt.timeout_minutes": _above(0),
+}
 
 
 def _coerce(key: str, value, typ):
@@ -160,12 +201,24 @@ def validate(cfg: Config) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {'|'.join(allowed)}, got {getattr(getattr(cfg, section), name)!r}")
-    for key in _POSITIVE:
+    for key, (ok, allowed) in _RANGES.items():
         section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) <= 0:
-            raise ConfigError(f"config key '{key}' must be > 0")
-    if cfg.ckpt.interval < 0 or cfg.ckpt.keep_last < 0:
-        raise ConfigError("config keys 'ckpt.interval' and 'ckpt.keep_last' must be >= 0")
+        value = getattr(getattr(cfg, section), name)
+        if not (math.isfinite(value) and ok(value)):
+            raise ConfigError(f"config key '{key}' must be {allowed}, got {value!r}")
+
+
+def _read_yaml(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+        raise ConfigError(f"config file {path} is not valid YAML{where}: {what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
 
 
 def load_config(yaml_path: str | None, overrides: list[str] = ()) -> Config:
@@ -174,8 +227,7 @@ def load_config(yaml_path: str | None, overrides: list[str] = ()) -> Config:
     if yaml_path:
         if not os.path.isfile(yaml_path):
             raise ConfigError(f"config file not found: {yaml_path}")
-        with open(yaml_path) as f:
-            tree = yaml.safe_load(f) or {}
+        tree = _read_yaml(yaml_path)
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {yaml_path} must hold a mapping of sections")
         for key, value in _flatten(tree).items():

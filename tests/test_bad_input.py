@@ -116,3 +116,28 @@ def test_resume_other_model_shape_two_ranks(tmp_path):
     proc = run_train(run, nproc=2, check=False, timeout=TIMEOUT, overrides=[f"model.config_path={wide}"])
     assert_clear_error(proc, "does not match the model: 'model.layers.0.mlp.", torchrun=True)
     assert re.search(r"is \[\d+, \d+\] in the checkpoint but \[\d+, \d+\] in the model", proc.stderr)
+
+
+def test_refused_job_writes_nothing_in_run_dir(tmp_path):
+    """A second job refused by the lock must leave the running job's run.dir alone (config.yaml, metrics.jsonl)."""
+    run = tmp_path / "run"
+    ckpt_dir = run / "checkpoints"
+    ckpt_dir.mkdir(parents=True)
+    (run / "config.yaml").write_text("the running job's config\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 1.0}\n')
+    with open(ckpt_dir / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        proc = run_train(run, nproc=0, check=False, timeout=TIMEOUT, overrides=["train.max_steps=21"])
+    assert_clear_error(proc, f"ckpt.dir {ckpt_dir} is in use by another job", torchrun=False)
+    assert (run / "config.yaml").read_text() == "the running job's config\n"
+    assert (run / "metrics.jsonl").read_text() == '{"step": 1, "loss": 1.0}\n'
+    assert sorted(os.listdir(run)) == ["checkpoints", "config.yaml", "metrics.jsonl"]
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["run.log_interval=0"], "config key 'run.log_interval' must be >= 1, got 0"),
+    (["ckpt.timeout_minutes=-1"], "config key 'ckpt.timeout_minutes' must be > 0, got -1.0"),
+], ids=["log-interval-0", "negative-timeout"])
+def test_out_of_range_config(tmp_path, overrides, needle):
+    proc = run_train(tmp_path / "run", nproc=0, overrides=overrides, check=False, timeout=TIMEOUT)
+    assert_clear_error(proc, needle, torchrun=False)

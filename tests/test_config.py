@@ -57,3 +57,51 @@ def test_unknown_key_in_yaml(tmp_path):
 def test_missing_yaml_file():
     with pytest.raises(ConfigError, match="not found"):
         load_config("configs/nope.yaml")
+
+
+# ---------------------------------------------------------------- ranges and YAML syntax (issue 18, points 11-12)
+
+@pytest.mark.parametrize("override,needle", [
+    ("run.log_interval=0", "config key 'run.log_interval' must be >= 1, got 0"),
+    ("train.lr=-1e-3", "config key 'train.lr' must be > 0, got -0.001"),
+    ("train.lr=nan", "config key 'train.lr' must be > 0, got nan"),
+    ("train.min_lr_ratio=1.5", "config key 'train.min_lr_ratio' must be in [0, 1], got 1.5"),
+    ("train.beta2=1", "config key 'train.beta2' must be in [0, 1), got 1.0"),
+    ("train.warmup_steps=-1", "config key 'train.warmup_steps' must be >= 0, got -1"),
+    ("data.seq_len=1", "config key 'data.seq_len' must be >= 2, got 1"),
+    ("train.collective_timeout_minutes=0", "config key 'train.collective_timeout_minutes' must be > 0"),
+    ("ckpt.keep_last=-2", "config key 'ckpt.keep_last' must be >= 0, got -2"),
+])
+def test_numeric_range_names_key_and_range(override, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert needle in str(e.value)
+
+
+def test_every_numeric_field_has_a_range():
+    """A new int/float field without a range would let 0 or a negative value reach the code as a traceback."""
+    import dataclasses
+    import typing
+
+    from finetune.config import _RANGES, Config
+    numeric = {f"{sec.name}.{f.name}" for sec in dataclasses.fields(Config)
+               for f in dataclasses.fields(typing.get_type_hints(Config)[sec.name])
+               if typing.get_type_hints(typing.get_type_hints(Config)[sec.name])[f.name] in (int, float)}
+    assert numeric == set(_RANGES)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    y = tmp_path / "broken.yaml"
+    y.write_text("train:\n  max_steps: 5\n  lr: [0.1\ndata:\n  seq_len: 32\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(y))
+    assert str(e.value).startswith(f"config file {y} is not valid YAML at line ")
+
+
+def test_yaml_syntax_error_is_one_line_and_exit_2(tmp_path, capsys):
+    from train_fsdp import main
+    y = tmp_path / "broken.yaml"
+    y.write_text("run:\n  dir: x\n   log_interval: 3\n")
+    assert main(["--config", str(y)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: config file {y} is not valid YAML at line 3"), err

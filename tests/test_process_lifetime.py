@@ -1,0 +1,96 @@
+"""Process lifetime: workers die with their torchrun agent, and a frozen rank ends the job after a set time.
+
+    python -m pytest tests/test_process_lifetime.py -q
+
+Both run train_fsdp.py under torchrun at W=2 on CPU (gloo).
+"""
+
+import fcntl
+import os
+import signal
+import subprocess
+import time
+
+from conftest import ROOT, kill_workers, run_train, train_cmd, FAST
+
+
+def children(pid: int) -> list[int]:
+    kids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                kids.append(int(name))
+    return kids
+
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def newest_step(run) -> int:
+    try:
+        with open(run / "metrics.jsonl") as f:
+            return max([0] + [int(line.split('"step": ')[1].split(",")[0]) for line in f if '"loss"' in line])
+    except OSError:
+        return 0
+
+
+def test_workers_die_with_their_agent(tmp_path):
+    """kill -9 of torchrun's agent alone: its workers must stop at once and free the ckpt.dir lock."""
+    run = tmp_path / "run"
+    args = [*FAST, f"run.dir={run}", f"data.cache_dir={tmp_path}/.tok-cache", "train.max_steps=100000",
+            "data.epochs=100000", "ckpt.interval=0", "ckpt.save_at_end=false"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(train_cmd(2, args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    workers = []
+    try:
+        deadline = time.time() + 180
+        while newest_step(run) < 2 and time.time() < deadline and agent.poll() is None:
+            time.sleep(0.5)
+        assert newest_step(run) >= 2, "the job did not start training"
+        workers = children(agent.pid)
+        assert len(workers) == 2, workers
+        agent.send_signal(signal.SIGKILL)
+        agent.wait()
+        deadline = time.time() + 20
+        while any(alive(w) for w in workers) and time.time() < deadline:
+            time.sleep(0.2)
+        steps_after = newest_step(run)
+        assert not any(alive(w) for w in workers), f"workers {workers} outlived their agent"
+        time.sleep(1)
+        assert newest_step(run) == steps_after
+        with open(run / "checkpoints" / ".lock", "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a worker holds it
+    finally:
+        kill_workers(agent.pid)
+        for w in workers:  # orphans, if the test failed: their parent is no longer the agent
+            if alive(w):
+                os.kill(w, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+
+
+def test_frozen_rank_ends_job_with_collective_timeout(tmp_path):
+    """Rank 1 stops answering after step 2: rank 0 must end the job after train.collective_timeout_minutes
+    (6 s here) with a line naming the cause, not wait torch's default 30 minutes."""
+    t0 = time.time()
+    proc = run_train(tmp_path / "run", nproc=2, check=False, timeout=240,
+                     env={"CKPT_FAULT": "sleep@after_step:2,rank=1,secs=600"},
+                     overrides=["train.max_steps=6", "ckpt.interval=0", "train.collective_timeout_minutes=0.1"])
+    assert proc.returncode != 0
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert lines == ["error: rank 0: a training collective waited more than 0.1 min (train.collective_timeout_minutes) "
+                     "for another rank, which is stuck or dead"], proc.stderr[-3000:]
+    assert 'train_fsdp.py", line' not in proc.stderr, proc.stderr[-3000:]
+    assert time.time() - t0 < 200
