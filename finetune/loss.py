@@ -4,20 +4,18 @@
     python bench/loss_memory.py                     # peak memory of both at a large vocabulary
 
 The plain formula `F.cross_entropy(logits.float()[:, :-1].reshape(...), labels[:, 1:].reshape(-1))` holds
-about four full-vocabulary fp32 copies per micro batch (the upcast, the copy of the shifted slice, the
-log-softmax kept for backward, and its gradient): 15-20 GB at seq 4096, vocab 128k. Here the *labels*
-are shifted (no copy of the logits), and the loss is computed chunk by chunk over the tokens with each
-chunk recomputed in backward, so the only full-size tensors are the logits in their own dtype and their
-gradient; fp32 lives one chunk at a time.
+several full-vocabulary fp32 copies per micro batch (the upcast, the copy of the shifted slice, the
+log-softmax kept for backward, its gradient): 15-20 GB at seq 4096, vocab 128k. Here the *labels* are
+shifted, never the logits, and the loss and its gradient are computed together, chunk by chunk over the
+tokens, in fp32: the only full-size tensor besides the logits is their gradient, in the logits' dtype.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-CHUNK_ELEMENTS = 1 << 26  # logits per chunk: 64M fp32 values = 256 MiB (512 tokens at vocab 128k)
+CHUNK_ELEMENTS = 1 << 24  # logits per fp32 chunk: 16M values = 64 MiB (130 tokens at vocab 128k)
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -25,21 +23,37 @@ def shift_labels(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return F.pad(labels[:, 1:], (0, 1), value=ignore_index)
 
 
-def _chunk_loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), targets, ignore_index=ignore_index, reduction="sum")
+class _ChunkedCrossEntropySum(torch.autograd.Function):
+    """Sum of token cross-entropies; forward also writes d(sum)/d(logits) chunk by chunk, backward scales it."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, ignore_index: int, rows: int):
+        grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
+        total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.size(0), rows):
+            x = logits[start:start + rows].float()
+            t = targets[start:start + rows]
+            valid = t != ignore_index
+            safe_t = torch.where(valid, t, 0).unsqueeze(1)
+            lse = torch.logsumexp(x, dim=-1, keepdim=True)
+            total += ((lse - x.gather(1, safe_t)).squeeze(1) * valid).sum()
+            if grad is not None:  # softmax - one_hot(target), zero where ignored
+                g = (x - lse).exp_()
+                g.scatter_add_(1, safe_t, torch.full_like(safe_t, -1, dtype=g.dtype))
+                grad[start:start + rows] = g.mul_(valid.unsqueeze(1))
+        ctx.grad = grad  # not save_for_backward: backward scales it in place (one backward per forward)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad, ctx.grad = ctx.grad, None
+        return grad.mul_(grad_out.to(grad.dtype)), None, None, None
 
 
 def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,
                         chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """Sum over tokens of -log p(labels[:, t+1] | logits[:, t]) in fp32, positions labelled ignore_index skipped."""
     vocab = logits.size(-1)
-    flat_logits = logits.reshape(-1, vocab)  # a view: model logits are contiguous
     flat_targets = shift_labels(labels, ignore_index).reshape(-1)
     rows = max(1, chunk_elements // vocab)
-    total = logits.new_zeros((), dtype=torch.float32)
-    for lg, tg in zip(flat_logits.split(rows), flat_targets.split(rows)):
-        if not torch.is_grad_enabled() or not lg.requires_grad:
-            total = total + _chunk_loss_sum(lg, tg, ignore_index)
-        else:  # keep only the input view for backward; fp32 log-softmax is recomputed chunk by chunk
-            total = total + checkpoint(_chunk_loss_sum, lg, tg, ignore_index, use_reentrant=False)
-    return total
+    return _ChunkedCrossEntropySum.apply(logits.reshape(-1, vocab), flat_targets, ignore_index, rows)
