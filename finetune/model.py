@@ -2,8 +2,9 @@
 
     python -m pytest tests/test_train_e2e.py
 
-Random init is world-size independent: each parameter is drawn in full from a generator seeded by
-(seed, parameter name) and each rank keeps only its shard, so W=1 and W=8 start from the same weights.
+Random init is world-size independent: each parameter is drawn in full, on its device, from a generator
+seeded by (seed, parameter name) and each rank keeps only its shard, so W=1 and W=8 start from the same
+weights (on the same device type: a GPU draws other numbers than a CPU from the same seed).
 """
 
 from __future__ import annotations
@@ -87,10 +88,23 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
 
 
 def init_buffers(model: nn.Module) -> None:
-    """Recompute non-persistent buffers (rotary inv_freq) that `to_empty` left uninitialised."""
+    """Set the buffers that `to_empty` left uninitialised and no checkpoint holds (non-persistent: rotary
+    inv_freq, Gemma3's embed_scale, which sits in a module that also owns the embedding weight).
+
+    HF's `_init_weights` runs on every module with buffers, its parameters flagged as initialised so that
+    HF's init functions skip them: they are loaded or drawn next, and drawing them here would be wasted.
+    """
     for module in model.modules():
-        if any(True for _ in module.buffers(recurse=False)) and not any(True for _ in module.parameters(recurse=False)):
+        if next(module.buffers(recurse=False), None) is None:
+            continue
+        params = list(module.parameters(recurse=False))
+        for p in params:
+            p._is_hf_initialized = True
+        try:
             model._init_weights(module)
+        finally:
+            for p in params:
+                del p._is_hf_initialized
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -99,28 +113,40 @@ def _seed_for(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int, std: float) -> None:
-    """HF-style init (normal for Linear/Embedding, ones for norms, zeros for biases), same at any world size."""
+    """Normal(0, std) for Linear/Embedding weights, zeros for biases, HF's own init for the rest (norms: ones,
+    or zeros where the model computes 1 + weight, as Gemma does). The same at any world size: each random
+    weight is drawn in full, on the parameter's device, from a generator seeded by (seed, name)."""
     owners = {}
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
             owners[f"{mod_name}.{p_name}" if mod_name else p_name] = module
     for name, param in model.named_parameters():
         module = owners[name]
-        full = torch.empty(param.shape, dtype=torch.float32)
         if name.endswith("bias"):
-            full.zero_()
+            _local(param).zero_()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
-            full.normal_(0.0, std, generator=torch.Generator().manual_seed(_seed_for(seed, name)))
-            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
-                full[module.padding_idx].zero_()
-        else:
-            full.fill_(1.0)  # RMSNorm / LayerNorm weights
-        _copy_full_into(param, full)
+            _copy_full_into(param, _draw_normal(param, std, _seed_for(seed, name), getattr(module, "padding_idx", None)))
+        else:  # constants, so sharding does not matter; HF knows each model's (e.g. Gemma's zero-centred norms)
+            model._init_weights(module)
+
+
+def _draw_normal(param: torch.Tensor, std: float, seed: int, padding_idx: int | None) -> torch.Tensor:
+    """One full tensor drawn on the parameter's device (a GPU draws 4 GB in milliseconds, a CPU in seconds)."""
+    gen = torch.Generator(device=param.device).manual_seed(seed)
+    full = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+    full.normal_(0.0, std, generator=gen)
+    if padding_idx is not None:
+        full[padding_idx].zero_()
+    return full
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
     if isinstance(param, DTensor):
-        shard = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
     else:
         param.copy_(full)
