@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, collective_timed_out, \
-    on_rank0_then_share, read_meta, reseed_all, rng_key
+    on_rank0_then_share, read_meta, reseed_all, rng_key, staging_need
 from ckpt.faults import fault_point
 from finetune.config import Config, ConfigError, config_hash, load_config, to_yaml
 from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, cache_samples, open_samples
@@ -326,6 +326,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     else:
         init_random(model, cfg.train.seed, cfg.model.init_std)
     optimizer, scheduler = build_optimizer(model, cfg)
+    mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     # ---- data: tokenized once on rank 0, global order independent of world size
     plan = BatchPlan.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)

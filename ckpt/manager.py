@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 
 from .commit import VerifyError, commit_checkpoint, verify_checkpoint
 from .faults import TornWriteFileSystem, fault_point, wants
+from .preflight import process_staging_shortfall
 from .layout import COMMIT_FILE, LOCK_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
 
 
@@ -45,10 +46,14 @@ class CheckpointError(RuntimeError):
 
 
 class _Writer(FileSystemWriter):
-    """FileSystemWriter that fsyncs every file, with the `write` fault point for the tests."""
+    """FileSystemWriter that fsyncs every file, with the `write` fault point for the tests.
+
+    per_thread_copy_ahead=0: the staged state is already in host memory, and DCP's default (10 MB) sends
+    the upload through its CUDA-stream loader, which opens a CUDA context on GPU 0 from every rank's
+    uploader thread or process."""
 
     def __init__(self, path: str, step: int):
-        super().__init__(path, sync_files=True)
+        super().__init__(path, sync_files=True, per_thread_copy_ahead=0)
         self.step = step
         if wants("partial_write"):  # tests only: files that tear after their first bytes
             self.fs = TornWriteFileSystem(step)
@@ -198,6 +203,18 @@ class CheckpointManager:
         self._on_rank0_then_share(lock)
 
     # ------------------------------------------------------------ save
+
+    def check_staging(self, n_tensors: int, nbytes: int, local_ranks: int) -> None:
+        """Process mode only: if this node cannot stage `local_ranks` x `nbytes` in /dev/shm with `n_tensors`
+        open files per rank (see preflight.py), switch to thread mode, with one line saying why.
+        Every rank decides together, so all of them save the same way."""
+        reason = process_staging_shortfall(n_tensors, nbytes, local_ranks)  # raises the soft fd limit: every mode opens files
+        if self.async_mode != "process":
+            return
+        if any(self._any_rank(reason is not None)):
+            self.async_mode = "thread"
+            self.on_log(f"ckpt.async_mode=process -> thread: {reason or 'staging is short on another node'}")
+            self.on_event("staging_fallback", reason=reason or "another node")
 
     def _stager_for_mode(self) -> DefaultStager:
         if self._stager is None:

@@ -4,7 +4,7 @@
 
 - ModelOptimizer: the sharded model + optimizer through DCP's `get_state_dict` / `set_state_dict`, so the
   keys are FQNs and the shards reshard to any world size on load.
-- RNGState: python, numpy, torch CPU and CUDA generators of ONE rank, saved under a rank-unique key
+- RNGState: python, numpy, torch CPU and the rank's own CUDA device's generators of ONE rank, saved under a rank-unique key
   (`rng_rank<r>`): the same key on every rank would come back as rank 0's value for all of them.
 """
 
@@ -45,6 +45,14 @@ class ModelOnly:
         set_state_dict(self.model, [], model_state_dict=state, optim_state_dict={})
 
 
+def staging_need(model: torch.nn.Module) -> tuple[int, int]:
+    """(tensors, bytes) this rank stages per checkpoint with AdamW: each local parameter shard, two
+    moments of its size and dtype, and a step scalar: 12 bytes x params / W for fp32 masters."""
+    params = list(model.parameters())
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params)
+    return 4 * len(params), 3 * local + 8 * len(params)
+
+
 def rng_key(rank: int) -> str:
     return f"rng_rank{rank}"
 
@@ -57,7 +65,7 @@ class RNGState:
             "python": random.getstate(),
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,  # this rank's own GPU
         }
         return {"blob": pickle.dumps(state)}
 
@@ -66,8 +74,13 @@ class RNGState:
         random.setstate(s["python"])
         np.random.set_state(s["numpy"])
         torch.set_rng_state(s["torch"])
-        if s["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(s["cuda"])
+        if s["cuda"] is not None and torch.cuda.is_available():
+            # one state, onto the current device: restoring all by index goes wrong when GPUs per node change
+            cuda = s["cuda"]
+            if isinstance(cuda, list):  # checkpoints before this change saved every visible GPU
+                cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda)
 
 
 def reseed_all(seed: int) -> None:

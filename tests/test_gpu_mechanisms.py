@@ -1,0 +1,62 @@
+"""The GPU-path fixes that can be observed without a GPU (tests/test_gpu.py runs the real thing on CUDA).
+
+    python -m pytest tests/test_gpu_mechanisms.py -q
+"""
+
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ckpt.manager import _Writer
+from ckpt.state import RNGState
+
+
+def test_uploader_never_takes_the_cuda_stream_loader(tmp_path, monkeypatch):
+    """DCP's _OverlappingCpuLoader (the CUDA path, which opens a context on GPU 0) is chosen when CUDA is
+    available and per_thread_copy_ahead > 0; our writer sets it to 0, so the staged host copy is written
+    directly. Pretend CUDA is there and make that loader fail."""
+    def no_cuda_loader(*_a, **_k):
+        raise AssertionError("the upload took DCP's CUDA loader")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(filesystem, "_OverlappingCpuLoader", no_cuda_loader)
+    dcp.save({"w": torch.arange(10.0)}, storage_writer=_Writer(str(tmp_path / "ok"), 1), no_dist=True)
+    with pytest.raises(CheckpointException, match="CUDA loader"):  # the check can fail: DCP's default writer
+        dcp.save({"w": torch.arange(10.0)}, storage_writer=filesystem.FileSystemWriter(str(tmp_path / "default")),
+                 no_dist=True)
+
+
+class FakeCuda:
+    """Two GPUs with distinct generator states; this process's device is `current`."""
+
+    def __init__(self, current: int):
+        self.current, self.states = current, {0: torch.tensor([10], dtype=torch.uint8),
+                                               1: torch.tensor([11], dtype=torch.uint8)}
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[self.current].clone())
+        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": self.states.__setitem__(self.current, s))
+
+
+def test_rng_saves_and_restores_only_this_ranks_device(monkeypatch):
+    FakeCuda(current=1).install(monkeypatch)
+    blob = RNGState().state_dict()
+    assert int(pickle.loads(blob["blob"])["cuda"][0]) == 11  # one state: the rank's own device
+    other = FakeCuda(current=0)  # same rank, now on GPU 0 (e.g. 2 nodes x 4 GPUs -> 1 node x 8)
+    other.install(monkeypatch)
+    RNGState().load_state_dict(blob)
+    assert int(other.states[0][0]) == 11 and int(other.states[1][0]) == 11  # GPU 1 untouched (was 11)
+
+
+def test_rng_reads_the_old_all_devices_format(monkeypatch):
+    fake = FakeCuda(current=1)
+    fake.install(monkeypatch)
+    state = pickle.loads(RNGState().state_dict()["blob"])
+    state["cuda"] = [torch.tensor([20], dtype=torch.uint8), torch.tensor([21], dtype=torch.uint8)]
+    RNGState().load_state_dict({"blob": pickle.dumps(state)})
+    assert int(fake.states[1][0]) == 21 and int(fake.states[0][0]) == 10
