@@ -427,3 +427,6 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+elif __name__ == "__mp_main__":  # this file, re-imported by DCP's spawned process-mode uploader
+    from ckpt.manager import quiet_uploader_logs
+    quiet_uploader_logs()

@@ -253,6 +253,13 @@ def summarize(save: dict, load: dict, every: int) -> dict:
     }
 
 
+def speed_words(time_ratio: float) -> str:
+    """`time of the other / time of this` -> "1.77x faster" or "1.06x slower" (never "0.94x slower")."""
+    if time_ratio >= 1:
+        return f"{time_ratio:.2f}x faster"
+    return f"{1 / time_ratio:.2f}x slower"
+
+
 def to_markdown(r: dict, machine: str) -> str:
     lines = [f"{r['params'] / 1e6:.0f}M params, {r['world_size']} ranks, {r['rank_state_GB']:.2f} GB of model + "
              f"AdamW state per rank; {machine}", "",
@@ -270,7 +277,7 @@ def to_markdown(r: dict, machine: str) -> str:
               f"({ra['throughput_process_over_none']:.1%})",
               f"- async steady blocking / memcpy floor: {ra['async_blocking_over_memcpy']:.2f}x; "
               f"/ sync DCP save: {ra['async_blocking_over_sync']:.1%}",
-              f"- rank-0 torch.save / DCP sync: {ra['rank0_torch_save_over_dcp_sync']:.2f}x slower"]
+              f"- DCP sync vs rank-0 torch.save: {speed_words(ra['rank0_torch_save_over_dcp_sync'])}"]
     return "\n".join(lines) + "\n"
 
 

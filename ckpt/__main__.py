@@ -2,11 +2,12 @@
 
     python -m ckpt verify  runs/tiny/checkpoints/step-000200
     python -m ckpt inspect runs/tiny/checkpoints                  # list: step, world size, size, status
-    python -m ckpt inspect runs/tiny/checkpoints/step-000200      # keys, shapes, dtypes, train state
+    python -m ckpt inspect runs/tiny/checkpoints/step-000200      # summary: train state, sizes by group
+    python -m ckpt inspect runs/tiny/checkpoints/step-000200 --tensors   # every key, shape and dtype
     python -m ckpt reshard <src> <dst> --world-size 3
     python -m ckpt export  <checkpoint> <out_dir> [--dtype bf16|fp32]
 
-Exit status 0 on success, 1 when a checkpoint is invalid or a command fails.
+Exit status 0 on success, 1 when a checkpoint is invalid or a command fails; errors go to stderr.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def cmd_verify(args) -> int:
     try:
         marker = verify_checkpoint(args.path)
     except VerifyError as e:
-        print(f"INVALID: {e}")
+        print(f"INVALID: {e}", file=sys.stderr)
         return 1
     size = sum(f["size"] for f in marker["files"].values())
     print(f"OK: {args.path}: step {marker['step']}, {len(marker['files'])} files, {size / 2**20:.1f} MiB, "
@@ -31,7 +32,7 @@ def cmd_verify(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .inspect import inspect_path
-    return inspect_path(args.path, world_size=args.world_size)
+    return inspect_path(args.path, world_size=args.world_size, tensors=args.tensors)
 
 
 def cmd_reshard(args) -> int:
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="list checkpoints of a directory, or show one checkpoint")
     i.add_argument("path")
     i.add_argument("--world-size", type=int, default=None, help="dry run: can this checkpoint resume at W ranks?")
+    i.add_argument("--tensors", action="store_true", help="list every key with its shape and dtype")
     i.set_defaults(fn=cmd_inspect)
     r = sub.add_parser("reshard", help="rewrite a checkpoint as if saved by W ranks")
     r.add_argument("src")

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -409,7 +410,7 @@ def export_cli(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_siz
     try:
         info = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
     except (CheckpointError, OSError, ValueError) as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"OK: {checkpoint} -> {info['path']}: {info['class']}, {info['tensors']} tensors in {info['files']} "
           f"safetensors file(s), {info['bytes'] / 2**20:.1f} MiB {dtype}, with config, generation config, tokenizer")

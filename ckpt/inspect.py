@@ -1,7 +1,8 @@
 """Look inside checkpoints without a GPU or a process group: list them, show one, dry-run a world-size change.
 
     python -m ckpt inspect runs/tiny/checkpoints                              # step, world size, size, status
-    python -m ckpt inspect runs/tiny/checkpoints/step-000200                  # keys, shapes, dtypes, train state
+    python -m ckpt inspect runs/tiny/checkpoints/step-000200                  # train state, sizes by group
+    python -m ckpt inspect runs/tiny/checkpoints/step-000200 --tensors        # every key, shape and dtype
     python -m ckpt inspect runs/tiny/checkpoints/step-000200 --world-size 3   # can it resume at 3 ranks?
 
 Reads meta.json, config.yaml, DCP's .metadata and the few small bytes items of the train state (a no-dist
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from collections import defaultdict
 
@@ -26,6 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from .commit import VerifyError, verify_checkpoint
 from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, step_of
+from .state import rng_key
 
 # Small bytes items worth showing as "train state" (what train_fsdp.py stores besides model and optimizer).
 TRAIN_STATE_KEYS = ("progress.", "data.", "scheduler.last_epoch", "scheduler._last_lr")
@@ -134,7 +137,7 @@ def remap_reads(metadata: Metadata, saved_world: int, world_size: int) -> dict[i
 def list_checkpoints(ckpt_dir: str) -> int:
     dirs = list_step_dirs(ckpt_dir)
     if not dirs:
-        print(f"{ckpt_dir}: no step-NNNNNN checkpoints")
+        print(f"error: {ckpt_dir}: no step-NNNNNN checkpoints", file=sys.stderr)
         return 1
     print(f"{'step':>8}  {'world':>5}  {'size':>10}  status")
     for step, path in dirs:
@@ -146,7 +149,7 @@ def list_checkpoints(ckpt_dir: str) -> int:
     return 0
 
 
-def show_checkpoint(path: str) -> int:
+def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     meta = read_meta_or_empty(path)
     ok, status = checkpoint_status(path)
     print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
@@ -155,7 +158,7 @@ def show_checkpoint(path: str) -> int:
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or broken .metadata is the whole answer
-        print(f"  cannot read DCP metadata: {type(e).__name__}: {e}")
+        print(f"error: {path}: cannot read DCP metadata: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     md = metadata.state_dict_metadata
     wanted = [k for k in md if k.startswith(TRAIN_STATE_KEYS) and isinstance(md[k], BytesStorageMetadata)]
@@ -164,15 +167,55 @@ def show_checkpoint(path: str) -> int:
         for k, v in sorted(read_items(path, wanted).items()):
             print(f"  {k} = {v}")
     tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
-    total = sum(math.prod(v.size) * v.properties.dtype.itemsize for v in tensors.values())
-    print(f"{len(tensors)} tensors ({_mib(total)}), {len(md) - len(tensors)} bytes items:")
+    print(f"{len(tensors)} tensors ({_mib(sum(_nbytes(v) for v in tensors.values()))}), "
+          f"{len(md) - len(tensors)} bytes items")
+    (_print_all_keys if tensors_too else _print_key_groups)(md)
+    return 0 if ok else 1
+
+
+def _nbytes(md: TensorStorageMetadata) -> int:
+    return math.prod(md.size) * md.properties.dtype.itemsize
+
+
+def key_group(key: str) -> str:
+    """app.model.model.layers.7.mlp.up_proj.weight -> app.model.model.layers.*; the optimizer's state per
+    kind (app.optim.state.*.exp_avg): a few lines for any model size."""
+    parts = key.split(".")
+    if parts[0].startswith(rng_key(0)[:-1]):
+        return rng_key(0)[:-1] + "*"
+    if parts[:3] == ["app", "optim", "state"]:
+        return f"app.optim.state.*.{parts[-1]}"
+    head = []
+    for part in parts[:-1]:
+        head.append("*" if part.isdigit() else part)
+        if part.isdigit():
+            break
+    return ".".join(head) or key
+
+
+def _print_key_groups(md: dict) -> None:
+    groups: dict[str, list] = defaultdict(lambda: [0, 0, set()])  # tensors, bytes, dtypes
+    for k, v in md.items():
+        g = groups[key_group(k)]
+        g[0] += 1
+        if isinstance(v, TensorStorageMetadata):
+            g[1] += _nbytes(v)
+            g[2].add(str(v.properties.dtype).replace("torch.", ""))
+        else:
+            g[2].add("bytes")
+    width = max(len(name) for name in groups)
+    for name, (count, nbytes, dtypes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:<{width}}  {count:>6} items  {_mib(nbytes):>12}  {','.join(sorted(dtypes))}")
+    print("  (--tensors lists every key with its shape and dtype)")
+
+
+def _print_all_keys(md: dict) -> None:
     width = max(len(k) for k in md)
     for k, v in md.items():
         if isinstance(v, TensorStorageMetadata):
             print(f"  {k:<{width}}  {str(list(v.size)):<14} {str(v.properties.dtype).replace('torch.', '')}")
         else:
             print(f"  {k:<{width}}  bytes")
-    return 0 if ok else 1
 
 
 def dry_run(path: str, world_size: int) -> int:
@@ -221,21 +264,21 @@ def _print_remap(path: str, saved_world: int, world_size: int) -> None:
           "are read whole by every rank")
 
 
-def inspect_path(path: str, world_size: int | None = None) -> int:
+def inspect_path(path: str, world_size: int | None = None, tensors: bool = False) -> int:
     """`python -m ckpt inspect`: a ckpt.dir lists its checkpoints (and dry-runs the newest resumable one);
-    a checkpoint shows its contents, or with world_size, the dry run."""
+    a checkpoint shows a summary of its contents (every tensor with `tensors`), or with world_size, the dry run."""
     if not os.path.isdir(path):
-        print(f"{path}: not a directory")
+        print(f"error: {path}: not a directory", file=sys.stderr)
         return 1
     is_checkpoint = any(os.path.exists(os.path.join(path, n)) for n in (".metadata", META_FILE, "commit.json"))
     if is_checkpoint:
-        return show_checkpoint(path) if world_size is None else dry_run(path, world_size)
+        return show_checkpoint(path, tensors) if world_size is None else dry_run(path, world_size)
     rc = list_checkpoints(path)
     if rc or world_size is None:
         return rc
     resumable = [p for _, p in reversed(list_step_dirs(path)) if checkpoint_status(p)[0]]
     if not resumable:
-        print("no committed, verified checkpoint to resume from")
+        print("error: no committed, verified checkpoint to resume from", file=sys.stderr)
         return 1
     print()
     return dry_run(resumable[0], world_size)

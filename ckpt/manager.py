@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import shutil
 import signal
@@ -119,6 +120,13 @@ def collective_timed_out(error: BaseException) -> bool:
     if isinstance(error, CheckpointException):
         return any(collective_timed_out(exc) for exc, _ in error.failures.values())
     return isinstance(error, RuntimeError) and "Timed out waiting" in str(error)
+
+
+def quiet_uploader_logs() -> None:
+    """Call in DCP's process-mode uploader while it starts (spawn re-imports the training script there, as
+    `__mp_main__`): DCP sets the root logger to INFO in that process and prints about 3 lines per rank per
+    save. Warnings and errors still print."""
+    logging.disable(logging.INFO)
 
 
 def on_rank0_then_share(fn: Callable[[], object], group=None, error_type=None) -> object:

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import time
 
 import torch
@@ -145,14 +146,14 @@ def reshard(src: str, dst: str, world_size: int) -> int:
     try:
         dst = prepare_destination(src, dst, world_size)
     except ReshardError as e:
-        print(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
     try:
         mp.start_processes(_reshard_rank, args=(world_size, _free_port(), src, dst), nprocs=world_size,
                            start_method="spawn")
     except mp.ProcessException as e:
-        print(f"error: reshard to {dst} failed (left uncommitted, so never resumed from): {e}")
+        print(f"error: reshard to {dst} failed (left uncommitted, so never resumed from): {e}", file=sys.stderr)
         return 1
     saved = read_meta_or_empty(src).get("world_size", "?")
     print(f"resharded {src} ({saved} ranks) -> {dst} ({world_size} ranks), committed in "

@@ -9,6 +9,7 @@ step can appear twice; the last record of a step is the one that counts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -73,7 +74,48 @@ def read_metrics(path: str) -> tuple[dict[int, dict], list[dict]]:
     return steps, events
 
 
-_EVENT_STYLES = {"checkpoint": ("tab:green", ":"), "resume": ("tab:red", "--")}  # (color, line style)
+# (color, line style, legend label) of the marks drawn at an event's step; other events are not drawn
+_MARKS = {
+    "kept": ("tab:green", "-", "checkpoint (still on disk)"),
+    "deleted": ("tab:green", ":", "checkpoint (deleted by retention)"),
+    "resume": ("tab:red", "--", "resume"),
+    "checkpoint_failed": ("tab:orange", ":", "checkpoint failed"),
+    "preempted": ("black", "--", "preempted"),
+}
+
+
+def checkpoint_exists(path: str, run_dir: str) -> bool:
+    """Is this checkpoint still on disk (committed, not deleted by retention)? A relative path is taken from
+    the current directory (where training ran), else from <run_dir>/checkpoints."""
+    candidates = [path] if os.path.isabs(path) else [path, os.path.join(run_dir, "checkpoints", os.path.basename(path))]
+    return any(os.path.isfile(os.path.join(p, "commit.json")) for p in candidates)
+
+
+def event_marks(steps: dict[int, dict], events: list[dict], run_dir: str) -> list[tuple[int, str]]:
+    """(step, kind) for each vertical mark: checkpoints kept or deleted, resumes, failed saves, preemption."""
+    marks = []
+    for ev in events:
+        if ev["event"] == "checkpoint" and "step" in ev:
+            marks.append((ev["step"], "kept" if checkpoint_exists(ev.get("path", ""), run_dir) else "deleted"))
+        elif ev["event"] in _MARKS and "step" in ev:
+            marks.append((ev["step"], ev["event"]))
+    return sorted(marks, key=lambda m: m[1] == "resume")  # resumes drawn last, on top of a checkpoint line
+
+
+def world_size_spans(steps: dict[int, dict]) -> list[tuple[int, int, object]]:
+    """[(first step, last step, world size)] for each stretch trained at one world size."""
+    spans = []
+    for s in sorted(steps):
+        w = steps[s].get("world_size", "?")
+        if spans and spans[-1][2] == w:
+            spans[-1] = (spans[-1][0], s, w)
+        else:
+            spans.append((s, s, w))
+    return spans
+
+
+def _count(n, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def plot_metrics(path: str, out: str) -> str:
@@ -82,30 +124,57 @@ def plot_metrics(path: str, out: str) -> str:
     import matplotlib.pyplot as plt
 
     steps, events = read_metrics(path)
+    if not steps:
+        raise ValueError(f"{path} has no step records")
+    run_dir = os.path.dirname(os.path.abspath(path))
     xs = sorted(steps)
+    ys = [steps[s]["loss"] for s in xs]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(xs, [steps[s]["loss"] for s in xs], lw=1.2, label="loss")
-    for ev in events:
-        if "step" not in ev:
-            continue
-        style = _EVENT_STYLES.get(ev["event"], ("gray", "-."))
-        ax.axvline(ev["step"], color=style[0], ls=style[1], lw=0.8)
-    for name, (color, ls) in _EVENT_STYLES.items():
-        ax.plot([], [], color=color, ls=ls, label=name)
-    if xs and all(steps[s]["loss"] > 0 for s in xs) and max(steps[s]["loss"] for s in xs) > 10 * min(
-            steps[s]["loss"] for s in xs):
+    ax.plot(xs, ys, lw=1.2, label="loss")
+    marks = event_marks(steps, events, run_dir)
+    for step, kind in marks:
+        color, ls, _ = _MARKS[kind]
+        ax.axvline(step, color=color, ls=ls, lw=1.4 if kind == "resume" else 0.9)
+    for kind in dict.fromkeys(kind for _, kind in marks):  # a legend entry only for what was drawn
+        color, ls, label = _MARKS[kind]
+        ax.plot([], [], color=color, ls=ls, label=label)
+    spans = world_size_spans(steps)
+    for i, (first, last, w) in enumerate(spans):  # each stretch at one world size: shaded, labelled
+        if len(spans) > 1:
+            ax.axvspan(first - 0.5, last + 0.5, color="tab:purple", alpha=0.06 if i % 2 else 0.14, lw=0)
+        ax.text((first + last) / 2, 0.98, _count(w, "rank"), transform=ax.get_xaxis_transform(), ha="center",
+                va="top", fontsize=8, color="tab:purple")
+    if all(y > 0 for y in ys) and max(ys) > 10 * min(ys):
         ax.set_yscale("log")
+    n_ckpt = sum(1 for _, kind in marks if kind in ("kept", "deleted"))
+    n_resume = sum(1 for _, kind in marks if kind == "resume")
+    ax.set_title(f"{os.path.basename(run_dir)}: loss over {_count(len(xs), 'step')} (last {ys[-1]:.4f}), "
+                 f"{_count(n_ckpt, 'checkpoint')}, {_count(n_resume, 'resume')}", fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
-    ax.legend()
+    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
+    plt.close(fig)
     return out
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m finetune.metrics",
+                                description="Draw the loss curve of a run's metrics.jsonl to a PNG, with checkpoints "
+                                            "(kept or deleted), resumes and world-size changes marked.")
+    p.add_argument("metrics", help="a run's metrics.jsonl, e.g. runs/tiny/metrics.jsonl")
+    p.add_argument("out", nargs="?", default=None, help="PNG to write (default: loss.png beside metrics.jsonl)")
+    args = p.parse_args(argv)
+    out = args.out or os.path.join(os.path.dirname(args.metrics), "loss.png")
+    try:
+        print(plot_metrics(args.metrics, out))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: cannot plot {args.metrics}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python -m finetune.metrics <metrics.jsonl> [out.png]")
-    src = sys.argv[1]
-    print(plot_metrics(src, sys.argv[2] if len(sys.argv) == 3 else os.path.join(os.path.dirname(src), "loss.png")))
+    sys.exit(main())

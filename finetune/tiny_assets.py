@@ -78,4 +78,7 @@ def main(root: str = ".") -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m finetune.tiny_assets", description=__doc__.splitlines()[0])
+    parser.add_argument("--root", default=".", help="repository root to write assets/ and data/ into")
+    main(parser.parse_args().root)

@@ -173,4 +173,4 @@ def test_verify_cli(tmp_path):
     with open(path / "meta.json", "a") as f:
         f.write(" ")
     bad = subprocess.run([sys.executable, "-m", "ckpt", "verify", str(path)], cwd=ROOT, capture_output=True, text=True)
-    assert bad.returncode == 1 and "meta.json: size" in bad.stdout
+    assert bad.returncode == 1 and "meta.json: size" in bad.stderr and not bad.stdout

@@ -165,8 +165,8 @@ def test_each_corruption_is_detected_and_resume_falls_back(tmp_path, capsys):
         corrupt(path, how)
         capsys.readouterr()
         assert ckpt_cli(["verify", str(path)]) == 1, how
-        out = capsys.readouterr().out
-        assert out.startswith("INVALID") and f"{path}/{name}" in out, (how, out)
+        err = capsys.readouterr().err
+        assert err.startswith("INVALID") and f"{path}/{name}" in err, (how, err)
     assert ckpt_cli(["verify", str(ck / "step-000002")]) == 0
 
     proc = run_train(run, nproc=0, overrides=overrides)

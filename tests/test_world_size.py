@@ -129,10 +129,15 @@ def test_inspect_dry_run_says_what_a_resume_would_do(root, capsys):
     assert "world sizes that work: [1, 2, 3, 4, 6, 12]" in capsys.readouterr().out
 
 
-def test_inspect_shows_keys_and_train_state(root, capsys):
+def test_inspect_summarises_by_default_and_lists_keys_on_request(root, capsys):
     assert inspect_path(b_step8(root)) == 0
     out = capsys.readouterr().out
     assert "progress.step = 8" in out and "data.position = 96" in out
+    assert "exp_avg " not in out.replace("*.exp_avg ", "")  # one line per group, not per tensor
+    groups = {ln.split()[0]: ln.split()[1] for ln in out.splitlines() if ln.startswith("  app.")}
+    assert groups["app.model.model.layers.*"] == "18" and groups["app.optim.state.*.exp_avg"] == "21"
+    assert inspect_path(b_step8(root), tensors=True) == 0
+    out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if "app.optim.state.lm_head.weight.exp_avg " in ln)
     assert "[101, 64]" in line and "float32" in line
 
