@@ -2,6 +2,7 @@
 
     python train_fsdp.py --config configs/tiny.yaml                       # one process, CPU
     torchrun --nproc_per_node 2 train_fsdp.py --config configs/tiny.yaml train.max_steps=50
+    python train_fsdp.py --config configs/llama3-8b-sft.yaml --plan --gpu-memory 80   # will it fit? (no GPU needed)
 
 Reads in the order it runs: config -> process group -> model -> shard -> optimizer -> data -> resume
 -> loop -> final save. `ckpt/` decides how to checkpoint; this file only decides when.
@@ -34,6 +35,7 @@ from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, cache_sampl
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, progress_bar, step_line
 from finetune.model import ModelError, build_sharded_model, init_random, load_tokenizer
+from finetune.plan import add_plan_arguments, print_plan
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
@@ -41,12 +43,13 @@ USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
 
 # ---------------------------------------------------------------- config and process group
 
-def parse_config(argv: list[str]) -> Config:
+def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="YAML preset, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. train.max_steps=20 run.dir=runs/a")
+    add_plan_arguments(p)
     args = p.parse_args(argv)
-    return load_config(args.config, args.overrides)
+    return load_config(args.config, args.overrides), args
 
 
 def die_with_torchrun_agent() -> None:
@@ -277,10 +280,12 @@ def sample(model, tokenizer, prompts: list[str], device, max_new_tokens: int = 1
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = parse_config(sys.argv[1:] if argv is None else argv)
+        cfg, args = parse_config(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.plan:  # memory, staging, checkpoint size and save time for this config; no process group
+        return print_plan(cfg, args)
     die_with_torchrun_agent()
     rank, world_size, device = init_distributed(collective_timeout(cfg.train.collective_timeout_minutes))
     try:

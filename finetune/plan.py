@@ -1,0 +1,297 @@
+"""Will this config fit? Memory per GPU, host memory for async staging, checkpoint size and save time.
+
+    python train_fsdp.py --config configs/llama3-8b-sft.yaml --plan --gpu-memory 80
+    python train_fsdp.py --config configs/llama3-70b-multinode.yaml --plan --nodes 8 --gpus-per-node 8
+
+No process group, no GPU and no weights: the model is built on `meta` from its config.json (from
+`model.name_or_path` when that folder is here, else `model.config_path`), so every parameter shape is
+exact. Per-GPU figures follow FSDP2 as train_fsdp.py sets it up (fp32 master shards, compute in
+`model.param_dtype`, one block gathered at a time plus the next one prefetched); activations are an
+estimate, stated as such. Exit 0 when it fits, 1 with the reasons when it does not (or when the world
+size does not divide the global batch), 2 for a bad config. The formulas are in docs/planner.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+GIB = 2 ** 30
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per trainable parameter
+MASTER_BYTES = 4  # fp32 master weights and fp32 sharded gradients
+LOGITS_COPIES = 3.3  # logits + their gradient + fp32 chunks of the chunked loss (bench/loss_memory.py: 2.3 above them)
+CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not a measurement
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("plan (--plan: print the plan and exit, no process group)")
+    g.add_argument("--plan", action="store_true", help="print memory per GPU, host staging, checkpoint size, save time")
+    g.add_argument("--nodes", type=int, default=1, help="nodes to plan for (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
+    g.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU: exit 1 when the plan needs more")
+    g.add_argument("--host-memory", type=float, default=None, help="GiB of RAM (and of /dev/shm) per node to check")
+    g.add_argument("--write-gbps", type=float, default=10.0,
+                   help="aggregate write bandwidth of ckpt.dir's filesystem, GB/s (default 10)")
+    g.add_argument("--copy-gbps", type=float, default=10.0,
+                   help="GPU-to-host copy bandwidth per GPU while staging, GB/s (default 10)")
+
+
+# ---------------------------------------------------------------- the model's shapes, from config.json
+
+@dataclass
+class Shapes:
+    """What the plan needs from the model: parameter counts by role, and the sizes activations scale with."""
+    arch: str
+    source: str
+    params: int  # every parameter
+    trainable: int  # what the optimizer updates (all of them, or the LoRA adapters)
+    root_params: int  # outside the decoder blocks (embeddings, final norm, lm_head): the root FSDP group
+    block_params: int  # one decoder block (the largest)
+    sharded_trainable: list  # (dim0, numel) of each trainable tensor: FSDP2 pads dim 0 to a multiple of W
+    sharded_frozen: list
+    layers: int
+    hidden: int
+    kv_hidden: int
+    intermediate: int
+    vocab: int
+    max_positions: int | None
+
+
+def config_dir(cfg_model) -> tuple[str, str]:
+    """(folder whose config.json describes the model, a note on where it came from)."""
+    from finetune.config import ModelConfig
+    if cfg_model.name_or_path and os.path.isfile(os.path.join(cfg_model.name_or_path, "config.json")):
+        return cfg_model.name_or_path, ""
+    if cfg_model.name_or_path and cfg_model.config_path == ModelConfig().config_path:
+        raise ValueError(f"model.name_or_path={cfg_model.name_or_path} is not on this machine; to plan without it, "
+                         "set model.config_path to a folder with its config.json (e.g. assets/llama3.1-8b)")
+    note = f" (model.name_or_path {cfg_model.name_or_path} is not here)" if cfg_model.name_or_path else ""
+    if not os.path.isfile(os.path.join(cfg_model.config_path, "config.json")):
+        raise ValueError(f"no config.json in model directory {cfg_model.config_path}")
+    return cfg_model.config_path, note
+
+
+def lora_targets(cfg_model) -> tuple[int, set[str] | None]:
+    """(rank, module names or None for every Linear of the blocks); rank 0 when LoRA is off or absent."""
+    lora = getattr(cfg_model, "lora", None)
+    r = getattr(lora, "r", 0) if lora is not None else 0
+    if not r:
+        return 0, None
+    names = getattr(lora, "target_modules", "all-linear")
+    return r, None if names == "all-linear" else {n.strip() for n in names.split(",") if n.strip()}
+
+
+def model_shapes(cfg_model) -> Shapes:
+    import torch
+    import torch.nn as nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from finetune.model import decoder_blocks
+
+    src, note = config_dir(cfg_model)
+    hf = AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    blocks = decoder_blocks(model)
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    every = [(p.shape[0] if p.dim() else 1, p.numel()) for p in model.parameters()]
+    r, targets = lora_targets(cfg_model)
+    adapters = []
+    if r:  # peft's LoRA: lora_A (r x in) and lora_B (out x r) beside each targeted Linear of the blocks
+        for b in blocks:
+            for name, m in b.named_modules():
+                if isinstance(m, nn.Linear) and (targets is None or name.split(".")[-1] in targets):
+                    adapters += [(r, r * m.in_features), (m.out_features, m.out_features * r)]
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return Shapes(
+        arch=type(model).__name__, source=os.path.join(src, "config.json") + note,
+        params=sum(n for _, n in every) + sum(n for _, n in adapters),
+        trainable=sum(n for _, n in (adapters if r else every)),
+        root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_blocks),
+        block_params=max(sum(p.numel() for p in b.parameters()) for b in blocks),
+        sharded_trainable=adapters if r else every, sharded_frozen=every if r else [],
+        layers=len(blocks), hidden=hf.hidden_size, kv_hidden=getattr(hf, "num_key_value_heads", heads) * head_dim,
+        intermediate=getattr(hf, "intermediate_size", 4 * hf.hidden_size), vocab=hf.vocab_size,
+        max_positions=getattr(hf, "max_position_embeddings", None))
+
+
+def shard_numel(tensors: list, world: int) -> int:
+    """Elements one rank holds: FSDP2 splits dim 0 in ceil(dim0 / W) rows (the last ranks padded)."""
+    return sum(math.ceil(dim0 / world) * (numel // max(dim0, 1)) for dim0, numel in tensors)
+
+
+# ---------------------------------------------------------------- memory per GPU
+
+def activation_bytes(s: Shapes, tokens: int, compute: int, checkpointing: bool) -> tuple[int, int]:
+    """(decoder activations, logits + loss) of one micro batch of `tokens` tokens.
+
+    Per token and layer a Llama-style block keeps for backward about 10 hidden-sized, 2 kv-sized and 4
+    MLP-sized tensors in the compute dtype (norm outputs, q/k/v, attention output, residuals, gate, up,
+    act(gate), their product) plus two fp32 RMSNorm inputs; SDPA keeps no seq x seq matrix. With activation
+    checkpointing only each block's input is kept, plus one block recomputed at a time."""
+    per_layer = compute * (10 * s.hidden + 2 * s.kv_hidden + 4 * s.intermediate) + 2 * 4 * s.hidden
+    if checkpointing:
+        decoder = tokens * (s.layers * s.hidden * compute + per_layer)
+    else:
+        decoder = tokens * s.layers * per_layer
+    return decoder, int(tokens * s.vocab * compute * LOGITS_COPIES)
+
+
+def compute_bytes(cfg) -> int:
+    return 4 if cfg.model.param_dtype == "fp32" else 2  # auto = bf16 on CUDA
+
+
+def gpu_states(cfg, s: Shapes, world: int) -> list[tuple[str, int]]:
+    """[(what, bytes)] of one rank's shards: parameters, gradients, AdamW state."""
+    trainable = shard_numel(s.sharded_trainable, world)
+    frozen = shard_numel(s.sharded_frozen, world)
+    return [(f"parameters ({'fp32 masters' if not frozen else 'fp32 adapters + frozen base in compute dtype'})",
+             MASTER_BYTES * trainable + compute_bytes(cfg) * frozen),
+            ("gradients (fp32 shards)", MASTER_BYTES * trainable),
+            ("AdamW state (2 x fp32 shards)", ADAM_BYTES * trainable)]
+
+
+def gpu_items(cfg, s: Shapes, world: int, micro_batch: int) -> list[tuple[str, float]]:
+    """[(what, bytes)] on one GPU: the states FSDP2 shards, what it gathers for one block, activations."""
+    compute = compute_bytes(cfg)
+    reduce = 4 if cfg.model.reduce_dtype == "fp32" else 2
+    decoder, logits = activation_bytes(s, micro_batch * cfg.data.seq_len, compute, cfg.model.activation_checkpointing)
+    states = gpu_states(cfg, s, world)
+    if cfg.model.cpu_offload:  # CPUOffloadPolicy: the shards and the optimizer step live in host memory
+        states = [(f"{what}: in host memory (model.cpu_offload)", 0) for what, _ in states]
+    block_grads = s.block_params * s.trainable // s.params  # LoRA: the frozen base has no gradients
+    return states + [
+        ("gathered parameters (root + 2 blocks, compute dtype)", compute * (s.root_params + 2 * s.block_params)),
+        ("unsharded gradients of one block before reduce-scatter", (compute + reduce) * block_grads),
+        (f"activations, micro batch {micro_batch} x {cfg.data.seq_len}"
+         f"{' (activation checkpointing)' if cfg.model.activation_checkpointing else ''}, estimate", decoder),
+        (f"logits and chunked loss ({micro_batch * cfg.data.seq_len} tokens x vocab {s.vocab})", logits),
+        ("CUDA context, NCCL, allocator slack (assumed)", CUDA_OVERHEAD_GIB * GIB)]
+
+
+# ---------------------------------------------------------------- the plan
+
+def size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if unit != "GiB" else f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def seconds(t: float) -> str:
+    return f"{t:.2f} s" if t < 10 else f"{t:.0f} s"
+
+
+def divisors(n: int) -> list[int]:
+    return [w for w in range(1, n + 1) if n % w == 0]
+
+
+def checkpoint_bytes(s: Shapes, world: int) -> tuple[int, int]:
+    """(one checkpoint, one rank's part): the trainable fp32 weights and their AdamW state, 12 bytes each."""
+    per_param = MASTER_BYTES + ADAM_BYTES
+    return per_param * s.trainable, per_param * shard_numel(s.sharded_trainable, world)
+
+
+def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
+               host_gib: float | None) -> tuple[list[str], list[str]]:
+    """Host memory per node for async staging (ckpt/preflight.py checks the same at run time) and for
+    model.cpu_offload, and the problems when --host-memory is given."""
+    mode = cfg.ckpt.async_mode
+    staged = rank_bytes * ranks_per_node if mode != "off" else 0
+    offloaded = offload_bytes * ranks_per_node
+    if mode == "off":
+        lines = ["host per node: no async staging (ckpt.async_mode=off): every save blocks for the whole write"]
+    else:
+        where = "/dev/shm (and of RAM)" if mode == "process" else "pinned RAM"
+        lines = [f"host per node: {size(staged)} of {where} to stage async saves (ckpt.async_mode={mode}: "
+                 f"{ranks_per_node} ranks x {size(rank_bytes)})"]
+    if offloaded:
+        lines.append(f"host per node: {size(offloaded)} of pinned RAM for the offloaded parameters, gradients "
+                     "and AdamW state (model.cpu_offload)")
+    problems = []
+    if host_gib is not None and staged + offloaded > host_gib * GIB:
+        problems.append(f"host memory: {size(staged + offloaded)} per node needed, --host-memory "
+                        f"{host_gib:g} GiB (ckpt.async_mode=off stages nothing)")
+    return lines, problems
+
+
+def make_plan(cfg, args) -> tuple[list[str], list[str]]:
+    """(report lines, problems): an empty problem list means the config fits the stated hardware."""
+    from finetune.data import BatchPlan, DataError
+
+    s = model_shapes(cfg.model)
+    world = args.nodes * args.gpus_per_node
+    lines = [f"plan: {args.nodes} node(s) x {args.gpus_per_node} GPUs = world size {world}",
+             f"model: {s.arch} from {s.source}: {count(s.params)} params ({s.params:,}), {s.layers} blocks, "
+             f"hidden {s.hidden}, vocab {s.vocab}" + (f"; trainable (LoRA adapters) {s.trainable:,}"
+                                                      if s.trainable != s.params else "")]
+    problems = []
+    g = cfg.data.global_batch_size
+    try:
+        batch = BatchPlan.make(g, cfg.data.micro_batch_size, world)
+        lines.append(f"batch: global {g} = {world} ranks x {batch.accum_steps} accum x {batch.micro_batch} micro, "
+                     f"seq {cfg.data.seq_len}; world sizes that divide it: {divisors(g)}")
+        micro = batch.micro_batch
+    except DataError as e:
+        problems.append(str(e))
+        micro = min(cfg.data.micro_batch_size, g)
+    if s.max_positions and cfg.data.seq_len > s.max_positions:
+        problems.append(f"data.seq_len={cfg.data.seq_len} is above the model's max_position_embeddings={s.max_positions}")
+
+    items = gpu_items(cfg, s, world, micro)
+    total = sum(b for _, b in items)
+    lines.append("per GPU:")
+    lines += [f"  {what:<72} {size(b):>10}" for what, b in items]
+    budget = f" of {args.gpu_memory:g} GiB" if args.gpu_memory else " (--gpu-memory GiB checks the fit)"
+    lines.append(f"  {'total':<72} {size(total):>10}{budget}")
+    if args.gpu_memory and total > args.gpu_memory * GIB:
+        worst = max(items, key=lambda it: it[1])
+        problems.append(f"GPU memory: {size(total)} per GPU needed, --gpu-memory {args.gpu_memory:g} GiB; "
+                        f"largest item: {worst[0]} {size(worst[1])} (more GPUs shard the states further; "
+                        "model.activation_checkpointing=true and a smaller data.micro_batch_size cut activations)")
+
+    ckpt, rank_bytes = checkpoint_bytes(s, world)
+    offload = sum(b for what, b in gpu_states(cfg, s, world)) if cfg.model.cpu_offload else 0
+    more, host_problems = host_lines(cfg, rank_bytes, offload, args.gpus_per_node, args.host_memory)
+    lines += more
+    problems += host_problems
+    keep = cfg.ckpt.keep_last
+    lines.append(f"checkpoint: {size(ckpt)} per save (fp32 {'adapters' if s.trainable != s.params else 'weights'}"
+                 f" + AdamW: 12 B x {s.trainable:,}), {size(rank_bytes)} per rank; keep_last {keep}: "
+                 f"{'every one kept' if keep == 0 else f'{size(ckpt * (keep + 1))} on disk at peak'}; "
+                 f"HF export {size(2 * s.params)} in bf16")
+    write_s = ckpt / (args.write_gbps * 1e9)
+    copy_s = rank_bytes / (args.copy_gbps * 1e9)
+    lines.append(f"save time at {args.write_gbps:g} GB/s aggregate write (--write-gbps): a sync save {seconds(write_s)}; "
+                 + (f"an async save blocks training ~{seconds(copy_s)} (staging at {args.copy_gbps:g} GB/s per GPU, "
+                    f"--copy-gbps), committed after ~{seconds(copy_s + write_s)}" if cfg.ckpt.async_mode != "off" else
+                    "async off: every save blocks for the whole write")
+                 + f"; preemption lead time >= ~{seconds(copy_s + 2 * write_s)} (in-flight save + final save)")
+    return lines, problems
+
+
+def print_plan(cfg, args) -> int:
+    """`train_fsdp.py --plan`: 0 when it fits, 1 with the reasons when it does not, 2 for a config it cannot read."""
+    try:
+        lines, problems = make_plan(cfg, args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
+    for p in problems:
+        print(f"does not fit: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    print("OK: the plan fits" + ("" if args.gpu_memory else " (GPU memory not checked: pass --gpu-memory GiB)"))
+    return 0

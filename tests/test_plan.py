@@ -1,0 +1,105 @@
+"""The planner and the presets: every configs/*.yaml parses and its header's plan command fits as it says.
+
+    python -m pytest tests/test_plan.py -q
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+
+import pytest
+import torch.distributed as dist
+
+from conftest import ROOT, run_train
+
+import train_fsdp
+from finetune.config import load_config
+from finetune.plan import GIB, checkpoint_bytes, model_shapes, shard_numel
+
+PRESETS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")) if not p.endswith("tiny.yaml"))
+# Parameter counts as published for each architecture: the shipped config.json must reproduce them.
+PUBLISHED = {"llama3.1-8b": 8_030_261_248, "llama3.1-70b": 70_553_706_496, "qwen2.5-7b": 7_615_616_512}
+
+
+def header(path: str) -> str:
+    lines = []
+    for line in open(path):
+        if not line.startswith("#"):
+            break
+        lines.append(line)
+    return "".join(lines)
+
+
+@pytest.fixture(autouse=True)
+def _at_repo_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # presets name assets/ relative to the repository root
+
+
+def plan(capsys, args: list[str]) -> tuple[int, str, str]:
+    rc = train_fsdp.main(args)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shipped_architectures_have_their_published_sizes(name):
+    cfg = load_config(None, [f"model.config_path={os.path.join(ROOT, 'assets', name)}"])
+    assert model_shapes(cfg.model).params == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_preset_header_plan_runs_and_fits_as_stated(preset, capsys):
+    assert len(PRESETS) >= 2
+    head = header(preset)
+    for word in ("GPU", "Memory per GPU", "Checkpoint:"):
+        assert word in head, f"{preset}: the header must state {word}"
+    command = re.search(r"plan:\s+python train_fsdp.py (.*)", head).group(1)
+    rc, out, err = plan(capsys, shlex.split(command))
+    assert rc == 0, out + err
+    assert not dist.is_initialized(), "--plan must not start a process group"
+    assert "OK: the plan fits" in out and "model.name_or_path" in out  # planned from the shipped config.json
+    total = float(re.search(r"total\s+([\d.]+) GiB", out).group(1))
+    stated = int(re.search(r"Memory per GPU \(planner estimate\): ~(\d+) GiB", head).group(1))
+    assert abs(total - stated) <= 1, f"header says ~{stated} GiB, the planner {total} GiB"
+    ckpt = float(re.search(r"checkpoint: ([\d.]+) GiB per save", out).group(1))
+    assert round(ckpt) == int(re.search(r"Checkpoint: (\d+) GiB per save", head).group(1))
+
+
+def test_plan_says_why_it_does_not_fit(capsys):
+    preset = os.path.join(ROOT, "configs", "llama3-8b-sft.yaml")
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--gpu-memory", "24"])
+    assert rc == 1 and "does not fit: GPU memory" in err and "--gpu-memory 24 GiB" in err
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--gpus-per-node", "3"])
+    assert rc == 1 and "not divisible by world size 3" in err and "[1, 2, 4, 8, 16, 32, 64]" in err
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--host-memory", "64"])
+    assert rc == 1 and "does not fit: host memory" in err
+    more, _, _ = plan(capsys, ["--config", preset, "--plan", "--gpu-memory", "24", "--nodes", "4"])
+    assert more == 0  # 32 GPUs shard the states four times further
+
+
+def test_plan_refuses_to_plan_a_model_it_cannot_see(capsys):
+    rc, out, err = plan(capsys, ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--plan",
+                                 "model.name_or_path=/nowhere/model"])
+    assert rc == 2 and err.startswith("error: model.name_or_path=/nowhere/model is not on this machine")
+
+
+def test_fsdp_shards_are_padded_on_dim0():
+    assert shard_numel([(101, 101 * 64)], 8) == 13 * 64  # ceil(101 / 8) rows
+    assert shard_numel([(1, 1)], 8) == 1
+
+
+def test_planned_checkpoint_size_is_what_a_run_saves(tmp_path):
+    """The planner's 12 bytes per parameter, against the tensors a real W=2 checkpoint of the tiny model holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    run_train(tmp_path / "r", nproc=2, overrides=["train.max_steps=1", "ckpt.interval=0"])
+    md = FileSystemReader(str(tmp_path / "r" / "checkpoints" / "step-000001")).read_metadata().state_dict_metadata
+    saved = sum(m.properties.dtype.itemsize * m.size.numel() for m in md.values()
+                if isinstance(m, TensorStorageMetadata) and len(m.size))  # not AdamW's 0-dim step counters
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [])
+    planned, per_rank = checkpoint_bytes(model_shapes(cfg.model), 2)
+    assert saved == planned and planned < 2 * per_rank < planned * 1.1
+    assert planned < GIB
