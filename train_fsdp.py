@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, collective_timed_out, \
     on_rank0_then_share, read_meta, reseed_all, rng_key, staging_need
 from ckpt.faults import fault_point
+from ckpt.policy import SavePolicy
 from finetune.config import Config, ConfigError, config_hash, load_config, to_yaml
 from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, cache_samples, open_samples
 from finetune.loss import next_token_loss_sum
@@ -351,6 +352,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     # ---- loop
     preempt = Preemption()
+    policy = SavePolicy(cfg.ckpt.interval, cfg.ckpt.interval_minutes, cfg.ckpt.mtbf_hours, on_log=log.info)
     state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
     bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, progress.step)
     t_start, start_step, exit_code = time.perf_counter(), progress.step, 0
@@ -388,10 +390,10 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                 log.event("preempted", step=progress.step)
                 exit_code = EXIT_PREEMPTED
                 break
-            if cfg.ckpt.interval and progress.step % cfg.ckpt.interval == 0 and progress.step < cfg.train.max_steps:
+            if progress.step < cfg.train.max_steps and policy.should_save(progress.step):  # same answer on all ranks
                 tolerate_save_error(cfg, log, progress.step, mgr.wait)  # a failed previous save must not skip this one
-                tolerate_save_error(cfg, log, progress.step, lambda: mgr.save(
-                    progress.step, state, checkpoint_files(cfg, progress.step, world_size)))
+                tolerate_save_error(cfg, log, progress.step, lambda: policy.saved(progress.step, mgr.save(
+                    progress.step, state, checkpoint_files(cfg, progress.step, world_size))))
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or not cfg.ckpt.save_at_end:
             raise
@@ -422,7 +424,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
         prompts = cfg.train.sample_prompts.split("|") if cfg.train.sample_prompts else []
         for prompt, out in zip(prompts, sample(model, tokenizer, prompts, device)):
             log.info(f"sample: {prompt!r} -> {out!r}")
-    if exit_code == 0 and cfg.export.at_end and rank == 0:  # last: the other ranks need nothing more from it
+    if exit_code == 0 and cfg.export.at_end:  # every rank writes its share of the tensors
         from ckpt.hf import export_latest
         log.info(export_latest(cfg.ckpt.dir, os.path.join(cfg.run.dir, "hf"), cfg.export.dtype))
     log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - t_start:.1f}s")

@@ -1,11 +1,14 @@
-"""Checkpoint benchmark: rank-0 torch.save vs DCP sync vs DCP async (thread, process), against the memcpy floor.
+"""Checkpoint benchmark: rank-0 torch.save, plain dcp.save, our DCP sync / async (thread, process), memcpy floor.
 
     python bench/ckpt_bench.py                          # ~190M params, 2 ranks, CPU here (CUDA where present)
+    python bench/ckpt_bench.py --hidden 768 --layers 6 --saves 4 --train-steps 0   # ~90M, what docs/ reports
     python bench/ckpt_bench.py --hidden 256 --layers 2  # seconds, for a smoke test
 
-Launches itself under torchrun: a save worker at 2 ranks (every way of saving, load at the same world
-size, training throughput with and without periodic saves) and a load worker at 1 rank (load at another
-world size). Writes bench/results/ckpt_bench.{json,md}. Figures, not assertions: see README "Performance".
+Launches itself under torchrun: a save worker at 2 ranks (every way of saving, interleaved over rounds;
+resume verification; load at the same world size; optionally training throughput with periodic saves)
+and a load worker at 1 rank (load and verification at another world size). Per method: blocking,
+upload (until every rank's files and .metadata are written) and commit overhead (committed - upload),
+as median and min-max. Writes bench/results/ckpt_bench.{json,md}; docs/checkpoint-integrity.md reads them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,8 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--layers", type=int, default=10)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--saves", type=int, default=3, help="saves per method (first + steady state)")
-    p.add_argument("--train-steps", type=int, default=30, help="steps for the throughput comparison")
+    p.add_argument("--saves", type=int, default=4, help="rounds: saves per method (the first is warm-up)")
+    p.add_argument("--train-steps", type=int, default=30, help="steps for the throughput comparison (0: skip it)")
     p.add_argument("--every", type=int, default=10, help="checkpoint interval in the throughput comparison")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--work-dir", default=None, help="where checkpoints go (default: a temp dir)")
@@ -109,40 +113,74 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def bench_rank0_torch_save(model, optim, path, n):
+def rank0_torch_save(model, optim, path) -> dict:
     """The seed approach: gather the full state to rank 0 (CPU) and torch.save it."""
     import torch
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    out = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:
-            os.makedirs(path, exist_ok=True)
-            torch.save({"model": msd, "optim": osd}, os.path.join(path, f"full-{i}.pt"))
-            with open(os.path.join(path, f"full-{i}.pt"), "rb+") as f:
-                os.fsync(f.fileno())
-        dist.barrier()
-        secs = time.perf_counter() - t0
-        out.append({"blocking_s": secs, "committed_s": secs})
-        del msd, osd
-    return out, dir_bytes(path) // n
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+        torch.save({"model": msd, "optim": osd}, os.path.join(path, "full.pt"))
+        with open(os.path.join(path, "full.pt"), "rb+") as f:
+            os.fsync(f.fileno())
+    dist.barrier()
+    secs = time.perf_counter() - t0
+    return {"blocking_s": secs, "upload_s": secs, "committed_s": secs, "bytes": dir_bytes(path)}
 
 
-def bench_manager(model, optim, mode, ckpt_dir, n):
-    """Our path: CheckpointManager (DCP + commit marker with checksums), one save per simulated step."""
-    from ckpt import CheckpointManager, ModelOptimizer
-    events = []
-    mgr = CheckpointManager(ckpt_dir, mode, keep_last=0, on_event=lambda name, **kw: events.append(kw))
-    state = {"app": ModelOptimizer(model, optim)}
-    out = []
-    for i in range(1, n + 1):
-        blocking = mgr.save(i, state, {"meta.json": json.dumps({"step": i, "world_size": mgr.world_size})})
-        mgr.wait()  # measure each save alone: blocking part, then time to commit
-        out.append({"blocking_s": blocking, "committed_s": events[-1]["committed_s"]})
-    mgr.close()
-    return out, dir_bytes(os.path.join(ckpt_dir, "step-000001")), mgr
+def plain_dcp_save(model, optim, path) -> dict:
+    """dcp.save of the same state with its stock writer: no commit marker, no checksums, no manager."""
+    import torch.distributed.checkpoint as dcp
+    from ckpt import ModelOptimizer
+    shutil.rmtree(path, ignore_errors=True)
+    t0 = time.perf_counter()
+    dcp.save({"app": ModelOptimizer(model, optim)}, checkpoint_id=path)
+    secs = time.perf_counter() - t0
+    return {"blocking_s": secs, "upload_s": secs, "committed_s": secs, "bytes": dir_bytes(path)}
+
+
+def manager_save(mgr, model, optim, step: int, events: list) -> dict:
+    """Our path: CheckpointManager (DCP + checksums as written + commit marker), one save measured alone."""
+    from ckpt import ModelOptimizer
+    blocking = mgr.save(step, {"app": ModelOptimizer(model, optim)},
+                        {"meta.json": json.dumps({"step": step, "world_size": mgr.world_size})})
+    mgr.wait()  # the blocking part, then the time until committed
+    e = events[-1]
+    return {"blocking_s": blocking, "upload_s": e["upload_s"], "committed_s": e["committed_s"],
+            "bytes": dir_bytes(e["path"])}
+
+
+def sha256_everything_on_rank0(path: str) -> float:
+    """The old commit/resume check: one process SHA-256s every file of the checkpoint."""
+    import hashlib
+    t0 = time.perf_counter()
+    for name in sorted(os.listdir(path)):
+        h = hashlib.sha256()
+        with open(os.path.join(path, name), "rb") as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+    return time.perf_counter() - t0
+
+
+def verify_times(path: str) -> dict:
+    """Resume verification of a committed checkpoint at this world size: ours (each rank its share of the
+    files, verdict agreed) against the old scheme (rank 0 alone, SHA-256 of everything, others waiting)."""
+    import torch.distributed as dist
+    from ckpt import CheckpointManager
+    mgr = CheckpointManager(os.path.dirname(path), "off")
+    dist.barrier()
+    t0 = time.perf_counter()
+    mgr.verify(path)
+    ours = time.perf_counter() - t0
+    dist.barrier()
+    t0 = time.perf_counter()
+    if dist.get_rank() == 0:
+        sha256_everything_on_rank0(path)
+    dist.barrier()
+    return {"parallel_xxh3_s": ours, "rank0_sha256_s": time.perf_counter() - t0}
 
 
 def bench_load(model, optim, path):
@@ -171,6 +209,34 @@ def throughput(model, optim, device, args, ckpt_dir, mode):
     return args.train_steps / secs
 
 
+METHODS = ("rank0_torch_save", "dcp_plain", "dcp_sync", "dcp_async_thread", "dcp_async_process")
+
+
+def interleaved_saves(model, optim, work, rounds: int) -> dict:
+    """Every method once per round, in an order rotated each round, so machine load hits all of them alike."""
+    import torch.distributed as dist
+    from ckpt import CheckpointManager
+    events: list = []
+    managers = {name: CheckpointManager(os.path.join(work, name), mode, keep_last=1,
+                                        on_event=lambda _n, **kw: events.append(kw))
+                for name, mode in (("dcp_sync", "off"), ("dcp_async_thread", "thread"),
+                                   ("dcp_async_process", "process"))}
+    out = {name: [] for name in METHODS}
+    for r in range(rounds):
+        for name in METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]:
+            if name == "rank0_torch_save":
+                rec = rank0_torch_save(model, optim, os.path.join(work, name))
+            elif name == "dcp_plain":
+                rec = plain_dcp_save(model, optim, os.path.join(work, name, "plain"))
+            else:
+                rec = manager_save(managers[name], model, optim, r + 1, events)
+            out[name].append(rec)
+            dist.barrier()
+    for mgr in managers.values():
+        mgr.close()
+    return out
+
+
 def worker(args):
     import torch
     import torch.distributed as dist
@@ -180,25 +246,21 @@ def worker(args):
     model, optim, device = build(args, work)
     train_steps(model, optim, device, 1, args.seq_len, args.vocab)
     result = {"world_size": world}
+    committed = os.path.join(work, "dcp_sync", f"step-{args.saves:06d}")
     if args.worker == "load":
-        result["load_s"] = bench_load(model, optim, os.path.join(work, "dcp-off", "step-000001"))
+        result["load_s"] = bench_load(model, optim, committed)
+        result["verify"] = verify_times(committed)
     else:
         from ckpt import ModelOptimizer
         floor_s, nbytes = memcpy_floor(ModelOptimizer(model, optim).state_dict())
         result.update(params=sum(p.numel() for p in model.parameters()), rank_state_bytes=nbytes,
-                      memcpy_floor_s=floor_s, methods={})
-        runs = [("rank0_torch_save", None), ("dcp_sync", "off"), ("dcp_async_thread", "thread"),
-                ("dcp_async_process", "process")]
-        for name, mode in runs:
-            if mode is None:
-                saves, size = bench_rank0_torch_save(model, optim, os.path.join(work, "torch-save"), args.saves)
-            else:
-                saves, size, _ = bench_manager(model, optim, mode, os.path.join(work, f"dcp-{mode}"), args.saves)
-            result["methods"][name] = {"saves": saves, "checkpoint_bytes": size}
-            dist.barrier()
-        result["load_same_world_s"] = bench_load(model, optim, os.path.join(work, "dcp-off", "step-000001"))
-        result["steps_per_s"] = {m or "none": throughput(model, optim, device, args, os.path.join(work, f"tp-{m}"), m)
-                                 for m in (None, "thread", "process")}
+                      memcpy_floor_s=floor_s, methods=interleaved_saves(model, optim, work, args.saves))
+        result["load_same_world_s"] = bench_load(model, optim, committed)
+        result["verify"] = verify_times(committed)
+        result["checkpoint_files"] = len(os.listdir(committed))
+        if args.train_steps:
+            result["steps_per_s"] = {m or "none": throughput(model, optim, device, args, os.path.join(work, f"tp-{m}"), m)
+                                     for m in (None, "thread", "process")}
     if rank == 0:
         with open(os.path.join(work, f"result-{args.worker}.json"), "w") as f:
             json.dump(result, f)
@@ -221,36 +283,49 @@ def launch(args, worker_kind, nproc, work):
         return json.load(f)
 
 
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def summarize(save: dict, load: dict, every: int) -> dict:
-    floor = save["memcpy_floor_s"]
+    """Per method: first save, then median and min-max over the later (steady-state) rounds."""
     rows = {}
-    for name, m in save["methods"].items():
-        s = m["saves"]
-        steady = s[1:] or s
-        rows[name] = {
-            "first_blocking_s": s[0]["blocking_s"],
-            "steady_blocking_s": sum(x["blocking_s"] for x in steady) / len(steady),
-            "committed_s": sum(x["committed_s"] for x in steady) / len(steady),
-            "write_GBps": m["checkpoint_bytes"] / 1e9 / (sum(x["committed_s"] for x in steady) / len(steady)),
-            "checkpoint_GB": m["checkpoint_bytes"] / 1e9,
-        }
-    sync = rows["dcp_sync"]["steady_blocking_s"]
-    best_async = min(rows["dcp_async_thread"]["steady_blocking_s"], rows["dcp_async_process"]["steady_blocking_s"])
-    tp = save["steps_per_s"]
-    return {
-        "params": save["params"], "world_size": save["world_size"], "rank_state_GB": save["rank_state_bytes"] / 1e9,
-        "memcpy_floor_s": floor, "methods": rows,
-        "load_s": {"same_world": save["load_same_world_s"], "world_1": load["load_s"]},
-        "throughput_steps_per_s": tp,
-        "ratios": {
-            "async_blocking_over_memcpy": best_async / floor,
-            "async_blocking_over_sync": best_async / sync,
-            "throughput_thread_over_none": tp["thread"] / tp["none"],
-            "throughput_process_over_none": tp["process"] / tp["none"],
-            "rank0_torch_save_over_dcp_sync": rows["rank0_torch_save"]["steady_blocking_s"] / sync,
-        },
-        "save_every": every,
+    for name, saves in save["methods"].items():
+        steady = saves[1:] or saves
+        row = {"first_blocking_s": saves[0]["blocking_s"], "rounds": len(saves),
+               "checkpoint_GB": steady[-1]["bytes"] / 1e9}
+        for key in ("blocking_s", "upload_s", "committed_s"):
+            row[key] = spread([x[key] for x in steady])
+        row["commit_overhead_s"] = spread([x["committed_s"] - x["upload_s"] for x in steady])
+        row["write_GBps"] = row["checkpoint_GB"] / row["committed_s"]["median"]
+        rows[name] = row
+    med = {name: {k: rows[name][k]["median"] for k in ("blocking_s", "upload_s", "committed_s", "commit_overhead_s")}
+           for name in rows}
+    ours = ("dcp_sync", "dcp_async_thread", "dcp_async_process")
+    ratios = {
+        # worst of our three modes: the commit (manifest from the gathered digests + marker) against the upload
+        "commit_overhead_over_upload": max(med[m]["commit_overhead_s"] / med[m]["upload_s"] for m in ours),
+        "rank0_torch_save_over_dcp_sync": med["rank0_torch_save"]["blocking_s"] / med["dcp_sync"]["blocking_s"],
+        "async_committed_over_plain_dcp": min(med[m]["committed_s"] for m in ours[1:]) / med["dcp_plain"]["committed_s"],
+        "async_blocking_over_memcpy": min(med[m]["blocking_s"] for m in ours[1:]) / save["memcpy_floor_s"],
+        "async_blocking_over_sync": min(med[m]["blocking_s"] for m in ours[1:]) / med["dcp_sync"]["blocking_s"],
+        "verify_rank0_sha256_over_parallel_w2": save["verify"]["rank0_sha256_s"] / save["verify"]["parallel_xxh3_s"],
     }
+    for m in ours:
+        ratios[f"commit_overhead_over_upload_{m}"] = med[m]["commit_overhead_s"] / med[m]["upload_s"]
+    out = {
+        "params": save["params"], "world_size": save["world_size"], "rank_state_GB": save["rank_state_bytes"] / 1e9,
+        "memcpy_floor_s": save["memcpy_floor_s"], "methods": rows, "checkpoint_files": save["checkpoint_files"],
+        "load_s": {"same_world": save["load_same_world_s"], "world_1": load["load_s"]},
+        "verify_s": {f"w{save['world_size']}": save["verify"], "w1": load["verify"]},
+        "ratios": ratios, "save_every": every,
+    }
+    if "steps_per_s" in save:
+        tp = save["steps_per_s"]
+        out["throughput_steps_per_s"] = tp
+        ratios["throughput_thread_over_none"] = tp["thread"] / tp["none"]
+        ratios["throughput_process_over_none"] = tp["process"] / tp["none"]
+    return out
 
 
 def speed_words(time_ratio: float) -> str:
@@ -261,23 +336,33 @@ def speed_words(time_ratio: float) -> str:
 
 
 def to_markdown(r: dict, machine: str) -> str:
+    def ms(x):
+        return f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})"
     lines = [f"{r['params'] / 1e6:.0f}M params, {r['world_size']} ranks, {r['rank_state_GB']:.2f} GB of model + "
-             f"AdamW state per rank; {machine}", "",
-             "| method | first save blocking (s) | steady blocking (s) | until committed (s) | write GB/s |",
-             "|---|---|---|---|---|"]
+             f"AdamW state per rank; {machine}. Median (min-max) over {r['methods']['dcp_sync']['rounds'] - 1} "
+             "steady-state rounds after the first, methods interleaved.", "",
+             "| method | first blocking (s) | blocking (s) | upload (s) | commit overhead (s) | until committed (s) | "
+             "write GB/s |", "|---|---|---|---|---|---|---|"]
     for name, m in r["methods"].items():
-        lines.append(f"| {name} | {m['first_blocking_s']:.2f} | {m['steady_blocking_s']:.2f} | "
-                     f"{m['committed_s']:.2f} | {m['write_GBps']:.2f} |")
-    lines.append(f"| memcpy floor (rank's state bytes) | | {r['memcpy_floor_s']:.2f} | | |")
-    ra, tp = r["ratios"], r["throughput_steps_per_s"]
-    lines += ["", f"- load: {r['load_s']['same_world']:.2f} s at the same world size, "
-              f"{r['load_s']['world_1']:.2f} s at 1 rank",
-              f"- training: {tp['none']:.3f} steps/s without saves, {tp['thread']:.3f} with a thread-mode save every "
-              f"{r['save_every']} steps ({ra['throughput_thread_over_none']:.1%}), {tp['process']:.3f} with process mode "
-              f"({ra['throughput_process_over_none']:.1%})",
-              f"- async steady blocking / memcpy floor: {ra['async_blocking_over_memcpy']:.2f}x; "
-              f"/ sync DCP save: {ra['async_blocking_over_sync']:.1%}",
-              f"- DCP sync vs rank-0 torch.save: {speed_words(ra['rank0_torch_save_over_dcp_sync'])}"]
+        lines.append(f"| {name} | {m['first_blocking_s']:.2f} | {ms(m['blocking_s'])} | {ms(m['upload_s'])} | "
+                     f"{ms(m['commit_overhead_s'])} | {ms(m['committed_s'])} | {m['write_GBps']:.2f} |")
+    lines.append(f"| memcpy floor (rank's state bytes) | | {r['memcpy_floor_s']:.2f} | | | | |")
+    ra = r["ratios"]
+    lines += ["", "| resume verification | parallel, XXH3-128 (s) | old: rank 0 SHA-256 of all (s) |", "|---|---|---|"]
+    for w, v in sorted(r["verify_s"].items()):
+        lines.append(f"| W={w[1:]} | {v['parallel_xxh3_s']:.2f} | {v['rank0_sha256_s']:.2f} |")
+    lines += ["", f"- load: {r['load_s']['same_world']:.2f} s at the same world size, {r['load_s']['world_1']:.2f} s "
+              "at 1 rank",
+              f"- commit overhead / upload (worst of our modes): {ra['commit_overhead_over_upload']:.1%} (target <= 10%)",
+              f"- DCP sync vs rank-0 torch.save: {speed_words(ra['rank0_torch_save_over_dcp_sync'])} (target >= 3x faster)",
+              f"- async committed / plain dcp.save: {ra['async_committed_over_plain_dcp']:.2f}x (target <= 1.2x)",
+              f"- async blocking / memcpy floor: {ra['async_blocking_over_memcpy']:.2f}x; / sync DCP save: "
+              f"{ra['async_blocking_over_sync']:.1%}"]
+    if "throughput_steps_per_s" in r:
+        tp = r["throughput_steps_per_s"]
+        lines.append(f"- training: {tp['none']:.3f} steps/s without saves, {tp['thread']:.3f} with a thread-mode save "
+                     f"every {r['save_every']} steps ({ra['throughput_thread_over_none']:.1%}), {tp['process']:.3f} "
+                     f"with process mode ({ra['throughput_process_over_none']:.1%})")
     return "\n".join(lines) + "\n"
 
 

@@ -1,11 +1,11 @@
 """Command line for checkpoints: verify, inspect, reshard, export.
 
-    python -m ckpt verify  runs/tiny/checkpoints/step-000200
+    python -m ckpt verify  runs/tiny/checkpoints/step-000200 [--jobs 8]
     python -m ckpt inspect runs/tiny/checkpoints                  # list: step, world size, size, status
     python -m ckpt inspect runs/tiny/checkpoints/step-000200      # summary: train state, sizes by group
     python -m ckpt inspect runs/tiny/checkpoints/step-000200 --tensors   # every key, shape and dtype
     python -m ckpt reshard <src> <dst> --world-size 3
-    python -m ckpt export  <checkpoint> <out_dir> [--dtype bf16|fp32]
+    python -m ckpt export  <checkpoint> <out_dir> [--dtype auto|fp32|bf16|fp16] [--jobs 4]
 
 Exit status 0 on success, 1 when a checkpoint is invalid or a command fails; errors go to stderr.
 """
@@ -20,13 +20,13 @@ from .commit import VerifyError, verify_checkpoint
 
 def cmd_verify(args) -> int:
     try:
-        marker = verify_checkpoint(args.path)
+        marker = verify_checkpoint(args.path, jobs=args.jobs)
     except VerifyError as e:
         print(f"INVALID: {e}", file=sys.stderr)
         return 1
     size = sum(f["size"] for f in marker["files"].values())
     print(f"OK: {args.path}: step {marker['step']}, {len(marker['files'])} files, {size / 2**20:.1f} MiB, "
-          "sizes and sha256 match the commit manifest")
+          f"sizes and {marker['algorithm']} checksums match the commit manifest")
     return 0
 
 
@@ -42,7 +42,7 @@ def cmd_reshard(args) -> int:
 
 def cmd_export(args) -> int:
     from .hf import export_cli
-    return export_cli(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size)
+    return export_cli(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.jobs)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="check commit marker, manifest, sizes and checksums")
     v.add_argument("path")
+    v.add_argument("--jobs", type=int, default=1, help="threads hashing files in parallel")
     v.set_defaults(fn=cmd_verify)
     i = sub.add_parser("inspect", help="list checkpoints of a directory, or show one checkpoint")
     i.add_argument("path")
@@ -64,7 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a Hugging Face model folder from a checkpoint")
     e.add_argument("checkpoint")
     e.add_argument("out_dir")
-    e.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    e.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
+                   help="auto: the source model's torch_dtype (fp32 for a random init)")
+    e.add_argument("--jobs", type=int, default=1, help="processes writing tensors in parallel")
     e.add_argument("--max-shard-size", default="2GB", help="split safetensors above this size (e.g. 500MB)")
     e.set_defaults(fn=cmd_export)
     return p

@@ -1,36 +1,36 @@
 """The commit protocol: a checkpoint exists only once its marker, with a manifest of every file, is durable.
 
-    python -m ckpt verify runs/tiny/checkpoints/step-000020
+    python -m ckpt verify runs/tiny/checkpoints/step-000020 --jobs 4
 
-Order on save: every rank's DCP files are written and fsynced (FileSystemWriter(sync_files=True));
-DCP's finish step (rank 0 writes .metadata) returns only after all ranks reported; then rank 0 hashes
-every file (off the training path, in the background for async saves) and writes commit.json via
-tmp + fsync + rename + directory fsync. A crash at any moment leaves either no marker (ignored on
+Order on save: each rank writes and fsyncs its DCP files, checksumming the bytes as they go out
+(checksum.py, in the thread or process that uploads); DCP's finish step gathers every rank's write
+results, digests included, to rank 0, which writes .metadata; then rank 0 writes commit.json from
+those digests and the files .metadata references, never from a directory listing (on NFS a listing
+can miss files other nodes just wrote), via tmp + fsync + rename + directory fsync. Rank 0 reads
+only the small files it wrote itself. A crash at any moment leaves either no marker (ignored on
 resume) or a complete one.
+
+Verification is two parts so it can be split: `check_manifest` (marker, .metadata's files all in
+the manifest, no stray data files, meta.json: metadata only, one rank) and `check_files` (sizes and
+checksums of any subset of the files). Resume gives each rank its share (`shares`, manager.py);
+`python -m ckpt verify` checks every file, on `--jobs` threads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+from .checksum import ALGORITHM, LEGACY_ALGORITHM, file_digest
 from .layout import COMMIT_FILE, step_of
 
-_CHUNK = 8 << 20
+METADATA_FILE = ".metadata"
 
 
 class VerifyError(Exception):
     """A checkpoint failed verification; the message names the file and the problem."""
-
-
-def file_checksum(path: str) -> str:
-    h = hashlib.sha256()  # hashlib releases the GIL on large buffers: training threads keep running
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fsync_dir(path: str) -> None:
@@ -52,23 +52,33 @@ def write_json_atomic(path: str, obj: dict) -> None:
     fsync_dir(os.path.dirname(path) or ".")
 
 
-def build_manifest(ckpt_path: str) -> dict[str, dict]:
-    files = {}
-    for name in sorted(os.listdir(ckpt_path)):
+def referenced_files(metadata) -> set[str]:
+    """The data files a DCP Metadata reads from."""
+    return {info.relative_path for info in (metadata.storage_data or {}).values()}
+
+
+def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files: list[str]) -> dict[str, dict]:
+    """Every rank's data-file digests, plus .metadata and `own_files` (small files this rank wrote), hashed here."""
+    unreported = sorted(referenced_files(metadata) - set(digests))
+    if unreported:
+        raise VerifyError(f"{ckpt_path}: no rank reported a checksum for {', '.join(unreported[:4])}; "
+                          "refusing to commit")
+    files = dict(digests)
+    for name in (METADATA_FILE, *own_files):
         full = os.path.join(ckpt_path, name)
-        if name == COMMIT_FILE or ".tmp" in name or not os.path.isfile(full):
-            continue
-        files[name] = {"size": os.path.getsize(full), "sha256": file_checksum(full)}
+        if not os.path.isfile(full):
+            raise VerifyError(f"{full}: missing after save; refusing to commit")
+        files[name] = file_digest(full)
     return files
 
 
-def commit_checkpoint(ckpt_path: str, world_size: int) -> dict:
-    """Hash every file and write the commit marker last. Call on one rank after the save finished."""
+def commit_checkpoint(ckpt_path: str, world_size: int, digests: dict[str, dict], metadata,
+                      own_files: list[str]) -> dict:
+    """Write the commit marker from the gathered digests. Call on one rank after the save finished."""
+    files = build_manifest(ckpt_path, digests, metadata, own_files)
     fsync_dir(ckpt_path)  # the data files' directory entries are durable before the marker can be
     marker = {"step": step_of(ckpt_path), "world_size": world_size, "committed_at": time.time(),
-              "files": build_manifest(ckpt_path)}
-    if ".metadata" not in marker["files"]:
-        raise VerifyError(f"{ckpt_path}: no .metadata after save; refusing to commit")
+              "algorithm": ALGORITHM, "files": files}
     write_json_atomic(os.path.join(ckpt_path, COMMIT_FILE), marker)
     return marker
 
@@ -80,27 +90,31 @@ def read_marker(ckpt_path: str) -> dict:
     try:
         with open(path) as f:
             marker = json.load(f)
-        files = marker["files"]
-        assert isinstance(files, dict) and all("size" in v and "sha256" in v for v in files.values())
+        marker.setdefault("algorithm", LEGACY_ALGORITHM)  # written before the field existed
+        files, algorithm = marker["files"], marker["algorithm"]
+        assert algorithm in (ALGORITHM, LEGACY_ALGORITHM)
+        assert isinstance(files, dict) and all("size" in v and algorithm in v for v in files.values())
     except Exception as e:  # noqa: BLE001 - any unreadable marker is the same verdict
         raise VerifyError(f"{path}: corrupt commit marker ({type(e).__name__})") from None
     return marker
 
 
-def verify_checkpoint(ckpt_path: str, checksums: bool = True) -> dict:
-    """Marker present and well formed, every listed file present with its size (and checksum), no
-    unlisted data files. Returns the marker; raises VerifyError naming the first bad file."""
+def check_manifest(ckpt_path: str) -> dict:
+    """The checks that read no data file: marker well formed, every file .metadata references is in the
+    manifest, no data file outside it, meta.json readable. Returns the marker; raises VerifyError."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     if not os.path.isdir(ckpt_path):
         raise VerifyError(f"{ckpt_path}: not a directory")
     marker = read_marker(ckpt_path)
-    for name, info in marker["files"].items():
-        full = os.path.join(ckpt_path, name)
-        if not os.path.isfile(full):
-            raise VerifyError(f"{full}: missing")
-        if os.path.getsize(full) != info["size"]:
-            raise VerifyError(f"{full}: size {os.path.getsize(full)} != {info['size']} in manifest")
-        if checksums and file_checksum(full) != info["sha256"]:
-            raise VerifyError(f"{full}: checksum mismatch")
+    if METADATA_FILE not in marker["files"]:
+        raise VerifyError(f"{ckpt_path}: {METADATA_FILE} not in the commit manifest")
+    try:
+        metadata = FileSystemReader(ckpt_path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - missing, torn or not a pickle: the same verdict
+        raise VerifyError(f"{os.path.join(ckpt_path, METADATA_FILE)}: unreadable ({type(e).__name__})") from None
+    for name in sorted(referenced_files(metadata) - set(marker["files"])):
+        raise VerifyError(f"{os.path.join(ckpt_path, name)}: referenced by {METADATA_FILE} but not in the manifest")
     for name in os.listdir(ckpt_path):
         if name.endswith(".distcp") and name not in marker["files"]:
             raise VerifyError(f"{os.path.join(ckpt_path, name)}: data file not in manifest")
@@ -110,4 +124,54 @@ def verify_checkpoint(ckpt_path: str, checksums: bool = True) -> dict:
             json.load(f)
     except (OSError, ValueError):
         raise VerifyError(f"{meta}: unreadable") from None
+    return marker
+
+
+def check_file(ckpt_path: str, name: str, expected: dict, algorithm: str) -> str | None:
+    """None if the file has its manifest size and checksum, else the problem, naming the file."""
+    full = os.path.join(ckpt_path, name)
+    try:
+        size = os.path.getsize(full)
+        if size != expected["size"]:
+            return f"{full}: size {size} != {expected['size']} in manifest"
+        if file_digest(full, algorithm)[algorithm] != expected[algorithm]:
+            return f"{full}: checksum mismatch ({algorithm})"
+    except FileNotFoundError:
+        return f"{full}: missing"
+    except OSError as e:
+        return f"{full}: unreadable ({e.strerror})"
+    return None
+
+
+def check_files(ckpt_path: str, marker: dict, names: list[str], jobs: int = 1) -> str | None:
+    """The first problem among `names` (in the order given), or None; `jobs` threads hash in parallel
+    (file reads and both hashes release the GIL)."""
+    files, algorithm = marker["files"], marker["algorithm"]
+    if jobs <= 1 or len(names) <= 1:
+        results = (check_file(ckpt_path, n, files[n], algorithm) for n in names)
+    else:
+        with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="ckpt-verify") as pool:
+            results = list(pool.map(lambda n: check_file(ckpt_path, n, files[n], algorithm), names))
+    return next((r for r in results if r is not None), None)
+
+
+def shares(files: dict[str, dict], world_size: int) -> list[list[str]]:
+    """Split the manifest's files over ranks by size (largest first to the least loaded rank), the same
+    on every rank, so each verifies about total/W bytes."""
+    load = [0] * world_size
+    out: list[list[str]] = [[] for _ in range(world_size)]
+    for name in sorted(files, key=lambda n: (-files[n]["size"], n)):
+        r = load.index(min(load))
+        out[r].append(name)
+        load[r] += files[name]["size"]
+    return out
+
+
+def verify_checkpoint(ckpt_path: str, jobs: int = 1) -> dict:
+    """The full check in one process: manifest, then every file's size and checksum. Returns the marker;
+    raises VerifyError naming the first bad file."""
+    marker = check_manifest(ckpt_path)
+    problem = check_files(ckpt_path, marker, sorted(marker["files"]), jobs)
+    if problem:
+        raise VerifyError(problem)
     return marker

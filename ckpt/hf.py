@@ -8,7 +8,9 @@ shards, so a rank reads only its own slices of the safetensors files; the full m
 one place. Export (`export_checkpoint`): one `dcp.load` with no process group whose planner, instead
 of filling a state dict, writes each saved chunk straight to its place in the output safetensors
 files, so memory peaks at about one saved chunk (a rank's shard of the largest tensor), not the model:
-`python bench/export_rss.py` measures it.
+`python bench/export_rss.py` measures it. The files are created at full size first, so writers fill
+them in parallel, each its share of the tensors: `--jobs N` processes offline, every rank of the job
+for `export.at_end`. The default dtype (`auto`) is the source model's torch_dtype, fp32 for random init.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from .layout import CONFIG_FILE, step_dir
 from .manager import CheckpointError, latest_committed_step, read_meta
 
 MODEL_PREFIX = "app.model."  # where CheckpointManager's ModelOptimizer puts the model's state dict
-EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # or "auto": source_dtype
+_DTYPE_NAMES = {v: k for k, v in EXPORT_DTYPES.items()}
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 _PIECE = 4 << 20  # elements converted and written at a time (16 MiB of fp32)
@@ -197,18 +200,29 @@ def file_names(n: int) -> list[str]:
     return ["model.safetensors"] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def open_safetensors(path: str, tensors: list[OutTensor]) -> tuple[int, int]:
-    """Create `path` with its header and its full size (holes for now); returns (fd, data start)."""
+def safetensors_header(tensors: list[OutTensor]) -> bytes:
+    """The 8-byte length and JSON header of a safetensors file holding `tensors`; data follows it."""
     header = {"__metadata__": {"format": "pt"}}
     for t in tensors:
         header[t.name] = {"dtype": _SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape),
                           "data_offsets": [t.begin, t.begin + t.nbytes]}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.write(fd, len(blob).to_bytes(8, "little") + blob)
-    os.ftruncate(fd, 8 + len(blob) + sum(t.nbytes for t in tensors))
-    return fd, 8 + len(blob)
+    return len(blob).to_bytes(8, "little") + blob
+
+
+def create_files(out_dir: str, files: list[list[OutTensor]]) -> list[str]:
+    """Create every output file with its header at its full size (holes for now), for writers to fill."""
+    names = file_names(len(files))
+    for name, tensors in zip(names, files):
+        head = safetensors_header(tensors)
+        fd = os.open(os.path.join(out_dir, name), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, head)
+            os.ftruncate(fd, len(head) + sum(t.nbytes for t in tensors))
+        finally:
+            os.close(fd)
+    return names
 
 
 def chunk_runs(offsets, sizes, shape) -> tuple[list[int], int]:
@@ -295,11 +309,23 @@ class SingleCopyReader(FileSystemReader):
         return done
 
 
-def write_weights(ckpt_path: str, out_dir: str, files: list[list[OutTensor]]) -> list[str]:
-    """Stream the checkpoint's model tensors into the planned safetensors files; returns their names."""
-    names = file_names(len(files))
-    fds = [open_safetensors(os.path.join(out_dir, n), ts) for n, ts in zip(names, files)]
-    tensors = {t.name: t for ts in files for t in ts}
+def tensor_shares(files: list[list[OutTensor]], n: int) -> list[list[str]]:
+    """Split the output tensors over n writers by bytes (largest first to the least loaded), the same everywhere."""
+    load, out = [0] * n, [[] for _ in range(n)]
+    for t in sorted((t for ts in files for t in ts), key=lambda t: (-t.nbytes, t.name)):
+        w = load.index(min(load))
+        out[w].append(t.name)
+        load[w] += t.nbytes
+    return out
+
+
+def write_share(ckpt_path: str, out_dir: str, files: list[list[OutTensor]], share: list[str]) -> None:
+    """Stream the saved chunks of the tensors in `share` into their places in the files create_files made.
+    Writers of other shares may run at the same time, in other processes or on other ranks: each one
+    touches only its own tensors' byte ranges."""
+    names, wanted = file_names(len(files)), set(share)
+    fds = [(os.open(os.path.join(out_dir, n), os.O_RDWR), len(safetensors_header(ts))) for n, ts in zip(names, files)]
+    tensors = {t.name: t for ts in files for t in ts if t.name in wanted}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
@@ -313,7 +339,22 @@ def write_weights(ckpt_path: str, out_dir: str, files: list[list[OutTensor]]) ->
     short = [t.name for t in tensors.values() if t.written != t.nbytes]
     if short:
         raise CheckpointError(f"{ckpt_path}: the saved chunks of {_few(short)} do not cover the whole tensor")
-    return names
+
+
+def write_weights(plan: "ExportPlan", jobs: int = 1) -> None:
+    """Fill the files start_export created, with `jobs` processes (this one included), a share each."""
+    shares = tensor_shares(plan.files, max(1, jobs))
+    args = (plan.ckpt_path, plan.tmp, plan.files)
+    if jobs <= 1:
+        write_share(*args, shares[0])
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(jobs - 1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        others = [pool.submit(write_share, *args, share) for share in shares[1:]]
+        write_share(*args, shares[0])
+        for f in others:
+            f.result()
 
 
 def write_index(out_dir: str, files: list[list[OutTensor]], names: list[str]) -> None:
@@ -354,20 +395,44 @@ def _replace_dir(tmp: str, out_dir: str) -> None:
 
 # ---------------------------------------------------------------- export: the entry points
 
-def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "2GB",
-                      overwrite: bool = False, verify: bool = True) -> dict:
-    """Write a complete HF model folder from a checkpoint saved at any world size, in this one process
-    with no process group. The folder appears whole or not at all (built beside it, then renamed)."""
+@dataclass
+class ExportPlan:
+    """Everything an export writer needs, computed the same on every rank / process from the checkpoint."""
+    ckpt_path: str
+    out_dir: str
+    model_dir: str
+    tok_dir: str
+    config: object
+    cls_name: str
+    names: list[str]
+    files: list[list[OutTensor]]
+    dtype: torch.dtype
+
+    @property
+    def tmp(self) -> str:
+        return f"{self.out_dir}.tmp-export"  # the same name on every rank: ranks fill one folder
+
+    def summary(self) -> dict:
+        return {"path": self.out_dir, "class": self.cls_name, "tensors": len(self.names), "files": len(self.files),
+                "bytes": sum(t.nbytes for ts in self.files for t in ts), "dtype": _DTYPE_NAMES[self.dtype]}
+
+
+def source_dtype(ckpt_path: str, config) -> torch.dtype:
+    """The export dtype `auto` means: the source model's torch_dtype when training started from weights
+    (model.name_or_path), fp32 for a random init (nothing to follow) or a non-float / unknown dtype."""
+    with open(os.path.join(ckpt_path, CONFIG_FILE)) if os.path.isfile(os.path.join(ckpt_path, CONFIG_FILE)) else \
+            io.StringIO("") as f:
+        pretrained = ((yaml.safe_load(f) or {}).get("model") or {}).get("name_or_path")
+    found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(found, str):
+        found = getattr(torch, found, None)
+    return found if pretrained and found in _DTYPE_NAMES else torch.float32
+
+
+def plan_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB") -> ExportPlan:
+    """Check the checkpoint against the model it was trained from and lay out the output files."""
     from transformers import AutoConfig
 
-    out_dir = os.path.normpath(out_dir)
-    if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise CheckpointError(f"{out_dir} exists and is not empty; choose a new folder")
-    if verify:
-        try:
-            verify_checkpoint(ckpt_path)
-        except VerifyError as e:
-            raise CheckpointError(f"cannot export {ckpt_path}: {e}") from None
     model_dir, tok_dir = source_dirs(ckpt_path)
     config = AutoConfig.from_pretrained(model_dir)
     cls_name, names, aliases = model_names(config)
@@ -378,40 +443,100 @@ def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "fp32", max_sha
     if missing or extra:
         raise CheckpointError(f"{ckpt_path} is not a checkpoint of {cls_name} from {model_dir}: "
                               f"missing {_few(missing)}, extra {_few(extra)}")
-    files = plan_files(saved, names, EXPORT_DTYPES[dtype], parse_size(max_shard_size))
-    tmp = f"{out_dir}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else EXPORT_DTYPES[dtype]
+    files = plan_files(saved, names, out_dtype, parse_size(max_shard_size))
+    return ExportPlan(ckpt_path, os.path.normpath(out_dir), model_dir, tok_dir, config, cls_name, names, files,
+                      out_dtype)
+
+
+def check_export(ckpt_path: str, out_dir: str, overwrite: bool, verify: bool, jobs: int = 1) -> None:
+    if not overwrite and os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise CheckpointError(f"{out_dir} exists and is not empty; choose a new folder")
+    if verify:
+        try:
+            verify_checkpoint(ckpt_path, jobs=jobs)
+        except VerifyError as e:
+            raise CheckpointError(f"cannot export {ckpt_path}: {e}") from None
+
+
+def start_export(plan: ExportPlan) -> None:
+    """One writer, first: a fresh temporary folder with every output file created at full size."""
+    shutil.rmtree(plan.tmp, ignore_errors=True)
+    os.makedirs(plan.tmp)
+    create_files(plan.tmp, plan.files)
+
+
+def finish_export(plan: ExportPlan) -> None:
+    """One writer, after all shares are written: index, config, tokenizer, then the folder moves into place."""
+    write_index(plan.tmp, plan.files, file_names(len(plan.files)))
+    write_model_files(plan.model_dir, plan.tok_dir, plan.tmp, plan.config, plan.cls_name, plan.dtype)
+    _replace_dir(plan.tmp, plan.out_dir)
+
+
+def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB",
+                      overwrite: bool = False, verify: bool = True, jobs: int = 1) -> dict:
+    """Write a complete HF model folder from a checkpoint saved at any world size, with `jobs` processes
+    and no process group. The folder appears whole or not at all (built beside it, then renamed)."""
+    check_export(ckpt_path, out_dir, overwrite, verify, jobs)
+    plan = plan_export(ckpt_path, out_dir, dtype, max_shard_size)
     try:
-        written = write_weights(ckpt_path, tmp, files)
-        write_index(tmp, files, written)
-        write_model_files(model_dir, tok_dir, tmp, config, cls_name, EXPORT_DTYPES[dtype])
-        _replace_dir(tmp, out_dir)
+        start_export(plan)
+        write_weights(plan, jobs)
+        finish_export(plan)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(plan.tmp, ignore_errors=True)
         raise
-    return {"path": out_dir, "class": cls_name, "tensors": len(names), "files": len(written),
-            "bytes": sum(t.nbytes for ts in files for t in ts)}
+    return plan.summary()
 
 
-def export_latest(ckpt_dir: str, out_dir: str, dtype: str = "fp32") -> str:
-    """End of training: export the newest committed checkpoint (just committed by this job, so not
-    re-hashed) over any earlier export in out_dir; returns a line for the log."""
+def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=None) -> dict:
+    """export_checkpoint with every rank of the job writing its share of the tensors (no verification: the
+    caller has just committed it). Call on all ranks; an error on any rank raises on all."""
+    import torch.distributed as dist
+
+    from .manager import on_rank0_then_share
+
+    plan = plan_export(ckpt_path, out_dir, dtype)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    on_rank0_then_share(lambda: start_export(plan), group)
+    problem = None
+    try:
+        write_share(plan.ckpt_path, plan.tmp, plan.files, tensor_shares(plan.files, world)[rank])
+    except Exception as e:  # noqa: BLE001 - agreed below, re-raised on every rank
+        problem = f"{type(e).__name__}: {e}"
+    problems = [None] * world
+    dist.all_gather_object(problems, problem, group=group)
+    if any(problems):
+        on_rank0_then_share(lambda: shutil.rmtree(plan.tmp, ignore_errors=True), group)
+        raise CheckpointError(f"export of {ckpt_path} failed: {next(p for p in problems if p)}")
+    on_rank0_then_share(lambda: finish_export(plan), group)
+    return plan.summary()
+
+
+def export_latest(ckpt_dir: str, out_dir: str, dtype: str = "auto") -> str:
+    """End of training, on every rank: export the newest committed checkpoint (just committed by this job,
+    so not re-hashed) over any earlier export in out_dir, each rank writing its share; returns a log line."""
+    import torch.distributed as dist
+
     step = latest_committed_step(ckpt_dir)
     if step is None:
         raise CheckpointError(f"export: no committed checkpoint in {ckpt_dir} (ckpt.save_at_end=false?)")
-    info = export_checkpoint(step_dir(ckpt_dir, step), out_dir, dtype, overwrite=True, verify=False)
+    if dist.is_initialized():
+        info = export_on_ranks(step_dir(ckpt_dir, step), out_dir, dtype)
+    else:
+        info = export_checkpoint(step_dir(ckpt_dir, step), out_dir, dtype, overwrite=True, verify=False)
     return (f"export: step {step} -> {info['path']} ({info['class']}, {info['files']} safetensors file(s), "
-            f"{info['bytes'] / 2**20:.1f} MiB {dtype})")
+            f"{info['bytes'] / 2**20:.1f} MiB {info['dtype']})")
 
 
-def export_cli(checkpoint: str, out_dir: str, dtype: str = "fp32", max_shard_size: str = "2GB") -> int:
+def export_cli(checkpoint: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB", jobs: int = 1) -> int:
     """`python -m ckpt export`: 0 and one OK line, or 1 and one error line."""
     try:
-        info = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size)
+        info = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size, jobs=jobs)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"OK: {checkpoint} -> {info['path']}: {info['class']}, {info['tensors']} tensors in {info['files']} "
-          f"safetensors file(s), {info['bytes'] / 2**20:.1f} MiB {dtype}, with config, generation config, tokenizer")
+          f"safetensors file(s), {info['bytes'] / 2**20:.1f} MiB {info['dtype']}, with config, generation config, "
+          "tokenizer")
     return 0

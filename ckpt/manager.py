@@ -4,10 +4,11 @@
 
 - save(): sync (`dcp.save`) or async (`dcp.async_save` with a reused `DefaultStager`, thread or
   process uploader). Training blocks only while the state is staged; at most one save is in flight.
-- commit: after the upload, rank 0 hashes the files and writes the marker (commit.py), then applies
-  retention. Errors in the background are kept and raised by the next poll()/wait()/save().
-- load(): verified checkpoints only; resume="auto" walks back from the newest, logging what it skips.
-- lock: rank 0 holds an flock on <ckpt.dir>/.lock for the life of the job.
+- commit: each rank checksums the files it writes as it writes them; DCP's finish gathers the digests
+  to rank 0, which writes the marker from them (commit.py), then applies retention. Errors in the background are kept and raised by the next poll()/wait()/save().
+- load(): verified checkpoints only, each rank checking its share of the files (O(bytes / W)) and all
+  agreeing on the verdict; resume="auto" walks back from the newest, logging what it skips.
+- lock: rank 0 holds <ckpt.dir>/.lock for the life of the job (lock.py).
 Checkpoint collectives run on a dedicated gloo group, so they never queue behind training collectives
 and async save has the CPU backend it needs even when training runs on NCCL.
 """
@@ -16,13 +17,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -31,33 +30,34 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from .commit import VerifyError, commit_checkpoint, verify_checkpoint
+from .checksum import ChecksummingWriter
+from .commit import VerifyError, check_files, check_manifest, commit_checkpoint, shares
+from .lock import DirLock, LockError
 from .faults import TornWriteFileSystem, fault_point, wants
 from .preflight import process_staging_shortfall
-from .layout import COMMIT_FILE, LOCK_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
+from .layout import COMMIT_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
 
 
 class CheckpointError(RuntimeError):
     """A save, load or lock problem; the message names the checkpoint and the cause."""
 
 
-class _Writer(FileSystemWriter):
-    """FileSystemWriter that fsyncs every file, with the `write` fault point for the tests.
+class _Writer(ChecksummingWriter):
+    """The checkpoint writer (fsync + checksums, checksum.py) with the `write` fault point for the tests.
 
     per_thread_copy_ahead=0: the staged state is already in host memory, and DCP's default (10 MB) sends
     the upload through its CUDA-stream loader, which opens a CUDA context on GPU 0 from every rank's
     uploader thread or process."""
 
     def __init__(self, path: str, step: int):
-        super().__init__(path, sync_files=True, per_thread_copy_ahead=0)
+        # tests only: files that tear after their first bytes
+        super().__init__(path, TornWriteFileSystem(step) if wants("partial_write") else None, per_thread_copy_ahead=0)
         self.step = step
-        if wants("partial_write"):  # tests only: files that tear after their first bytes
-            self.fs = TornWriteFileSystem(step)
 
     def write_data(self, plan, planner):
         fault_point("write", self.step)
@@ -168,7 +168,7 @@ class CheckpointManager:
         self._inflight: Future | None = None
         self._inflight_step: int | None = None
         self._staging: Future | None = None
-        self._lock_file = None
+        self._lock: DirLock | None = None
         self.last_saved_step: int | None = None
 
     # ------------------------------------------------------------ agreement helpers
@@ -188,26 +188,15 @@ class CheckpointManager:
     # ------------------------------------------------------------ lock
 
     def acquire_lock(self) -> None:
-        """Refuse to run if another live job owns this ckpt.dir (flock dies with its holder)."""
+        """Refuse to run if another live job owns this ckpt.dir (lock.py: flock, or a heartbeat where the
+        file system has no flock)."""
         def lock():
+            self._lock = DirLock(self.dir)
             try:
-                os.makedirs(self.dir, exist_ok=True)
-                f = open(os.path.join(self.dir, LOCK_FILE), "a+")
-            except OSError as e:
-                raise CheckpointError(f"ckpt.dir {self.dir} is not writable: {e.strerror}") from None
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "unknown"
-                f.close()
-                raise CheckpointError(f"ckpt.dir {self.dir} is in use by another job ({holder}); "
-                                      "stop it or point ckpt.dir elsewhere") from None
-            f.seek(0)
-            f.truncate()
-            f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%F %T')}\n")
-            f.flush()
-            self._lock_file = f
+                self._lock.acquire()
+            except LockError as e:
+                self._lock = None
+                raise CheckpointError(str(e)) from None
         self._on_rank0_then_share(lock)
 
     # ------------------------------------------------------------ save
@@ -255,9 +244,10 @@ class CheckpointManager:
         writer = _Writer(path, step)
         if blocking or self.async_mode == "off":
             try:
-                dcp.save(state, storage_writer=writer, process_group=self.pg, planner=_planner())
+                metadata = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=_planner())
+                upload_s = time.perf_counter() - t0
                 fault_point("before_commit", step)
-                self._on_rank0_then_share(lambda: self._commit(path, step))
+                self._on_rank0_then_share(lambda: self._commit(path, step, metadata, list(files)))
             except CheckpointError:
                 raise
             except Exception as e:
@@ -265,7 +255,7 @@ class CheckpointManager:
             blocking_s = time.perf_counter() - t0
             self.last_saved_step = step
             self.on_event("checkpoint", step=step, path=path, mode="sync", blocking_s=blocking_s,
-                          committed_s=blocking_s)
+                          upload_s=upload_s, committed_s=blocking_s)
             return blocking_s
         with _preemption_signals_blocked():
             resp = dcp.async_save(
@@ -280,7 +270,7 @@ class CheckpointManager:
         fault_point("staged", step)
         blocking_s = time.perf_counter() - t0
         self.last_saved_step = step
-        self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s)
+        self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s, list(files))
         self._inflight_step = step
         return blocking_s
 
@@ -290,19 +280,21 @@ class CheckpointManager:
             self._staging.result()
             self._staging = None
 
-    def _finish_async(self, upload: Future, path: str, step: int, t0: float, blocking_s: float) -> None:
+    def _finish_async(self, upload: Future, path: str, step: int, t0: float, blocking_s: float,
+                      own_files: list[str]) -> None:
         try:
-            upload.result()
+            metadata = upload.result()
+            upload_s = time.perf_counter() - t0
         except Exception as e:
             raise CheckpointError(f"background save of {path} failed: {type(e).__name__}: {e}") from e
         fault_point("before_commit", step)
         if self.rank == 0:
-            self._commit(path, step)
+            self._commit(path, step, metadata, own_files)
         self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s,
-                      committed_s=time.perf_counter() - t0)
+                      upload_s=upload_s, committed_s=time.perf_counter() - t0)
 
-    def _commit(self, path: str, step: int) -> None:
-        marker = commit_checkpoint(path, self.world_size)
+    def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> None:
+        marker = commit_checkpoint(path, self.world_size, metadata.file_digests, metadata, own_files)
         fault_point("after_commit", step)
         size = sum(f["size"] for f in marker["files"].values())
         self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
@@ -358,33 +350,49 @@ class CheckpointManager:
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
-            if self._lock_file is not None:
-                self._lock_file.close()
-                self._lock_file = None
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     # ------------------------------------------------------------ resume
 
     def find_resume(self, resume: str) -> str | None:
-        """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
+        """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one.
+        Every rank takes part: rank 0 lists the folders, each rank checks its share of each one's files."""
         if resume == "none":
             return None
+        if resume != "auto":
+            try:
+                self.verify(resume)
+            except VerifyError as e:
+                raise CheckpointError(f"cannot resume from {resume}: {e}") from None
+            return resume
+        for step, path in reversed(self._on_rank0_then_share(lambda: list_step_dirs(self.dir))):
+            try:
+                self.verify(path)
+                return path
+            except VerifyError as e:
+                self.on_log(f"resume: skipping {path}: {e}")
+                self.on_event("resume_skip", step=step, path=path, reason=str(e))
+        return None
 
-        def choose():
-            if resume != "auto":
-                try:
-                    verify_checkpoint(resume)
-                except VerifyError as e:
-                    raise CheckpointError(f"cannot resume from {resume}: {e}") from None
-                return resume
-            for step, path in reversed(list_step_dirs(self.dir)):
-                try:
-                    verify_checkpoint(path)
-                    return path
-                except VerifyError as e:
-                    self.on_log(f"resume: skipping {path}: {e}")
-                    self.on_event("resume_skip", step=step, path=path, reason=str(e))
-            return None
-        return self._on_rank0_then_share(choose)
+    def verify(self, path: str) -> dict:
+        """verify_checkpoint split over the ranks: rank 0 checks the manifest (no data read), each rank the
+        sizes and checksums of its share of the files (O(bytes / W)), and all agree on one verdict.
+        Returns the marker; raises VerifyError, with the same message, on every rank."""
+        marker = on_rank0_then_share(lambda: check_manifest(path), self.pg, VerifyError)
+        mine = shares(marker["files"], self.world_size)[self.rank]
+        problem = check_files(path, marker, mine)
+        if self.pg is not None:
+            flag = torch.tensor([float(problem is not None)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg)
+            if flag.item():  # only on failure: every rank learns the first problem found
+                problems = [None] * self.world_size
+                dist.all_gather_object(problems, problem, group=self.pg)
+                problem = next(p for p in problems if p is not None)
+        if problem:
+            raise VerifyError(problem)
+        return marker
 
     def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "app.model.") -> None:
         """Load `state` in place from a verified checkpoint; `model_state` (the current model's state

@@ -28,12 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
+from .checksum import ChecksummingWriter
 from .commit import VerifyError, commit_checkpoint, verify_checkpoint
 from .inspect import is_dim0_sharded, read_meta_or_empty, rng_world_size, world_size_problem
 from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, step_dir, step_of
@@ -105,16 +106,18 @@ def state_skeleton(metadata: Metadata, saved_world: int, mesh: DeviceMesh) -> di
     return state
 
 
-def write_files_and_commit(src: str, dst: str, world_size: int) -> None:
+def write_files_and_commit(src: str, dst: str, world_size: int, metadata: Metadata) -> None:
     """Rank 0, after every rank's shards and .metadata are written: meta.json, config.yaml, then the marker."""
     meta = read_meta_or_empty(src)
     meta.update(world_size=world_size, rng_world_size=rng_world_size(meta), resharded_from=os.path.abspath(src),
                 resharded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     with open(os.path.join(dst, META_FILE), "w") as f:
         f.write(json.dumps(meta, indent=1) + "\n")
+    own = [META_FILE]
     if os.path.isfile(os.path.join(src, CONFIG_FILE)):
         shutil.copyfile(os.path.join(src, CONFIG_FILE), os.path.join(dst, CONFIG_FILE))
-    commit_checkpoint(dst, world_size)
+        own.append(CONFIG_FILE)
+    commit_checkpoint(dst, world_size, metadata.file_digests, metadata, own)
 
 
 def _reshard_rank(rank: int, world_size: int, port: int, src: str, dst: str) -> None:
@@ -127,9 +130,9 @@ def _reshard_rank(rank: int, world_size: int, port: int, src: str, dst: str) -> 
         saved_world = int(read_meta_or_empty(src).get("world_size", 1))
         state = state_skeleton(metadata, saved_world, mesh)
         dcp.load(state, storage_reader=FileSystemReader(src))
-        dcp.save(state, storage_writer=FileSystemWriter(dst, sync_files=True))
+        saved = dcp.save(state, storage_writer=ChecksummingWriter(dst))
         if rank == 0:
-            write_files_and_commit(src, dst, world_size)
+            write_files_and_commit(src, dst, world_size, saved)
         dist.barrier()  # nobody exits (and tears down the group) before the commit
     finally:
         dist.destroy_process_group()

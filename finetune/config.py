@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from ckpt.policy import parse_interval
+
 
 class ConfigError(ValueError):
     """A config problem the user must fix; the message names the key."""
@@ -76,7 +78,9 @@ class TrainConfig:
 @dataclass
 class CkptConfig:
     dir: str = ""  # default <run.dir>/checkpoints
-    interval: int = 50  # save every N optimizer steps (0: only the final save)
+    interval: str = "50"  # save every N optimizer steps (0: none), or auto: Young/Daly sqrt(2 x save cost x mtbf_hours)
+    interval_minutes: float = 0.0  # also save once this many minutes of wall clock passed since the last save (0: off)
+    mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
     async_mode: str = "process"  # off | thread | process (process: fastest steady state in bench/, see README)
     keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
@@ -89,7 +93,7 @@ class CkptConfig:
 @dataclass
 class ExportConfig:
     at_end: bool = False  # write a HF model folder to <run.dir>/hf after training
-    dtype: str = "fp32"  # fp32 | bf16
+    dtype: str = "auto"  # auto (the source model's torch_dtype, fp32 for random init) | fp32 | bf16 | fp16
 
 
 @dataclass
@@ -107,7 +111,7 @@ _CHOICES = {
     "model.reduce_dtype": ("fp32", "bf16"),
     "data.format": ("auto", "text", "chat"),
     "ckpt.async_mode": ("off", "thread", "process"),
-    "export.dtype": ("fp32", "bf16"),
+    "export.dtype": ("auto", "fp32", "bf16", "fp16"),
     "ckpt.resume_config_check": ("refuse", "warn"),
 }
 
@@ -143,7 +147,8 @@ _RANGES = {
     "train.beta2": _between(0, 1, high_open=True),
     "train.grad_clip": _at_least(0),
     "train.collective_timeout_minutes": _above(0),
-    "ckpt.interval": _at_least(0),
+    "ckpt.interval_minutes": _at_least(0),
+    "ckpt.mtbf_hours": _above(0),
     "ckpt.keep_last": _at_least(0),
     "ckpt.timeout_minutes": _above(0),
 }
@@ -207,6 +212,10 @@ def validate(cfg: Config) -> None:
         value = getattr(getattr(cfg, section), name)
         if not (math.isfinite(value) and ok(value)):
             raise ConfigError(f"config key '{key}' must be {allowed}, got {value!r}")
+    try:
+        parse_interval(cfg.ckpt.interval)
+    except ValueError:
+        raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, got {cfg.ckpt.interval!r}") from None
 
 
 def _read_yaml(path: str):

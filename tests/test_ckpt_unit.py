@@ -3,49 +3,121 @@
     python -m pytest tests/test_ckpt_unit.py -q
 """
 
+import errno
+import fcntl
+import hashlib
 import json
 import os
+import socket
+import time
+import warnings
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from ckpt.commit import VerifyError, commit_checkpoint, verify_checkpoint
+import ckpt.lock as lock_module
+from ckpt.checksum import ChecksummingWriter
+from ckpt.commit import VerifyError, check_files, commit_checkpoint, shares, verify_checkpoint
 from ckpt.layout import COMMIT_FILE, list_step_dirs, step_dir
 from ckpt.manager import CheckpointError, CheckpointManager
 
+DATA = "__0_0.distcp"
+
 
 def fake_checkpoint(root, step, commit=True):
+    """A real one-process DCP checkpoint written and committed the way CheckpointManager does it."""
     path = step_dir(str(root), step)
-    os.makedirs(path)
-    for name, data in ((".metadata", b"meta"), ("__0_0.distcp", os.urandom(4096)), ("__1_0.distcp", b"x" * 100)):
-        with open(os.path.join(path, name), "wb") as f:
-            f.write(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: saving in a single process" is the intent
+        metadata = dcp.save({"w": torch.arange(1000.0), "b": torch.ones(10) * step}, no_dist=True,
+                            storage_writer=ChecksummingWriter(path))
     with open(os.path.join(path, "meta.json"), "w") as f:
-        json.dump({"step": step, "world_size": 2}, f)
+        json.dump({"step": step, "world_size": 1}, f)
     if commit:
-        commit_checkpoint(path, world_size=2)
+        commit_checkpoint(path, 1, metadata.file_digests, metadata, ["meta.json"])
     return path
+
+
+def rewrite_marker(path, edit):
+    with open(os.path.join(path, COMMIT_FILE)) as f:
+        marker = json.load(f)
+    edit(marker)
+    with open(os.path.join(path, COMMIT_FILE), "w") as f:
+        json.dump(marker, f)
 
 
 def test_marker_lists_every_file_and_verifies(tmp_path):
     path = fake_checkpoint(tmp_path, 5)
     marker = verify_checkpoint(path)
-    assert marker["step"] == 5 and set(marker["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"}
+    assert marker["step"] == 5 and set(marker["files"]) == {".metadata", DATA, "meta.json"}
+    assert marker["algorithm"] == "xxh3_128"
+    assert marker["files"][DATA]["size"] == os.path.getsize(os.path.join(path, DATA))  # hashed as written
     assert not [n for n in os.listdir(path) if ".tmp" in n]  # the tmp marker was renamed away
 
 
-@pytest.mark.parametrize("damage,needle", [
+def flip_byte(p, name=DATA, at=-7):
+    with open(os.path.join(p, name), "r+b") as f:
+        f.seek(at, 2)
+        b = f.read(1)
+        f.seek(at, 2)
+        f.write(bytes([b[0] ^ 1]))
+
+
+DAMAGE = [
     (lambda p: os.remove(os.path.join(p, COMMIT_FILE)), "missing commit marker"),
     (lambda p: open(os.path.join(p, COMMIT_FILE), "w").write("{not json"), "corrupt commit marker"),
-    (lambda p: os.truncate(os.path.join(p, "__0_0.distcp"), 100), "__0_0.distcp: size 100 != 4096"),
-    (lambda p: os.remove(os.path.join(p, "__1_0.distcp")), "__1_0.distcp: missing"),
-    (lambda p: open(os.path.join(p, "__1_0.distcp"), "r+b").write(b"y"), "__1_0.distcp: checksum mismatch"),
+    (lambda p: os.truncate(os.path.join(p, DATA), 100), f"{DATA}: size 100 != "),
+    (lambda p: os.remove(os.path.join(p, DATA)), f"{DATA}: missing"),
+    (flip_byte, f"{DATA}: checksum mismatch"),
+    (lambda p: flip_byte(p, "meta.json", -2), "meta.json: checksum mismatch"),
     (lambda p: open(os.path.join(p, "__9_0.distcp"), "wb").write(b"z"), "__9_0.distcp: data file not in manifest"),
-])
-def test_verify_names_the_damage(tmp_path, damage, needle):
+    (lambda p: rewrite_marker(p, lambda m: m["files"].pop(DATA)), f"{DATA}: referenced by .metadata but not in"),
+    (lambda p: os.truncate(os.path.join(p, ".metadata"), 10), ".metadata: unreadable"),
+]
+
+
+@pytest.mark.parametrize("damage,needle", DAMAGE)
+@pytest.mark.parametrize("jobs", [1, 3])
+def test_verify_names_the_damage(tmp_path, damage, needle, jobs):
     path = fake_checkpoint(tmp_path, 5)
     damage(path)
     with pytest.raises(VerifyError, match=needle.replace(".", r"\.")):
+        verify_checkpoint(path, jobs=jobs)
+
+
+def test_old_sha256_manifest_still_verifies(tmp_path):
+    """commit.json as written before the `algorithm` field: per-file "sha256", no top-level algorithm."""
+    path = fake_checkpoint(tmp_path, 5)
+
+    def to_old_format(marker):
+        del marker["algorithm"]
+        for name, info in marker["files"].items():
+            with open(os.path.join(path, name), "rb") as f:
+                marker["files"][name] = {"size": info["size"], "sha256": hashlib.sha256(f.read()).hexdigest()}
+    rewrite_marker(path, to_old_format)
+    assert verify_checkpoint(path)["algorithm"] == "sha256"
+    assert CheckpointManager(str(tmp_path), "off").find_resume("auto") == path
+    flip_byte(path)
+    with pytest.raises(VerifyError, match="checksum mismatch \\(sha256\\)"):
         verify_checkpoint(path)
+
+
+def test_shares_split_bytes_evenly_and_cover_every_file():
+    files = {f"f{i}": {"size": s} for i, s in enumerate([100, 90, 50, 40, 30, 5, 1])}
+    parts = shares(files, 3)
+    assert sorted(n for p in parts for n in p) == sorted(files)
+    loads = [sum(files[n]["size"] for n in p) for p in parts]
+    assert max(loads) - min(loads) <= 40
+    assert shares(files, 1) == [sorted(files, key=lambda n: -files[n]["size"])]
+
+
+def test_check_files_checks_only_the_share(tmp_path):
+    path = fake_checkpoint(tmp_path, 5)
+    flip_byte(path)
+    marker = json.load(open(os.path.join(path, COMMIT_FILE)))
+    assert check_files(path, marker, [".metadata", "meta.json"]) is None
+    assert "checksum mismatch" in check_files(path, marker, [DATA])
 
 
 def test_retention_never_touches_newest_or_inflight(tmp_path):
@@ -71,7 +143,7 @@ def test_keep_last_zero_keeps_all_committed(tmp_path):
 def test_find_resume_walks_back_and_logs(tmp_path):
     fake_checkpoint(tmp_path, 2)
     bad = fake_checkpoint(tmp_path, 4)
-    os.truncate(os.path.join(bad, "__1_0.distcp"), 1)
+    os.truncate(os.path.join(bad, DATA), 1)
     fake_checkpoint(tmp_path, 6, commit=False)
     logs = []
     mgr = CheckpointManager(str(tmp_path), "off", on_log=logs.append)
@@ -96,3 +168,67 @@ def test_unwritable_dir_is_clear(tmp_path):
     blocker.write_text("")
     with pytest.raises(CheckpointError, match="not writable"):
         CheckpointManager(str(blocker / "ckpts"), "off").acquire_lock()
+
+
+def no_flock(monkeypatch, err=errno.ENOLCK):
+    def flock(*_a):
+        raise OSError(err, os.strerror(err))
+    monkeypatch.setattr(lock_module.fcntl, "flock", flock)
+
+
+def write_record(tmp_path, **record):
+    (tmp_path / ".lock").write_text(json.dumps(record) + "\n")
+
+
+def test_lock_file_names_holder_with_heartbeat(tmp_path):
+    a = CheckpointManager(str(tmp_path), "off")
+    a.acquire_lock()
+    record = json.loads((tmp_path / ".lock").read_text())
+    assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+    assert abs(record["heartbeat"] - time.time()) < 60
+    with pytest.raises(CheckpointError, match=f"pid {os.getpid()} on {socket.gethostname()}.*heartbeat"):
+        CheckpointManager(str(tmp_path), "off").acquire_lock()
+    a.close()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP])
+def test_unsupported_flock_warns_once_and_continues(tmp_path, monkeypatch, capsys, err):
+    no_flock(monkeypatch, err)
+    mgr = CheckpointManager(str(tmp_path), "off")
+    mgr.acquire_lock()
+    logs = capsys.readouterr().err.splitlines()
+    assert len(logs) == 1 and logs[0].startswith("warning: flock is not supported")
+    # the heartbeat now guards the directory: a second job is refused while this one lives
+    with pytest.raises(CheckpointError, match="in use by another job"):
+        CheckpointManager(str(tmp_path), "off").acquire_lock()
+    mgr.close()
+
+
+def test_dead_jobs_lock_without_flock_is_taken_over(tmp_path, monkeypatch, capsys):
+    no_flock(monkeypatch)
+    old = time.time() - lock_module.STALE_S - 60
+    write_record(tmp_path, host="node-17", pid=4242, started="2026-01-01T00:00:00", heartbeat=old)
+    mgr = CheckpointManager(str(tmp_path), "off")
+    mgr.acquire_lock()
+    logs = capsys.readouterr().err.splitlines()
+    assert "taking over" in logs[-1] and "pid 4242 on node-17" in logs[-1]
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    mgr.close()
+
+
+def test_live_lock_on_another_host_without_flock_is_refused(tmp_path, monkeypatch):
+    no_flock(monkeypatch)
+    write_record(tmp_path, host="node-17", pid=4242, started="2026-01-01T00:00:00", heartbeat=time.time() - 30)
+    with pytest.raises(CheckpointError, match="pid 4242 on node-17.*heartbeat 3\\ds ago.*delete .*\\.lock"):
+        CheckpointManager(str(tmp_path), "off").acquire_lock()
+
+
+def test_held_flock_with_stopped_heartbeat_says_what_to_do(tmp_path):
+    """A lock the file server keeps for a dead host: flock still held, heartbeat long stopped."""
+    holder = open(tmp_path / ".lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    write_record(tmp_path, host="node-17", pid=4242, started="2026-01-01T00:00:00",
+                 heartbeat=time.time() - lock_module.STALE_S - 60)
+    with pytest.raises(CheckpointError, match="probably dead.*ps -p 4242. on node-17.*delete .*\\.lock"):
+        CheckpointManager(str(tmp_path), "off").acquire_lock()
+    holder.close()

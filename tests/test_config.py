@@ -71,6 +71,10 @@ def test_missing_yaml_file():
     ("data.seq_len=1", "config key 'data.seq_len' must be >= 2, got 1"),
     ("train.collective_timeout_minutes=0", "config key 'train.collective_timeout_minutes' must be > 0"),
     ("ckpt.keep_last=-2", "config key 'ckpt.keep_last' must be >= 0, got -2"),
+    ("ckpt.interval=-1", "config key 'ckpt.interval' must be a step count >= 0 or auto, got '-1'"),
+    ("ckpt.interval=often", "config key 'ckpt.interval' must be a step count >= 0 or auto, got 'often'"),
+    ("ckpt.mtbf_hours=0", "config key 'ckpt.mtbf_hours' must be > 0"),
+    ("ckpt.interval_minutes=-5", "config key 'ckpt.interval_minutes' must be >= 0"),
 ])
 def test_numeric_range_names_key_and_range(override, needle):
     with pytest.raises(ConfigError) as e:
@@ -105,3 +109,8 @@ def test_yaml_syntax_error_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--config", str(y)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: config file {y} is not valid YAML at line 3"), err
+
+
+def test_interval_takes_steps_or_auto():
+    assert load_config(None, ["ckpt.interval=auto"]).ckpt.interval == "auto"
+    assert load_config("configs/tiny.yaml").ckpt.interval == "200"

@@ -170,8 +170,10 @@ def test_import_w2_bit_exact_then_export_round_trip(hf_models, tmp_path):
                                           start_method="fork")
     for family, (dtype, shard) in FAMILIES.items():
         out = str(tmp_path / f"export-{family}")
-        info = export_checkpoint(os.path.join(ckpt_root, family, "step-000001"), out,
-                                 "bf16" if dtype == torch.bfloat16 else "fp32", max_shard_size=shard)
+        # dtype auto: the source's torch_dtype (bf16 llama, fp32 others); two writer processes for llama
+        info = export_checkpoint(os.path.join(ckpt_root, family, "step-000001"), out, "auto", max_shard_size=shard,
+                                 jobs=2 if family == "llama" else 1)
+        assert info["dtype"] == {torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
         src, dst = read_hf_tensors(hf_models[family]), read_hf_tensors(out)
         assert sorted(dst) == sorted(src), family
         for name, tensor in src.items():
@@ -211,7 +213,7 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
     from ckpt.hf import export_cli
 
     llama, run = hf_models["llama"], tmp_path / "run"
-    run_train(run, 2, [f"model.name_or_path={llama}", "train.max_steps=2", "export.at_end=true"])
+    run_train(run, 2, [f"model.name_or_path={llama}", "train.max_steps=2", "export.at_end=true", "export.dtype=fp32"])
 
     # step-0 loss (the step-1 record, computed before the update) == from_pretrained's on the same rows
     steps, _ = read_metrics(str(run / "metrics.jsonl"))
@@ -239,6 +241,12 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
     cli = subprocess.run([sys.executable, "-m", "ckpt", "export", ckpt, str(out), "--dtype", "bf16",
                           "--max-shard-size", "100KB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0 and cli.stdout.startswith("OK:"), cli.stdout + cli.stderr
+    parallel = tmp_path / "hf-bf16-jobs3"  # three writer processes: the same bytes in every file
+    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", ckpt, str(parallel), "--max-shard-size", "100KB",
+                          "--jobs", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 0 and "MiB bf16" in cli.stdout, cli.stdout + cli.stderr  # auto: llama's files are bf16
+    for f in glob.glob(str(out / "*.safetensors")):
+        assert open(f, "rb").read() == open(parallel / os.path.basename(f), "rb").read(), f
     index = json.load(open(out / "model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1
     with safe_open(str(out / index["weight_map"]["lm_head.weight"]), "pt") as f:
