@@ -20,13 +20,20 @@ import sys
 import tempfile
 import time
 
-import blake3
-import crc32c
 import xxhash
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HASHERS = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128, "crc32c": crc32c.CRC32CHash,
-           "blake3": blake3.blake3}
+HASHERS = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
+try:  # the two candidates we did not choose: compared when installed (pip install crc32c blake3), not required
+    import crc32c
+    HASHERS["crc32c"] = crc32c.CRC32CHash
+except ImportError:
+    pass
+try:
+    import blake3
+    HASHERS["blake3"] = blake3.blake3
+except ImportError:
+    pass
 CHUNK = 8 << 20
 
 

@@ -5,7 +5,8 @@
 - save(): sync (`dcp.save`) or async (`dcp.async_save` with a reused `DefaultStager`, thread or
   process uploader). Training blocks only while the state is staged; at most one save is in flight.
 - commit: each rank checksums the files it writes as it writes them; DCP's finish gathers the digests
-  to rank 0, which writes the marker from them (commit.py), then applies retention. Errors in the background are kept and raised by the next poll()/wait()/save().
+  to rank 0, which writes the marker from them (commit.py), then applies retention. Errors in the
+  background are kept and raised by the next poll()/wait()/save().
 - load(): verified checkpoints only, each rank checking its share of the files (O(bytes / W)) and all
   agreeing on the verdict; resume="auto" walks back from the newest, logging what it skips.
 - lock: rank 0 holds <ckpt.dir>/.lock for the life of the job (lock.py).
@@ -55,8 +56,8 @@ class _Writer(ChecksummingWriter):
     uploader thread or process."""
 
     def __init__(self, path: str, step: int):
-        # tests only: files that tear after their first bytes
-        super().__init__(path, TornWriteFileSystem(step) if wants("partial_write") else None, per_thread_copy_ahead=0)
+        torn = TornWriteFileSystem(step) if wants("partial_write") else None  # tests: files that tear early
+        super().__init__(path, torn, per_thread_copy_ahead=0)
         self.step = step
 
     def write_data(self, plan, planner):

@@ -41,7 +41,8 @@ def parse_interval(text: str) -> int | None:
 
 class SavePolicy:
     def __init__(self, interval: str | int = 0, interval_minutes: float = 0.0, mtbf_hours: float = 24.0,
-                 group=None, on_log: Callable[[str], None] = lambda _msg: None, clock: Callable[[], float] = time.monotonic):
+                 group=None, on_log: Callable[[str], None] = lambda _msg: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.every_steps = parse_interval(interval)
         self.auto = self.every_steps is None
         self.every_s = interval_minutes * 60.0 if interval_minutes > 0 else None

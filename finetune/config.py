@@ -78,7 +78,7 @@ class TrainConfig:
 @dataclass
 class CkptConfig:
     dir: str = ""  # default <run.dir>/checkpoints
-    interval: str = "50"  # save every N optimizer steps (0: none), or auto: Young/Daly sqrt(2 x save cost x mtbf_hours)
+    interval: str = "50"  # save every N optimizer steps (0: none), or auto: Young/Daly sqrt(2 x save cost x MTBF)
     interval_minutes: float = 0.0  # also save once this many minutes of wall clock passed since the last save (0: off)
     mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
     async_mode: str = "process"  # off | thread | process (process: fastest steady state in bench/, see README)
@@ -215,7 +215,8 @@ def validate(cfg: Config) -> None:
     try:
         parse_interval(cfg.ckpt.interval)
     except ValueError:
-        raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, got {cfg.ckpt.interval!r}") from None
+        raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, "
+                          f"got {cfg.ckpt.interval!r}") from None
 
 
 def _read_yaml(path: str):
