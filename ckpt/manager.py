@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -63,6 +64,14 @@ class _Writer(ChecksummingWriter):
     def write_data(self, plan, planner):
         fault_point("write", self.step)
         return super().write_data(plan, planner)
+
+
+class _StagingWait:
+    """What the training thread waited for one save's background staging, and when it has (see wait_for_staging)."""
+
+    def __init__(self):
+        self.wait_s = 0.0
+        self.done = threading.Event()
 
 
 def _noop(*_args, **_kwargs) -> None:
@@ -168,7 +177,7 @@ class CheckpointManager:
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._inflight: Future | None = None
         self._inflight_step: int | None = None
-        self._staging: Future | None = None
+        self._staging: tuple[Future, _StagingWait] | None = None  # background staging of the last save (CUDA)
         self._lock: DirLock | None = None
         self.last_saved_step: int | None = None
 
@@ -264,25 +273,35 @@ class CheckpointManager:
                 planner=_planner(),
                 async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.async_mode == "process"
                                          else AsyncCheckpointerType.THREAD))
+        staged = _StagingWait()
         if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
-            self._staging, upload = resp.staging_completion, resp.upload_completion
+            self._staging, upload = (resp.staging_completion, staged), resp.upload_completion
         else:
             upload = resp
+            staged.done.set()
         fault_point("staged", step)
         blocking_s = time.perf_counter() - t0
         self.last_saved_step = step
-        self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s, list(files))
+        self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s, list(files), staged)
         self._inflight_step = step
         return blocking_s
 
     def wait_for_staging(self) -> None:
-        """Call before the optimizer mutates parameters again: the staged copy must be complete."""
-        if self._staging is not None:
-            self._staging.result()
-            self._staging = None
+        """Call right before the optimizer mutates parameters again (after backward, so that forward and
+        backward hid the device-to-host copy): the staged copy must be complete. The time this waits
+        is training time lost to the save, and goes into the checkpoint event's blocking_s."""
+        if self._staging is None:
+            return
+        (future, staged), self._staging = self._staging, None
+        t0 = time.perf_counter()
+        try:
+            future.result()
+        finally:
+            staged.wait_s = time.perf_counter() - t0
+            staged.done.set()
 
     def _finish_async(self, upload: Future, path: str, step: int, t0: float, blocking_s: float,
-                      own_files: list[str]) -> None:
+                      own_files: list[str], staged: _StagingWait) -> None:
         try:
             metadata = upload.result()
             upload_s = time.perf_counter() - t0
@@ -291,8 +310,12 @@ class CheckpointManager:
         fault_point("before_commit", step)
         if self.rank == 0:
             self._commit(path, step, metadata, own_files)
-        self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s,
-                      upload_s=upload_s, committed_s=time.perf_counter() - t0)
+        committed_s = time.perf_counter() - t0
+        # The upload is done, so staging is too: the training thread's wait, if not yet recorded, returns at
+        # once when it comes. Bounded, so a job that exits without wait_for_staging() never hangs here.
+        staged.done.wait(timeout=5.0)
+        self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s + staged.wait_s,
+                      upload_s=upload_s, committed_s=committed_s, staging_wait_s=staged.wait_s)
 
     def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> None:
         marker = commit_checkpoint(path, self.world_size, metadata.file_digests, metadata, own_files)
