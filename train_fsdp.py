@@ -25,7 +25,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, collective_timed_out, \
     on_rank0_then_share, read_meta, reseed_all, rng_key, staging_need
@@ -35,7 +34,7 @@ from finetune.config import Config, ConfigError, config_hash, load_config, to_ya
 from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, cache_samples, open_samples
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, progress_bar, step_line
-from finetune.model import ModelError, build_sharded_model, init_random, load_tokenizer
+from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
 from finetune.plan import add_plan_arguments, print_plan
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
@@ -318,9 +317,13 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
 
+    if cfg.train.deterministic:  # cuBLAS reads its workspace setting at first use, which is still to come
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
     # ---- model: meta -> fully_shard -> to_empty -> init
     tokenizer = load_tokenizer(cfg.model)
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = build_mesh(device, world_size, cfg.model.replicas)
     model = build_sharded_model(cfg.model, mesh, device)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:

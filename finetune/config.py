@@ -42,6 +42,7 @@ class ModelConfig:
     activation_checkpointing: bool = False  # recompute each decoder block in backward
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
     init_std: float = 0.02  # std of the normal init for random-init models
+    replicas: int = 1  # HSDP when > 1: shard within groups of W/replicas ranks (a node), replicate across groups
 
 
 @dataclass
@@ -70,6 +71,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
+    deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
     reduce_every_micro_batch: bool = True  # false: reduce-scatter grads once per step, holding unsharded grads between (small models only)
     sample_at_end: bool = True  # greedy-generate from sample_prompts at the end (rank 0 prints)
     sample_prompts: str = ""  # prompts separated by '|', sent as a user turn when the tokenizer has a chat template
@@ -133,6 +135,7 @@ def _between(low, high, high_open=False):
 _RANGES = {
     "run.log_interval": _at_least(1),
     "model.init_std": _above(0),
+    "model.replicas": _at_least(1),
     "data.seq_len": _at_least(2),  # the loss needs a next token
     "data.global_batch_size": _at_least(1),
     "data.micro_batch_size": _at_least(1),

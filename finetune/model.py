@@ -56,6 +56,19 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def build_mesh(device: torch.device, world_size: int, replicas: int):
+    """1-D mesh (FSDP over all ranks), or with replicas > 1 a 2-D (replicate, shard) mesh: HSDP. fully_shard
+    then all-gathers and reduce-scatters within a shard group (consecutive ranks: one node with torchrun)
+    and all-reduces gradients across replicas, so only that all-reduce crosses the node boundary."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicas == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    if world_size % replicas:
+        raise ModelError(f"model.replicas={replicas} must divide the world size {world_size}")
+    return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+
+
 def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
     """HF causal LM on `meta`, fully_shard each block then the root, then `to_empty` on `device`.
 
