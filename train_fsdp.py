@@ -106,7 +106,7 @@ def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float
 
 def build_optimizer(model, cfg: Config):
     t = cfg.train
-    on_gpu = next(model.parameters()).is_cuda  # fused AdamW supports DTensor on CUDA; with cpu_offload the params are on CPU
+    on_gpu = next(model.parameters()).is_cuda  # fused AdamW takes DTensors on CUDA; cpu_offload keeps params on CPU
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                   fused=True if on_gpu else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

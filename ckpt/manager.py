@@ -215,7 +215,8 @@ class CheckpointManager:
         """Process mode only: if this node cannot stage `local_ranks` x `nbytes` in /dev/shm with `n_tensors`
         open files per rank (see preflight.py), switch to thread mode, with one line saying why.
         Every rank decides together, so all of them save the same way."""
-        reason = process_staging_shortfall(n_tensors, nbytes, local_ranks)  # raises the soft fd limit: every mode opens files
+        # also raises the soft fd limit, which every mode benefits from
+        reason = process_staging_shortfall(n_tensors, nbytes, local_ranks)
         if self.async_mode != "process":
             return
         if any(self._any_rank(reason is not None)):
@@ -282,7 +283,8 @@ class CheckpointManager:
         fault_point("staged", step)
         blocking_s = time.perf_counter() - t0
         self.last_saved_step = step
-        self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s, list(files), staged)
+        self._inflight = self._committer.submit(self._finish_async, upload, path, step, t0, blocking_s, list(files),
+                                                staged)
         self._inflight_step = step
         return blocking_s
 

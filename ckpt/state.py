@@ -4,7 +4,7 @@
 
 - ModelOptimizer: the sharded model + optimizer through DCP's `get_state_dict` / `set_state_dict`, so the
   keys are FQNs and the shards reshard to any world size on load.
-- RNGState: python, numpy, torch CPU and the rank's own CUDA device's generators of ONE rank, saved under a rank-unique key
+- RNGState: python, numpy, torch CPU and the own CUDA device's generators of ONE rank, saved under a rank-unique key
   (`rng_rank<r>`): the same key on every rank would come back as rank 0's value for all of them.
 """
 

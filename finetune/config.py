@@ -72,7 +72,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
-    reduce_every_micro_batch: bool = True  # false: reduce-scatter grads once per step, holding unsharded grads between (small models only)
+    reduce_every_micro_batch: bool = True  # false: one reduce-scatter per step, unsharded grads between (small models)
     sample_at_end: bool = True  # greedy-generate from sample_prompts at the end (rank 0 prints)
     sample_prompts: str = ""  # prompts separated by '|', sent as a user turn when the tokenizer has a chat template
 

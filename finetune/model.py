@@ -138,7 +138,8 @@ def init_random(model: nn.Module, seed: int, std: float) -> None:
         if name.endswith("bias"):
             _local(param).zero_()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
-            _copy_full_into(param, _draw_normal(param, std, _seed_for(seed, name), getattr(module, "padding_idx", None)))
+            full = _draw_normal(param, std, _seed_for(seed, name), getattr(module, "padding_idx", None))
+            _copy_full_into(param, full)
         else:  # constants, so sharding does not matter; HF knows each model's (e.g. Gemma's zero-centred norms)
             model._init_weights(module)
 

@@ -40,7 +40,8 @@ class FakeCuda:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
         monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": self.states[self.current].clone())
-        monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device="cuda": self.states.__setitem__(self.current, s))
+        monkeypatch.setattr(torch.cuda, "set_rng_state",
+                            lambda s, device="cuda": self.states.__setitem__(self.current, s))
 
 
 def test_rng_saves_and_restores_only_this_ranks_device(monkeypatch):
