@@ -27,11 +27,14 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, collective_timed_out, \
-    on_rank0_then_share, read_meta, reseed_all, rng_key, staging_need
+    read_meta, reseed_all, rng_key, staging_need
 from ckpt.faults import fault_point
 from ckpt.policy import SavePolicy
 from finetune.config import Config, ConfigError, config_hash, load_config, to_yaml
-from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, cache_samples, open_samples
+from finetune.data import COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
+    open_samples
+from finetune.dist import rank0_builds_others_wait
+from finetune.evaluate import eval_rows, evaluate
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, progress_bar, step_line
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
@@ -159,15 +162,16 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
     `before_optimizer_step` runs after the last backward: the checkpoint's device-to-host copy of the
     parameters must finish before the optimizer changes them, and forward and backward have hidden it.
     """
-    n_local = sum(int((lab[:, 1:] != IGNORE).sum()) for _, lab in micro_batches)
+    n_local = sum(int((lab[:, 1:] != IGNORE).sum()) for _, lab, _ in micro_batches)
     n_global = torch.tensor([n_local], dtype=torch.float64, device=device)
     dist.all_reduce(n_global)
     n_global = max(n_global.item(), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for i, (ids, labels) in enumerate(micro_batches):
+    for i, (ids, labels, pos) in enumerate(micro_batches):
         model.set_requires_gradient_sync(reduce_every_micro_batch or i == len(micro_batches) - 1)
         ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        logits = model(input_ids=ids, use_cache=False).logits  # no KV cache in training
+        pos = None if pos is None else pos.to(device, non_blocking=True)  # packed: per-document positions
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # no KV cache in training
         tok_loss = next_token_loss_sum(logits, labels, IGNORE)
         del logits  # the loss keeps what backward needs; the name would keep the logits alive through it
         (tok_loss * (world_size / n_global)).backward()
@@ -191,12 +195,14 @@ def checkpoint_state(model, optimizer, scheduler, progress, stream, rank: int, w
     return state
 
 
-def checkpoint_files(cfg: Config, step: int, world_size: int) -> dict[str, str]:
+def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float | None = None) -> dict[str, str]:
     import transformers
     meta = {"step": step, "world_size": world_size, "torch": torch.__version__,
             "transformers": transformers.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config_hash": config_hash(cfg), "model": cfg.model.name_or_path or cfg.model.config_path,
             "seed": cfg.train.seed}
+    if eval_loss is not None:
+        meta["score"] = eval_loss  # lower is better: ckpt.keep_best keeps the lowest (the eval loss of this step)
     return {"meta.json": json.dumps(meta, indent=1) + "\n", "config.yaml": to_yaml(cfg)}
 
 
@@ -225,7 +231,8 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
 
 
-def final_save(mgr, cfg, state, step: int, world_size: int, log, save_now: bool = True) -> None:
+def final_save(mgr, cfg, state, step: int, world_size: int, log, save_now: bool = True,
+               eval_loss: float | None = None) -> None:
     """Drain the in-flight save, then save synchronously unless this step is already committed (or save_now
     is False: the state is half a step and only the in-flight save, of an earlier step, is worth keeping)."""
     pending_error = None
@@ -235,7 +242,7 @@ def final_save(mgr, cfg, state, step: int, world_size: int, log, save_now: bool 
         pending_error = e
         log.info(f"error: in-flight checkpoint failed: {e}")
     if save_now and (mgr.last_saved_step != step or pending_error is not None):
-        mgr.save(step, state, checkpoint_files(cfg, step, world_size), blocking=True)
+        mgr.save(step, state, checkpoint_files(cfg, step, world_size, eval_loss), blocking=True)
     if pending_error is not None and not cfg.ckpt.continue_on_save_error:
         raise pending_error
 
@@ -250,6 +257,29 @@ def tolerate_save_error(cfg, log, step: int, checkpoint_call) -> None:
             raise
         log.info(f"warning: checkpoint failed, training continues (ckpt.continue_on_save_error=true): {e}")
         log.event("checkpoint_failed", step=step, error=str(e))
+
+
+# ---------------------------------------------------------------- data and validation
+
+def shared_samples(cfg: Config, tokenizer, eval_set: bool = False):
+    """Rank 0 tokenizes into the cache folder (or finds it committed); the other ranks wait for its COMMIT file
+    through the filesystem, with no collective deadline, however long tokenizing takes."""
+    ready = os.path.join(cache_path(cfg.data, tokenizer, eval_set), COMMIT_FILE)
+    cache = rank0_builds_others_wait(lambda: build_cache(cfg.data, tokenizer, eval_set), ready,
+                                     f"the {'eval' if eval_set else 'training'} data cache {os.path.dirname(ready)}",
+                                     DataError, log=lambda m: print(m, flush=True))
+    return open_samples(cache, cfg.data)
+
+
+def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log) -> float:
+    """Eval loss on data.eval_path (see finetune/evaluate.py): one console line and one `eval` record."""
+    t0 = time.perf_counter()
+    rows = eval_rows(len(eval_set), cfg.data.global_batch_size, cfg.train.eval_batches)
+    loss, n_tok = evaluate(model, eval_set, rows, cfg.data.micro_batch_size, device, rank, world_size)
+    log.info(f"eval   {step:6d} | eval_loss {loss:.4f} | {n_tok:,} tokens in {rows} rows | "
+             f"{time.perf_counter() - t0:.1f}s")
+    log.event("eval", step=step, eval_loss=loss, eval_tokens=n_tok, eval_rows=rows)
+    return loss
 
 
 # ---------------------------------------------------------------- sample at the end
@@ -308,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     mgr = CheckpointManager(cfg.ckpt.dir, cfg.ckpt.async_mode, cfg.ckpt.keep_last,
-                            timeout=collective_timeout(cfg.ckpt.timeout_minutes))
+                            timeout=collective_timeout(cfg.ckpt.timeout_minutes), keep_best=cfg.ckpt.keep_best)
     mgr.acquire_lock()  # first: a second job on this ckpt.dir stops here, before it writes anything
     os.makedirs(cfg.run.dir, exist_ok=True)
     log = RankZeroLog(rank, cfg.run.dir)
@@ -339,18 +369,18 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     # ---- data: tokenized once on rank 0, global order independent of world size
     plan = BatchPlan.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
-    cache = on_rank0_then_share(lambda: cache_samples(cfg.data, tokenizer), group=mgr.pg, error_type=DataError)
-    input_ids, labels = open_samples(cache)
-    stream = BatchStream(input_ids, labels, cfg.train.seed, cfg.data.epochs, plan, rank)
+    samples = shared_samples(cfg, tokenizer)
+    eval_set = shared_samples(cfg, tokenizer, eval_set=True) if cfg.train.eval_interval else None
+    stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, plan, rank)
     if not stream.has_next():
-        raise DataError(f"data set {cfg.data.path} has {len(input_ids)} samples x {cfg.data.epochs} epoch(s), "
+        raise DataError(f"data set {cfg.data.path} has {len(samples)} samples x {cfg.data.epochs} epoch(s), "
                         f"fewer than one global batch (data.global_batch_size={plan.global_batch})")
     progress = TrainProgress()
 
     # ---- resume (after the data stream exists, so restored RNG is not consumed by its creation)
     resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size)
     log.info(f"world {world_size} | device {device.type} | {sum(p.numel() for p in model.parameters()):,} params | "
-             f"{len(input_ids)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
+             f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
              f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
 
     # ---- loop
@@ -360,6 +390,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, progress.step)
     t_start, start_step, exit_code = time.perf_counter(), progress.step, 0
     mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
+    eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)
     model.train()
     try:
         while progress.step < cfg.train.max_steps and stream.has_next():
@@ -386,6 +417,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{loss:.4f}")
+            if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
+                eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size, progress.step, log)
             fault_point("after_step", progress.step)
             tolerate_save_error(cfg, log, progress.step, mgr.poll)
             if progress.step < cfg.train.max_steps and preempt.agreed(device):  # a signal at the last step: just finish
@@ -396,7 +429,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
             if progress.step < cfg.train.max_steps and policy.should_save(progress.step):  # same answer on all ranks
                 tolerate_save_error(cfg, log, progress.step, mgr.wait)  # a failed previous save must not skip this one
                 tolerate_save_error(cfg, log, progress.step, lambda: policy.saved(progress.step, mgr.save(
-                    progress.step, state, checkpoint_files(cfg, progress.step, world_size))))
+                    progress.step, state, checkpoint_files(cfg, progress.step, world_size,
+                                                    eval_loss.get(progress.step)))))
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt) or not cfg.ckpt.save_at_end:
             raise
@@ -419,8 +453,10 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     if not stream.has_next() and progress.step < cfg.train.max_steps:
         log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
+    if eval_set is not None and exit_code == 0 and progress.step not in eval_loss:  # eval at the end too
+        eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size, progress.step, log)
     if (cfg.ckpt.save_at_end or exit_code == EXIT_PREEMPTED) and progress.step > 0:  # 75 promises a checkpoint
-        final_save(mgr, cfg, state, progress.step, world_size, log)
+        final_save(mgr, cfg, state, progress.step, world_size, log, eval_loss=eval_loss.get(progress.step))
     mgr.close()
     if exit_code == 0 and cfg.train.sample_at_end:
         model.eval()

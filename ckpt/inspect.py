@@ -139,13 +139,14 @@ def list_checkpoints(ckpt_dir: str) -> int:
     if not dirs:
         print(f"error: {ckpt_dir}: no step-NNNNNN checkpoints", file=sys.stderr)
         return 1
-    print(f"{'step':>8}  {'world':>5}  {'size':>10}  status")
+    print(f"{'step':>8}  {'world':>5}  {'size':>10}  {'score':>9}  status")
     for step, path in dirs:
         meta = read_meta_or_empty(path)
         world = meta.get("world_size", "?")
         if meta.get("rng_world_size", world) != world:
             world = f"{world}*"  # resharded: RNG blobs still from the original world size
-        print(f"{step:>8}  {world!s:>5}  {_mib(_dir_bytes(path)):>10}  {checkpoint_status(path)[1]}")
+        score = f"{meta['score']:.4f}" if "score" in meta else "-"  # the eval loss ckpt.keep_best ranks by
+        print(f"{step:>8}  {world!s:>5}  {_mib(_dir_bytes(path)):>10}  {score:>9}  {checkpoint_status(path)[1]}")
     return 0
 
 
@@ -153,6 +154,8 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     meta = read_meta_or_empty(path)
     ok, status = checkpoint_status(path)
     print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
+    if "score" in meta:
+        print(f"  score (eval loss) {meta['score']:.6f}")
     if meta.get("resharded_from"):
         print(f"  resharded from {meta['resharded_from']} (RNG blobs of {rng_world_size(meta)} ranks)")
     try:

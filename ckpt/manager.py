@@ -42,6 +42,7 @@ from .commit import VerifyError, check_files, check_manifest, commit_checkpoint,
 from .lock import DirLock, LockError
 from .faults import TornWriteFileSystem, fault_point, wants
 from .preflight import process_staging_shortfall
+from .inspect import read_meta_or_empty
 from .layout import COMMIT_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
 
 
@@ -160,13 +161,13 @@ def on_rank0_then_share(fn: Callable[[], object], group=None, error_type=None) -
 class CheckpointManager:
     def __init__(self, ckpt_dir: str, async_mode: str = "thread", keep_last: int = 3,
                  on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop,
-                 timeout: timedelta | None = None):
+                 timeout: timedelta | None = None, keep_best: int = 0):
         """`timeout`: how long a checkpoint collective (DCP's plan/finish steps, the rank-0 commit, the
         agreement on a save's outcome) waits for a stuck or dead rank before it raises; torch's default
         (30 min) when None. Checkpoint groups have their own, as a save can take far longer than a step."""
         if async_mode not in ("off", "thread", "process"):
             raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
-        self.dir, self.async_mode, self.keep_last = ckpt_dir, async_mode, keep_last
+        self.dir, self.async_mode, self.keep_last, self.keep_best = ckpt_dir, async_mode, keep_last, keep_best
         self.on_event, self.on_log = on_event, on_log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -334,6 +335,8 @@ class CheckpointManager:
         dirs = [(s, p) for s, p in list_step_dirs(self.dir) if s <= newest]
         committed = [(s, p) for s, p in dirs if is_marked_committed(p)]
         doomed = committed[:-self.keep_last] if self.keep_last else []
+        best = best_scored(committed, self.keep_best)
+        doomed = [(s, p) for s, p in doomed if s not in best]
         doomed += [(s, p) for s, p in dirs if s < newest and not is_marked_committed(p)]
         for s, p in doomed:
             _remove_checkpoint(p)
@@ -442,6 +445,12 @@ def _remove_checkpoint(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def best_scored(checkpoints: list[tuple[int, str]], k: int) -> set[int]:
+    """Steps of the k checkpoints with the lowest meta.json `score` (the trainer's eval loss); unscored never count."""
+    scored = [(meta["score"], s) for s, p in checkpoints if k and "score" in (meta := read_meta_or_empty(p))]
+    return {s for _, s in sorted(scored)[:k]}
+
+
 def read_meta(path: str) -> dict:
     with open(os.path.join(path, "meta.json")) as f:
         return json.load(f)
@@ -465,4 +474,5 @@ def latest_committed_step(ckpt_dir: str) -> int | None:
     return steps[-1] if steps else None
 
 
-__all__ = ["CheckpointManager", "CheckpointError", "collective_timed_out", "on_rank0_then_share", "read_meta", "latest_committed_step", "step_of"]
+__all__ = ["CheckpointManager", "CheckpointError", "best_scored", "collective_timed_out", "on_rank0_then_share",
+           "read_meta", "latest_committed_step", "step_of"]

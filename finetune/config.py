@@ -47,16 +47,23 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    path: str = "data/tiny/train.jsonl"  # local jsonl/json/parquet/txt file(s) (comma separated), or a hub name
+    path: str = "data/tiny/train.jsonl"  # local jsonl/json/parquet/arrow/txt file(s) (comma separated), a folder, or a hub name
+    name: str = ""  # hub subset (config name) of data.path
+    split: str = "train"  # split of data.path (hub name or a folder saved by `datasets`)
+    revision: str = ""  # hub revision (commit, tag or branch) of data.path
+    mixture: str = ""  # several sources with weights, 'path:weight; path:weight' (replaces data.path)
+    eval_path: str = ""  # eval data: file(s), folder, hub name, or 'split:<name>' of data.path; empty = no eval
     format: str = "auto"  # text | chat | auto (chat when a `messages` column exists)
     text_field: str = "text"  # column holding plain text
     messages_field: str = "messages"  # column holding chat messages [{role, content}, ...]
-    pack: bool = False  # concatenate documents into seq_len chunks instead of padding each one
+    pack: bool = False  # concatenate documents into seq_len chunks (attention stays within each document)
+    truncation: bool = True  # unpacked documents longer than seq_len are cut; false: such a row is an error
     seq_len: int = 64  # tokens per sample
     global_batch_size: int = 16  # samples per optimizer step, summed over all ranks
     micro_batch_size: int = 8  # cap on samples per forward on one rank: lowered to a divisor of the per-rank batch
     epochs: int = 1  # passes over the data; training ends when they run out, even before max_steps
-    cache_dir: str = ".cache/tokenized"  # tokenized data is cached here, keyed by a hash of its inputs
+    cache_dir: str = ""  # tokenized data, keyed by a hash of its inputs; default <run.dir>/data-cache (shared FS)
+    num_proc: int = 0  # tokenizer processes on rank 0; 0 = the CPU cores available to it
 
 
 @dataclass
@@ -73,6 +80,8 @@ class TrainConfig:
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
     reduce_every_micro_batch: bool = True  # false: one reduce-scatter per step, unsharded grads between (small models)
+    eval_interval: int = 0  # eval loss on data.eval_path every N optimizer steps and at the end (0 = off)
+    eval_batches: int = 0  # global batches of the eval set per evaluation (0 = all of it)
     sample_at_end: bool = True  # greedy-generate from sample_prompts at the end (rank 0 prints)
     sample_prompts: str = ""  # prompts separated by '|', sent as a user turn when the tokenizer has a chat template
 
@@ -85,10 +94,11 @@ class CkptConfig:
     mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
     async_mode: str = "process"  # off | thread | process (process: fastest steady state in bench/, see README)
     keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
+    keep_best: int = 0  # also keep the k checkpoints with the lowest eval loss (needs train.eval_interval)
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
     save_at_end: bool = True  # synchronous final save at max_steps / end of data / exception
     continue_on_save_error: bool = False  # log a failed periodic save and keep training
-    timeout_minutes: float = 30.0  # checkpoint collectives (save, load, rank-0 tokenizing) wait this long for a rank
+    timeout_minutes: float = 30.0  # checkpoint collectives (save, load) wait this long for a rank
     resume_config_check: str = "refuse"  # refuse | warn: resuming with a changed model/data/seed/batch (docs/resume-rules.md)
 
 
@@ -153,6 +163,10 @@ _RANGES = {
     "ckpt.interval_minutes": _at_least(0),
     "ckpt.mtbf_hours": _above(0),
     "ckpt.keep_last": _at_least(0),
+    "ckpt.keep_best": _at_least(0),
+    "train.eval_interval": _at_least(0),
+    "train.eval_batches": _at_least(0),
+    "data.num_proc": _at_least(0),
     "ckpt.timeout_minutes": _above(0),
 }
 
@@ -220,6 +234,10 @@ def validate(cfg: Config) -> None:
     except ValueError:
         raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, "
                           f"got {cfg.ckpt.interval!r}") from None
+    if cfg.train.eval_interval and not cfg.data.eval_path:
+        raise ConfigError("config key 'train.eval_interval' needs 'data.eval_path' (eval data)")
+    if cfg.ckpt.keep_best and not cfg.train.eval_interval:
+        raise ConfigError("config key 'ckpt.keep_best' needs 'train.eval_interval' > 0 (it ranks checkpoints by eval loss)")
 
 
 def _read_yaml(path: str):
@@ -253,6 +271,8 @@ def load_config(yaml_path: str | None, overrides: list[str] = ()) -> Config:
         _apply(cfg, key.strip(), value)
     if not cfg.ckpt.dir:
         cfg.ckpt.dir = os.path.join(cfg.run.dir, "checkpoints")
+    if not cfg.data.cache_dir:
+        cfg.data.cache_dir = os.path.join(cfg.run.dir, "data-cache")
     validate(cfg)
     return cfg
 

@@ -1,6 +1,12 @@
-"""Data: local files -> tokenized fixed-length samples -> a world-size independent global order.
+"""Data: sources -> tokenized token cache (memory-mapped) -> fixed-length samples -> a world-size independent order.
 
+    python -m finetune.data prepare --config configs/tiny.yaml [key=value ...]   # tokenize ahead of the job
     python -m pytest tests/test_data.py
+
+Tokenizing is a batched, multi-process `datasets.map` (fast tokenizer, one tokenizer call per row) whose
+output is streamed into flat files: tokens.bin, loss_mask.bin and doc_offsets.bin, then a COMMIT file
+(docs/data.md gives the format). Memory stays bounded by one batch of rows, whatever the data set size.
+The cache does not depend on seq_len or packing: samples are cut from it when it is opened.
 
 The order of samples is a pure function of (seed, epoch, global sample index), so the only data
 state a checkpoint needs is one integer: how many samples the whole job has consumed. Rank r of W
@@ -14,142 +20,462 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 IGNORE = -100  # label value that carries no loss (prompt and padding tokens)
-_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+CACHE_VERSION = 2  # bump when the cache layout or the tokenization rule changes
+COMMIT_FILE = "COMMIT"
+_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
+                  ".text": "text"}
+_MAP_BATCH = 1000  # rows per tokenizer call inside a worker
+_ROWS_PER_PROC = 5000  # below this many rows per process, forking workers costs more than it saves
 
 
 class DataError(ValueError):
     """A problem with the data set or its sizes; the message says what to change."""
 
 
-# ---------------------------------------------------------------- loading and tokenizing
+# ---------------------------------------------------------------- sources: files, saved folders, hub
 
-def load_documents(path: str):
-    """A HF `datasets.Dataset` from local files (comma-separated) or, when online, a hub name."""
+@dataclass(frozen=True)
+class Source:
+    """One data set: local files (comma separated), a local folder, or a hub name (`datasets.load_dataset`)."""
+    path: str
+    split: str = "train"
+    name: str = ""  # hub subset / config name
+    revision: str = ""
+
+
+def sources(cfg_data, eval_set: bool = False) -> list[tuple[Source, float]]:
+    """(source, weight) pairs of the training mixture, or the one eval source."""
+    if eval_set:
+        spec = cfg_data.eval_path
+        if spec.startswith("split:"):  # another split of the training source (hub or saved DatasetDict)
+            return [(Source(cfg_data.path, spec[len("split:"):], cfg_data.name, cfg_data.revision), 1.0)]
+        return [(Source(spec), 1.0)]
+    if not cfg_data.mixture:
+        return [(Source(cfg_data.path, cfg_data.split, cfg_data.name, cfg_data.revision), 1.0)]
+    pairs = []
+    for item in cfg_data.mixture.split(";"):
+        path, sep, weight = item.strip().rpartition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not sep or not path or w <= 0:
+            raise DataError(f"data.mixture entry '{item.strip()}' must look like <path>:<weight> with weight > 0 "
+                            "(entries separated by ';')")
+        pairs.append((Source(path.strip(), cfg_data.split, cfg_data.name, cfg_data.revision), w))
+    return pairs
+
+
+def _is_local(path: str) -> bool:
+    files = [p.strip() for p in path.split(",") if p.strip()]
+    return os.path.exists(path) or any(os.path.sep in p or os.path.splitext(p)[1] in _FILE_BUILDERS for p in files)
+
+
+def _load_local_files(path: str, cache_dir: str | None):
     import datasets
 
     files = [p.strip() for p in path.split(",") if p.strip()]
     exts = {os.path.splitext(p)[1] for p in files}
-    looks_local = all(e in _FILE_BUILDERS for e in exts) or any(os.path.sep in p for p in files)
-    if looks_local:
-        missing = [p for p in files if not os.path.isfile(p)]
-        if missing:
-            raise DataError(f"data file not found: {missing[0]}")
-        empty = [p for p in files if os.path.getsize(p) == 0]
-        if empty:  # datasets would fail with a bare StopIteration
-            raise DataError(f"data file is empty: {empty[0]}")
-        if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
-            raise DataError(f"data files must share one of the extensions {sorted(_FILE_BUILDERS)}, got {sorted(exts)}")
+    missing = [p for p in files if not os.path.isfile(p)]
+    if missing:
+        raise DataError(f"data file not found: {missing[0]}")
+    empty = [p for p in files if os.path.getsize(p) == 0]
+    if empty:  # datasets would fail with a bare StopIteration
+        raise DataError(f"data file is empty: {empty[0]}")
+    if len(exts) != 1 or next(iter(exts)) not in _FILE_BUILDERS:
+        raise DataError(f"data files must share one of the extensions {sorted(_FILE_BUILDERS)}, got {sorted(exts)}")
+    try:
+        return datasets.load_dataset(_FILE_BUILDERS[exts.pop()], data_files=files, split="train", cache_dir=cache_dir)
+    except Exception as e:  # noqa: BLE001 - a parse error should name the file, not datasets' internals
+        raise DataError(f"cannot read data file(s) {path}: {type(e).__name__}: {e}") from None
+
+
+def load_source(src: Source, cache_dir: str | None = None):
+    """A `datasets.Dataset`. A local folder is either `save_to_disk` output or a folder of data files; anything
+    else is a hub name, loaded by the same `load_dataset` call as a folder of files (network needed)."""
+    import datasets
+
+    if os.path.isdir(src.path) and any(os.path.exists(os.path.join(src.path, f))
+                                       for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+        ds = datasets.load_from_disk(src.path)
+        if isinstance(ds, datasets.DatasetDict):
+            if src.split not in ds:
+                raise DataError(f"data set {src.path} has no split '{src.split}' (splits: {sorted(ds)})")
+            ds = ds[src.split]
+    elif os.path.isdir(src.path) or not _is_local(src.path):
         try:
-            ds = datasets.load_dataset(_FILE_BUILDERS[exts.pop()], data_files=files, split="train")
-        except Exception as e:  # noqa: BLE001 - a parse error should name the file, not datasets' internals
-            raise DataError(f"cannot read data file(s) {path}: {type(e).__name__}: {e}") from None
-        if len(ds) == 0:
-            raise DataError(f"data set {path} is empty")
-        return ds
-    return datasets.load_dataset(path, split="train")  # hub name: needs network
+            ds = datasets.load_dataset(src.path, src.name or None, split=src.split, revision=src.revision or None,
+                                       cache_dir=cache_dir)
+        except Exception as e:  # noqa: BLE001 - one line naming the source
+            raise DataError(f"cannot load data set {src.path} (name={src.name or None}, split={src.split}): "
+                            f"{type(e).__name__}: {e}") from None
+    else:
+        ds = _load_local_files(src.path, cache_dir)
+    if len(ds) == 0:
+        raise DataError(f"data set {src.path} is empty")
+    return ds
 
 
-def _chat_template_ids(tokenizer, messages, add_generation_prompt=False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Ids of the rendered conversation, and labels that are IGNORE everywhere except assistant turns."""
-    ids = _chat_template_ids(tokenizer, messages)
-    labels = [IGNORE] * len(ids)
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        prompt = _chat_template_ids(tokenizer, messages[:i], add_generation_prompt=True)
-        start, end = len(prompt), len(_chat_template_ids(tokenizer, messages[: i + 1]))
-        if ids[:start] != prompt:
-            raise DataError("the chat template does not render conversations prefix-consistently; cannot mask prompts")
-        labels[start:end] = ids[start:end]
-    return ids, labels
-
-
-def tokenize_text(tokenizer, text: str) -> tuple[list[int], list[int]]:
-    ids = tokenizer(text)["input_ids"]
-    if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
-        ids = ids + [tokenizer.eos_token_id]
-    return ids, list(ids)
-
-
-def to_samples(docs: list[tuple[list[int], list[int]]], seq_len: int, pack: bool, pad_id: int):
-    """Fixed-length (input_ids, labels) int32 arrays of shape [N, seq_len].
-
-    pack=False: one document per sample, truncated or right-padded (labels IGNORE on padding).
-    pack=True: documents concatenated in order and cut into seq_len chunks; the tail is dropped.
-    """
-    if pack:
-        ids = np.fromiter((t for d, _ in docs for t in d), dtype=np.int32)
-        labels = np.fromiter((t for _, lab in docs for t in lab), dtype=np.int32)
-        n = len(ids) // seq_len
-        return ids[: n * seq_len].reshape(n, seq_len), labels[: n * seq_len].reshape(n, seq_len)
-    ids = np.full((len(docs), seq_len), pad_id, dtype=np.int32)
-    labels = np.full((len(docs), seq_len), IGNORE, dtype=np.int32)
-    for i, (d, lab) in enumerate(docs):
-        d, lab = d[:seq_len], lab[:seq_len]
-        ids[i, : len(d)] = d
-        labels[i, : len(lab)] = lab
-    return ids, labels
-
-
-def _cache_key(cfg_data, tokenizer, fmt: str) -> str:
-    files = [p.strip() for p in cfg_data.path.split(",")]
-    stats = [(p, os.path.getsize(p), os.path.getmtime(p)) if os.path.isfile(p) else (p,) for p in files]
-    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
-    blob = json.dumps([stats, vocab, str(tokenizer.chat_template), fmt, cfg_data.seq_len, cfg_data.pack,
-                       cfg_data.text_field, cfg_data.messages_field])
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-def cache_samples(cfg_data, tokenizer) -> str:
-    """Tokenize the data set into <cache_dir>/<hash>/{input_ids,labels}.npy unless already there.
-
-    Run on one rank; the others open the same folder (a shared filesystem, as for checkpoints).
-    """
-    key = _cache_key(cfg_data, tokenizer, cfg_data.format)
-    cache = os.path.join(cfg_data.cache_dir, key)
-    if os.path.exists(os.path.join(cache, "labels.npy")):
-        return cache
-    ds = load_documents(cfg_data.path)
+def _resolve_format(cfg_data, ds, path: str) -> tuple[str, str]:
+    """(format, column) of a data set, with the clear errors for a missing or non-text column."""
     fmt = cfg_data.format
     if fmt == "auto":
         fmt = "chat" if cfg_data.messages_field in ds.column_names else "text"
-    field_name = cfg_data.messages_field if fmt == "chat" else cfg_data.text_field
-    if field_name not in ds.column_names:
-        raise DataError(f"data set {cfg_data.path} has no column '{field_name}' (columns: {ds.column_names})")
-    if fmt == "text" and not isinstance(ds[0][field_name], str):
-        raise DataError(f"column '{field_name}' of {cfg_data.path} holds {type(ds[0][field_name]).__name__}, not text; "
+    column = cfg_data.messages_field if fmt == "chat" else cfg_data.text_field
+    if column not in ds.column_names:
+        raise DataError(f"data set {path} has no column '{column}' (columns: {ds.column_names})")
+    if fmt == "text" and not isinstance(ds[0][column], str):
+        raise DataError(f"column '{column}' of {path} holds {type(ds[0][column]).__name__}, not text; "
                         "set data.format=chat for a messages column, or data.text_field to a text column")
-    fn = tokenize_chat if fmt == "chat" else tokenize_text
-    docs = [fn(tokenizer, row) for row in ds[field_name]]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    ids, labels = to_samples(docs, cfg_data.seq_len, cfg_data.pack, pad)
-    if len(ids) == 0:
-        raise DataError(f"data set {cfg_data.path} yields no samples of seq_len={cfg_data.seq_len}")
-    tmp = cache + f".tmp{os.getpid()}"
-    os.makedirs(tmp, exist_ok=True)
-    np.save(os.path.join(tmp, "input_ids.npy"), ids)
-    np.save(os.path.join(tmp, "labels.npy"), labels)
-    if os.path.exists(cache):  # an earlier crash left a partial folder
-        shutil.rmtree(cache)
-    os.replace(tmp, cache)  # atomic: a crash mid-write never leaves a half cache behind
+    return fmt, column
+
+
+def load_documents(cfg_data, eval_set: bool = False, cache_dir: str | None = None):
+    """(dataset with one column, format, column, label for messages). A mixture is interleaved with fixed
+    weights and seed (HF `interleave_datasets`, stopping when the first source runs out): deterministic."""
+    import datasets
+
+    pairs = sources(cfg_data, eval_set)
+    loaded, fmts = [], set()
+    for src, _ in pairs:
+        ds = load_source(src, cache_dir)
+        fmt, column = _resolve_format(cfg_data, ds, src.path)
+        fmts.add(fmt)
+        loaded.append(ds.select_columns([column]))
+    if len(fmts) > 1:
+        raise DataError(f"data.mixture mixes chat and text sources ({[s.path for s, _ in pairs]}); use one format")
+    label = pairs[0][0].path if len(pairs) == 1 else "the data.mixture"
+    if len(loaded) == 1:
+        return loaded[0], fmts.pop(), column, label
+    total = sum(w for _, w in pairs)
+    try:
+        mixed = datasets.interleave_datasets(loaded, probabilities=[w / total for _, w in pairs], seed=0,
+                                             stopping_strategy="first_exhausted")
+    except ValueError as e:  # e.g. the sources' columns have different types
+        raise DataError(f"cannot mix data sets {[s.path for s, _ in pairs]}: {e}") from None
+    return mixed, fmts.pop(), column, label
+
+
+# ---------------------------------------------------------------- tokenizing (runs in map workers)
+
+def _check_conversation(messages, where: str) -> None:
+    """Roles alternate user/assistant after an optional system message; every content is text."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}")
+    expected = "user"
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: messages[{j}] must have a text 'content'")
+        role = m.get("role")
+        if j == 0 and role == "system":
+            continue
+        if role != expected:
+            raise DataError(f"{where}: messages[{j}].role is {role!r}, expected {expected!r} "
+                            "(roles must alternate user/assistant after an optional system message)")
+        expected = "assistant" if role == "user" else "user"
+
+
+def _render(tokenizer, conversations, add_generation_prompt: bool) -> list[str]:
+    """The chat template applied to many conversations in one call (no per-call setup per conversation)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    if not conversations:
+        return []
+    rendered, _ = render_jinja_template(conversations=conversations, chat_template=tokenizer.chat_template,
+                                        add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+    return rendered
+
+
+def _label_mask(offsets: np.ndarray, spans: list[tuple[int, int]], where: str) -> np.ndarray:
+    """1 for tokens whose characters lie inside an assistant span [a, b); a token across a span edge means
+    the template and tokenizer do not split turns cleanly, so prompts cannot be masked exactly."""
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    for a, b in spans:
+        if np.any((starts < a) & (ends > a)) or np.any((starts < b) & (ends > b)):
+            raise DataError(f"{where}: a token crosses the edge of an assistant turn; cannot mask prompts exactly")
+        mask[(starts >= a) & (ends <= b) & (ends > starts)] = 1
+    return mask
+
+
+def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tuple[list, list]:
+    """Token ids and loss masks (1 on assistant turns) of many conversations.
+
+    Each conversation is tokenized once. The template renders it in full plus, per assistant turn, the prompt
+    before it (with the generation prompt) and the prefix ending with it: string renders only, no tokenizing.
+    Prefix consistency is checked on the strings: both must be prefixes of the full rendering.
+    """
+    for msgs, w in zip(conversations, where):
+        _check_conversation(msgs, w)
+    owners, prompts, prefixes = [], [], []
+    for k, msgs in enumerate(conversations):
+        for j, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                owners.append(k)
+                prompts.append(msgs[:j])
+                prefixes.append(msgs[: j + 1])
+    full = _render(tokenizer, conversations, False)
+    starts, ends = _render(tokenizer, prompts, True), _render(tokenizer, prefixes, False)
+    spans = [[] for _ in conversations]
+    for k, s, e in zip(owners, starts, ends):
+        if not (full[k].startswith(s) and full[k].startswith(e) and len(s) <= len(e)):
+            raise DataError(f"{where[k]}: the chat template does not render conversations prefix-consistently; "
+                            "cannot mask prompts")
+        spans[k].append((len(s), len(e)))
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, masks = [], []
+    for k, (row_ids, offs) in enumerate(zip(enc["input_ids"], enc["offset_mapping"])):
+        ids.append(row_ids)
+        masks.append(_label_mask(np.asarray(offs, dtype=np.int64).reshape(-1, 2), spans[k], where[k]))
+    return ids, masks
+
+
+def tokenize_text_batch(tokenizer, texts: list[str]) -> tuple[list, list]:
+    """Token ids (with the tokenizer's special tokens, and EOS appended) and all-ones loss masks."""
+    eos = tokenizer.eos_token_id
+    ids = [row if eos is None or (row and row[-1] == eos) else row + [eos] for row in tokenizer(texts)["input_ids"]]
+    return ids, [np.ones(len(row), dtype=np.uint8) for row in ids]
+
+
+def _tokenize_rows(rows, indices, tokenizer, fmt: str, column: str, label: str) -> dict:
+    if fmt == "chat":
+        ids, masks = tokenize_chat_batch(tokenizer, rows[column], [f"{label} row {i + 1}" for i in indices])
+    else:
+        ids, masks = tokenize_text_batch(tokenizer, rows[column])
+    return {"ids": ids, "mask": masks}
+
+
+# the old single-row helpers, kept for callers that tokenize one conversation (tests, notebooks)
+def tokenize_chat(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Ids of the rendered conversation, and labels that are IGNORE everywhere except assistant turns."""
+    (ids,), (mask,) = tokenize_chat_batch(tokenizer, [messages], ["conversation"])
+    return ids, [t if m else IGNORE for t, m in zip(ids, mask)]
+
+
+# ---------------------------------------------------------------- the token cache
+
+def _sources_fingerprint(pairs) -> list:
+    out = []
+    for src, w in pairs:
+        files = [p.strip() for p in src.path.split(",")]
+        if os.path.isdir(src.path):
+            files = sorted(os.path.join(r, f) for r, _, fs in os.walk(src.path) for f in fs)
+        stats = [(p, os.path.getsize(p), os.path.getmtime(p)) if os.path.isfile(p) else (p,) for p in files]
+        out.append([src.path, src.split, src.name, src.revision, w, stats])
+    return out
+
+
+def cache_key(cfg_data, tokenizer, eval_set: bool = False) -> str:
+    vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+    blob = json.dumps([CACHE_VERSION, _sources_fingerprint(sources(cfg_data, eval_set)), vocab,
+                       str(tokenizer.chat_template), cfg_data.format, cfg_data.text_field, cfg_data.messages_field])
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def cache_path(cfg_data, tokenizer, eval_set: bool = False) -> str:
+    return os.path.join(cfg_data.cache_dir, cache_key(cfg_data, tokenizer, eval_set))
+
+
+def default_num_proc() -> int:
+    """The CPU cores this process may run on (a SLURM/cgroup cpuset, not the whole node)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _append_batch(table, files: dict, n_tokens: int) -> tuple[int, np.ndarray]:
+    """Append one arrow batch of rows to the flat files; return the new token count and the docs' end offsets."""
+    import pyarrow.compute as pc
+
+    ids = pc.list_flatten(table.column("ids")).to_numpy().astype(np.int32, copy=False)
+    mask = pc.list_flatten(table.column("mask")).to_numpy().astype(np.uint8, copy=False)
+    lengths = pc.list_value_length(table.column("ids")).to_numpy().astype(np.int64)
+    files["tokens"].write(ids.tobytes())
+    files["mask"].write(mask.tobytes())
+    ends = n_tokens + np.cumsum(lengths)
+    files["offsets"].write(ends.tobytes())
+    return int(ends[-1]) if len(ends) else n_tokens, ends
+
+
+def _write_cache(mapped, tmp: str, meta: dict) -> dict:
+    """Stream the tokenized rows into tmp/{tokens,loss_mask,doc_offsets}.bin, one arrow batch at a time."""
+    names = {"tokens": "tokens.bin", "mask": "loss_mask.bin", "offsets": "doc_offsets.bin"}
+    files = {k: open(os.path.join(tmp, v), "wb") for k, v in names.items()}
+    try:
+        files["offsets"].write(np.zeros(1, dtype=np.int64).tobytes())
+        n_tokens, n_docs = 0, 0
+        for table in mapped.with_format("arrow").iter(batch_size=10 * _MAP_BATCH):
+            n_tokens, ends = _append_batch(table, files, n_tokens)
+            n_docs += len(ends)
+        for f in files.values():
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        for f in files.values():
+            f.close()
+    return {**meta, "n_docs": n_docs, "n_tokens": n_tokens, "token_dtype": "int32"}
+
+
+def build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | None = None,
+                progress: bool = False) -> str:
+    """Tokenize the data set (or the eval set) into its cache folder unless it is already committed.
+
+    Atomic: everything is written into a temporary folder that gets its COMMIT file last and is then
+    renamed into place, so a crash or a bad row never leaves a half cache that a later run would read.
+    """
+    cache = cache_path(cfg_data, tokenizer, eval_set)
+    if os.path.exists(os.path.join(cache, COMMIT_FILE)):
+        return cache
+    import datasets
+
+    datasets.enable_progress_bars() if progress else datasets.disable_progress_bars()
+    tmp = f"{cache}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        ds, fmt, column, label = load_documents(cfg_data, eval_set, cache_dir=os.path.join(tmp, "hf"))
+        procs = num_proc or cfg_data.num_proc
+        if not procs:  # automatic: every core, but forking workers for a few thousand rows costs more than it saves
+            procs = max(1, min(default_num_proc(), len(ds) // _ROWS_PER_PROC))
+        procs = min(procs, len(ds))
+        mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
+                        num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
+                        fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label},
+                        cache_file_name=os.path.join(tmp, "tokenized.arrow"), desc="tokenize")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        meta = _write_cache(mapped, tmp, {"version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad})
+        del mapped, ds
+        for name in os.listdir(tmp):  # the arrow intermediates: only the flat files stay
+            if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin"):
+                p = os.path.join(tmp, name)
+                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+        with open(os.path.join(tmp, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
+            f.write("ok\n")
+        if os.path.exists(cache):  # an older layout, or a folder left by hand
+            shutil.rmtree(cache)
+        os.replace(tmp, cache)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, DataError) or not isinstance(e, Exception):
+            raise
+        cause = _data_error_in(e)
+        if cause is not None:  # datasets' worker pool re-raises our error wrapped or re-typed
+            raise DataError(cause) from None
+        raise
     return cache
 
 
-def open_samples(cache: str) -> tuple[np.ndarray, np.ndarray]:
-    """Memory-map a tokenized cache: ranks share the pages instead of each holding a copy."""
-    return (np.load(os.path.join(cache, "input_ids.npy"), mmap_mode="r"),
-            np.load(os.path.join(cache, "labels.npy"), mmap_mode="r"))
+def _data_error_in(e: BaseException) -> str | None:
+    while e is not None:
+        if isinstance(e, DataError):
+            return str(e)
+        e = e.__cause__ or e.__context__
+    return None
+
+
+# ---------------------------------------------------------------- samples cut from the cache
+
+class TokenCache:
+    """The committed cache folder, memory-mapped: ranks share the pages instead of each holding a copy."""
+
+    def __init__(self, path: str):
+        with open(os.path.join(path, "meta.json")) as f:
+            self.meta = json.load(f)
+        self.path = path
+        self.tokens = self._map("tokens.bin", np.int32, self.meta["n_tokens"])
+        self.mask = self._map("loss_mask.bin", np.uint8, self.meta["n_tokens"])
+        self.offsets = self._map("doc_offsets.bin", np.int64, self.meta["n_docs"] + 1)
+
+    def _map(self, name: str, dtype, count: int) -> np.ndarray:
+        if count == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(os.path.join(self.path, name), dtype=dtype, mode="r", shape=(count,))
+
+
+class Samples:
+    """Fixed-length samples over a TokenCache, cut when opened (the cache is independent of seq_len).
+
+    pack=False: sample i is document i, truncated (or an error with truncation off) and right-padded.
+    pack=True: the documents' token stream cut into seq_len chunks (the tail is dropped). Position ids
+    restart at every document start, and the first token of each document carries no loss, so no token
+    is predicted from another document: with those position ids the model's attention is block-diagonal
+    (transformers detects packed sequences from position ids; see docs/data.md).
+    """
+
+    def __init__(self, cache: TokenCache, seq_len: int, pack: bool, truncation: bool = True):
+        self.cache, self.seq_len, self.pack = cache, seq_len, pack
+        n_docs = cache.meta["n_docs"]
+        self.num_rows = cache.meta["n_tokens"] // seq_len if pack else n_docs
+        if not pack and not truncation and n_docs:
+            lengths = np.diff(cache.offsets)
+            too_long = np.flatnonzero(lengths > seq_len)
+            if len(too_long):
+                i = int(too_long[0])
+                raise DataError(f"{cache.meta['source']} row {i + 1}: {int(lengths[i])} tokens, longer than "
+                                f"data.seq_len={seq_len} ({len(too_long)} such rows); raise seq_len or set "
+                                "data.truncation=true")
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def batch(self, rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(input_ids, labels, position_ids) int64 [len(rows), seq_len]; position_ids None when not packed."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if self.pack:
+            return self._packed(rows)
+        return self._padded(rows)
+
+    def _padded(self, rows):
+        s, c = self.seq_len, self.cache
+        ids = np.full((len(rows), s), c.meta["pad_id"], dtype=np.int64)
+        labels = np.full((len(rows), s), IGNORE, dtype=np.int64)
+        for i, r in enumerate(rows):
+            a, b = int(c.offsets[r]), int(c.offsets[r + 1])
+            b = min(b, a + s)
+            ids[i, : b - a] = c.tokens[a:b]
+            labels[i, : b - a] = np.where(c.mask[a:b] == 1, c.tokens[a:b], IGNORE)
+        return torch.from_numpy(ids), torch.from_numpy(labels), None
+
+    def _packed(self, rows):
+        s, c = self.seq_len, self.cache
+        t = rows[:, None] * s + np.arange(s)[None, :]  # token index of every position
+        ids = np.asarray(c.tokens[t.ravel()], dtype=np.int64).reshape(t.shape)
+        mask = np.asarray(c.mask[t.ravel()]).reshape(t.shape)
+        doc = np.searchsorted(c.offsets, t, side="right") - 1
+        segment_start = np.maximum(np.asarray(c.offsets[doc.ravel()]).reshape(t.shape), rows[:, None] * s)
+        pos = t - segment_start
+        labels = np.where((mask == 1) & (pos > 0), ids, IGNORE)
+        return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(pos)
+
+
+def open_samples(cache: str, cfg_data) -> Samples:
+    samples = Samples(TokenCache(cache), cfg_data.seq_len, cfg_data.pack, cfg_data.truncation)
+    if len(samples) == 0:
+        raise DataError(f"data set {samples.cache.meta['source']} yields no samples of seq_len={cfg_data.seq_len}")
+    return samples
+
+
+class ArraySamples:
+    """Samples from in-memory [N, seq_len] arrays (tests and small experiments)."""
+
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray, position_ids: np.ndarray | None = None):
+        self.input_ids, self.labels, self.position_ids = input_ids, labels, position_ids
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def batch(self, rows):
+        idx = list(rows)
+        pos = None if self.position_ids is None else torch.from_numpy(np.asarray(self.position_ids[idx], np.int64))
+        return (torch.from_numpy(np.asarray(self.input_ids[idx], dtype=np.int64)),
+                torch.from_numpy(np.asarray(self.labels[idx], dtype=np.int64)), pos)
 
 
 # ---------------------------------------------------------------- order and batching
@@ -199,10 +525,10 @@ class BatchStream:
     world size. Stateful: state_dict()/load_state_dict() go into every checkpoint.
     """
 
-    def __init__(self, input_ids, labels, seed: int, epochs: int, plan: BatchPlan, rank: int):
-        self.input_ids, self.labels, self.plan, self.rank = input_ids, labels, plan, rank
-        self.order = GlobalOrder(len(input_ids), seed)
-        self.total = epochs * len(input_ids)
+    def __init__(self, samples, seed: int, epochs: int, plan: BatchPlan, rank: int):
+        self.samples, self.plan, self.rank = samples, plan, rank
+        self.order = GlobalOrder(len(samples), seed)
+        self.total = epochs * len(samples)
         self.position = 0
 
     def has_next(self) -> bool:
@@ -212,24 +538,53 @@ class BatchStream:
         """Rows of the next global batch in order (what every rank together will consume)."""
         return self.order.rows(self.position, self.plan.global_batch)
 
-    def next_global_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro batches (input_ids, labels) of the next global batch; advances position."""
+    def next_global_batch(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """This rank's micro batches (input_ids, labels, position_ids) of the next global batch; advances position."""
         p = self.plan
         per_rank = p.global_batch // p.world_size
         rows = self.order.rows(self.position + self.rank * per_rank, per_rank)
         self.position += p.global_batch
-        micro = []
-        for i in range(0, per_rank, p.micro_batch):
-            idx = rows[i: i + p.micro_batch]
-            micro.append((torch.from_numpy(np.asarray(self.input_ids[idx], dtype=np.int64)),
-                          torch.from_numpy(np.asarray(self.labels[idx], dtype=np.int64))))
-        return micro
+        return [self.samples.batch(rows[i: i + p.micro_batch]) for i in range(0, per_rank, p.micro_batch)]
 
     def state_dict(self) -> dict:
-        return {"position": self.position, "num_rows": len(self.input_ids), "seed": self.order.seed}
+        return {"position": self.position, "num_rows": len(self.samples), "seed": self.order.seed}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_rows"] != len(self.input_ids):
+        if state["num_rows"] != len(self.samples):
             raise DataError(f"checkpoint was made on a data set of {state['num_rows']} samples, this one has "
-                            f"{len(self.input_ids)}; the data position cannot be continued")
+                            f"{len(self.samples)}; the data position cannot be continued")
         self.position = int(state["position"])
+
+
+# ---------------------------------------------------------------- `python -m finetune.data prepare`
+
+def prepare(argv: list[str]) -> int:
+    """Tokenize the training (and eval) data of a config ahead of the job, e.g. on a CPU node."""
+    import argparse
+
+    from finetune.config import ConfigError, load_config
+    from finetune.model import ModelError, load_tokenizer
+
+    p = argparse.ArgumentParser(prog="python -m finetune.data prepare", description=prepare.__doc__)
+    p.add_argument("--config", default=None, help="the YAML preset the training job will use")
+    p.add_argument("overrides", nargs="*", help="key=value, exactly as given to train_fsdp.py")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        tokenizer = load_tokenizer(cfg.model)
+        for eval_set in (False, True) if cfg.data.eval_path else (False,):
+            cache = build_cache(cfg.data, tokenizer, eval_set, progress=True)
+            samples = open_samples(cache, cfg.data)
+            meta = samples.cache.meta
+            print(f"{'eval' if eval_set else 'train'}: {cache} | {meta['n_docs']:,} documents | "
+                  f"{meta['n_tokens']:,} tokens | {len(samples):,} samples of {cfg.data.seq_len}")
+    except (ConfigError, DataError, ModelError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] != "prepare":
+        sys.exit("usage: python -m finetune.data prepare --config <yaml> [key=value ...]")
+    sys.exit(prepare(sys.argv[2:]))

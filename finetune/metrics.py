@@ -3,7 +3,7 @@
     python -m finetune.metrics runs/tiny/metrics.jsonl      # -> runs/tiny/loss.png
 
 metrics.jsonl holds one JSON object per optimizer step ({"step", "loss", "lr", "tokens", ...}) and
-event records ({"event": "checkpoint" | "resume" | ...}). A resumed run appends to the same file, so a
+event records ({"event": "checkpoint" | "resume" | "eval" | ...}; an eval record has "step" and "eval_loss"). A resumed run appends to the same file, so a
 step can appear twice; the last record of a step is the one that counts.
 """
 
@@ -131,6 +131,9 @@ def plot_metrics(path: str, out: str) -> str:
     ys = [steps[s]["loss"] for s in xs]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(xs, ys, lw=1.2, label="loss")
+    evals = {ev["step"]: ev["eval_loss"] for ev in events if ev["event"] == "eval"}  # last record of a step wins
+    if evals:
+        ax.plot(sorted(evals), [evals[s] for s in sorted(evals)], "o-", ms=3, lw=1.2, label="eval loss")
     marks = event_marks(steps, events, run_dir)
     for step, kind in marks:
         color, ls, _ = _MARKS[kind]
