@@ -3,12 +3,14 @@
     python -m pytest tests/test_data.py -q
 """
 
+import os
+
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.data import IGNORE, BatchPlan, BatchStream, DataError, GlobalOrder, cache_samples, open_samples, \
-    to_samples, tokenize_chat
+from finetune.data import IGNORE, ArraySamples, BatchPlan, BatchStream, DataError, GlobalOrder, build_cache, \
+    open_samples, tokenize_chat
 from finetune.config import DataConfig
 
 TOK_DIR = "assets/tiny-llama"
@@ -24,12 +26,12 @@ def _rows_by_rank(num_rows, global_batch, world, n_batches, seed=7):
     """For each global batch, the rows each rank consumed (ranks in order)."""
     ids = np.arange(num_rows, dtype=np.int32)[:, None].repeat(4, 1)
     plan = BatchPlan.make(global_batch, micro_batch=2, world_size=world)
-    streams = [BatchStream(ids, ids, seed, epochs=3, plan=plan, rank=r) for r in range(world)]
+    streams = [BatchStream(ArraySamples(ids, ids), seed, epochs=3, plan=plan, rank=r) for r in range(world)]
     out = []
     for _ in range(n_batches):
         per_rank = []
         for s in streams:
-            per_rank.append([int(row) for ids_mb, _ in s.next_global_batch() for row in ids_mb[:, 0]])
+            per_rank.append([int(row) for ids_mb, _, _ in s.next_global_batch() for row in ids_mb[:, 0]])
         out.append(per_rank)
     return out
 
@@ -54,9 +56,9 @@ def test_order_is_a_pure_function_of_seed_epoch_index():
 def test_resume_position_continues_the_same_stream():
     ids = np.arange(40, dtype=np.int32)[:, None].repeat(2, 1)
     plan = BatchPlan.make(8, 4, 2)
-    straight = BatchStream(ids, ids, 1, 2, plan, rank=1)
+    straight = BatchStream(ArraySamples(ids, ids), 1, 2, plan, rank=1)
     batches = [straight.next_global_batch() for _ in range(6)]
-    resumed = BatchStream(ids, ids, 1, 2, BatchPlan.make(8, 4, 1), rank=0)
+    resumed = BatchStream(ArraySamples(ids, ids), 1, 2, BatchPlan.make(8, 4, 1), rank=0)
     resumed.load_state_dict({"position": 3 * 8, "num_rows": 40, "seed": 1})
     assert resumed.global_rows() == straight.order.rows(3 * 8, 8)
     assert batches[3][0][0][:, 0].tolist() == straight.order.rows(3 * 8 + 4, 4)  # rank 1 takes the 2nd half
@@ -86,35 +88,221 @@ def test_multi_turn_masks_every_non_assistant_turn(tok):
     assert tok.decode([i for i, lab in zip(ids, labels) if lab != IGNORE]) == "a1<|end|>a2<|end|>"
 
 
-def test_packing_concatenates_and_drops_tail():
-    docs = [([1, 2, 3], [1, 2, 3]), ([4, 5], [IGNORE, 5]), ([6, 7, 8, 9], [6, 7, 8, 9])]
-    ids, labels = to_samples(docs, seq_len=4, pack=True, pad_id=0)
+def _cache_of(docs, masks=None):
+    """A TokenCache stand-in holding these documents (what build_cache writes, in memory)."""
+    from types import SimpleNamespace
+    tokens = np.array([t for d in docs for t in d], dtype=np.int32)
+    mask = np.array([m for i, d in enumerate(docs) for m in (masks[i] if masks else [1] * len(d))], dtype=np.uint8)
+    offsets = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
+    return SimpleNamespace(tokens=tokens, mask=mask, offsets=offsets,
+                           meta={"n_docs": len(docs), "n_tokens": len(tokens), "pad_id": 0, "source": "docs.jsonl"})
+
+
+def test_packing_concatenates_restarts_positions_and_drops_tail():
+    from finetune.data import Samples
+    s = Samples(_cache_of([[1, 2, 3], [4, 5], [6, 7, 8, 9]], [[1, 1, 1], [0, 1], [1, 1, 1, 1]]), seq_len=4, pack=True)
+    ids, labels, pos = s.batch([0, 1])
     assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
-    assert labels.tolist() == [[1, 2, 3, IGNORE], [5, 6, 7, 8]]
+    assert pos.tolist() == [[0, 1, 2, 0], [0, 0, 1, 2]]  # a new document (or a chunk's first token) restarts at 0
+    # a document's first token is never predicted from the one before it (another document)
+    assert labels.tolist() == [[IGNORE, 2, 3, IGNORE], [IGNORE, IGNORE, 7, 8]]
 
 
 def test_padding_truncates_and_masks_pads():
-    docs = [([1, 2], [1, 2]), ([3, 4, 5, 6, 7], [3, 4, 5, 6, 7])]
-    ids, labels = to_samples(docs, seq_len=4, pack=False, pad_id=0)
-    assert ids.tolist() == [[1, 2, 0, 0], [3, 4, 5, 6]]
+    from finetune.data import Samples
+    s = Samples(_cache_of([[1, 2], [3, 4, 5, 6, 7]]), seq_len=4, pack=False)
+    ids, labels, pos = s.batch([0, 1])
+    assert ids.tolist() == [[1, 2, 0, 0], [3, 4, 5, 6]] and pos is None
     assert labels.tolist() == [[1, 2, IGNORE, IGNORE], [3, 4, 5, 6]]
+    with pytest.raises(DataError, match=r"docs.jsonl row 2: 5 tokens, longer than data.seq_len=4 \(1 such rows\)"):
+        Samples(_cache_of([[1, 2], [3, 4, 5, 6, 7]]), seq_len=4, pack=False, truncation=False)
 
 
 def test_text_file_end_to_end_with_cache(tmp_path, tok):
     f = tmp_path / "d.txt"
     f.write_text("hello world\nsecond line here\n")
     cfg = DataConfig(path=str(f), seq_len=8, pack=True, cache_dir=str(tmp_path / "cache"))
-    cache = cache_samples(cfg, tok)
-    assert cache_samples(cfg, tok) == cache  # second call hits the cache
-    ids, labels = open_samples(cache)
+    cache = build_cache(cfg, tok)
+    assert build_cache(cfg, tok) == cache  # second call hits the cache
+    samples = open_samples(cache, cfg)
+    ids, _, _ = samples.batch(range(len(samples)))
     assert ids.shape[1] == 8 and len(ids) == (len("hello world") + len("second line here") + 2) // 8
     assert tok.decode(ids[0].tolist()) == "hello wo"
 
 
 def test_missing_and_empty_data_are_clear_errors(tmp_path, tok):
     with pytest.raises(DataError, match="data file not found"):
-        cache_samples(DataConfig(path=str(tmp_path / "nope.jsonl"), cache_dir=str(tmp_path)), tok)
+        build_cache(DataConfig(path=str(tmp_path / "nope.jsonl"), cache_dir=str(tmp_path)), tok)
     empty = tmp_path / "e.txt"
     empty.write_text("hi\n")
     with pytest.raises(DataError, match="no samples"):
-        cache_samples(DataConfig(path=str(empty), seq_len=64, pack=True, cache_dir=str(tmp_path)), tok)
+        cfg = DataConfig(path=str(empty), seq_len=64, pack=True, cache_dir=str(tmp_path))
+        open_samples(build_cache(cfg, tok), cfg)
+
+
+# ---------------------------------------------------------------- the tokenizing pipeline (issue 13)
+
+def _conversations(n: int, seed: int = 0) -> list[dict]:
+    """Chat rows of 1-4 turns, with a system message now and then."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        msgs = [{"role": "system", "content": "be brief"}] if i % 5 == 0 else []
+        for t in range(int(rng.integers(1, 5))):
+            word = "".join(rng.choice(list("abcdefghij"), int(rng.integers(1, 9))))
+            msgs += [{"role": "user", "content": f"reverse: {word}"}, {"role": "assistant", "content": word[::-1]}]
+        rows.append({"messages": msgs})
+    return rows
+
+
+def _write_jsonl(path, rows) -> str:
+    import json
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _old_tokenize_chat(tok, messages):
+    """Today's rule before the pipeline: tokenize every prefix and compare token lists (the reference)."""
+    def ids_of(msgs, gen=False):
+        return tok(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen),
+                   add_special_tokens=False)["input_ids"]
+    ids = ids_of(messages)
+    labels = [IGNORE] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start, end = len(ids_of(messages[:i], True)), len(ids_of(messages[: i + 1]))
+            labels[start:end] = ids[start:end]
+    return ids, labels
+
+
+def test_parallel_cache_equals_serial_and_the_old_per_prefix_masking(tmp_path, tok):
+    rows = _conversations(300)
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    caches = {}
+    for procs in (1, 2):
+        cfg = DataConfig(path=path, seq_len=128, cache_dir=str(tmp_path / f"cache{procs}"))
+        caches[procs] = build_cache(cfg, tok, num_proc=procs)
+    for name in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin"):
+        a, b = (open(os.path.join(caches[p], name), "rb").read() for p in (1, 2))
+        assert a == b, f"{name} differs between 1 and 2 tokenizer processes"
+    samples = open_samples(caches[2], DataConfig(path=path, seq_len=128))
+    ids, labels, _ = samples.batch(range(len(rows)))
+    for i, row in enumerate(rows):
+        ref_ids, ref_labels = _old_tokenize_chat(tok, row["messages"])
+        n = len(ref_ids)
+        assert ids[i, :n].tolist() == ref_ids and labels[i, :n].tolist() == ref_labels, f"row {i} differs"
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_bad_conversation_names_file_row_and_field_and_leaves_no_cache(tmp_path, tok, procs):
+    rows = _conversations(40)
+    rows[31]["messages"][1]["role"] = "user"  # two user turns in a row (row 32, 1-based)
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    cache_dir = tmp_path / "cache"
+    with pytest.raises(DataError) as e:
+        build_cache(DataConfig(path=path, cache_dir=str(cache_dir)), tok, num_proc=procs)
+    assert str(e.value).startswith(f"{path} row 32: messages[1].role is 'user', expected 'assistant'"), str(e.value)
+    assert not cache_dir.exists() or os.listdir(cache_dir) == [], "a failed build left files in the cache"
+
+
+def test_saved_folder_parquet_folder_split_and_mixture(tmp_path, tok):
+    """The local equivalents of hub data sets: a `save_to_disk` DatasetDict (splits) and a parquet folder,
+    loaded through the same `load_dataset` call a hub name takes; a weighted mixture is deterministic."""
+    import datasets
+    from finetune.data import load_documents
+
+    chat = datasets.Dataset.from_list(_conversations(60))
+    datasets.DatasetDict({"train": chat, "validation": chat.select(range(10))}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "pq").mkdir()
+    datasets.Dataset.from_list(_conversations(40, seed=1)).to_parquet(str(tmp_path / "pq" / "part-0.parquet"))
+
+    ds, fmt, _, _ = load_documents(DataConfig(path=str(tmp_path / "saved"), split="validation"))
+    assert len(ds) == 10 and fmt == "chat"
+    ds, _, _, _ = load_documents(DataConfig(path=str(tmp_path / "saved"), eval_path="split:validation"), eval_set=True)
+    assert len(ds) == 10
+    ds, _, _, _ = load_documents(DataConfig(path=str(tmp_path / "pq")))
+    assert len(ds) == 40
+    mix = DataConfig(mixture=f"{tmp_path / 'saved'}:3; {tmp_path / 'pq'}:1")
+    a, b = load_documents(mix)[0], load_documents(mix)[0]
+    assert a["messages"] == b["messages"]  # same mixture, same rows in the same order
+    sources = {json_row(m) for m in chat["messages"]}
+    from_saved = sum(json_row(m) in sources for m in a["messages"])
+    assert 0.6 < from_saved / len(a) < 0.9  # weights 3:1 -> about 75% from the first source
+    with pytest.raises(DataError, match="must look like <path>:<weight>"):
+        load_documents(DataConfig(mixture=f"{tmp_path / 'pq'}"))
+    with pytest.raises(DataError, match="has no split 'test'"):
+        load_documents(DataConfig(path=str(tmp_path / "saved"), split="test"))
+
+
+def json_row(messages) -> str:
+    import json
+    return json.dumps(messages, sort_keys=True)
+
+
+def test_prepare_ahead_then_training_reuses_the_cache(tmp_path):
+    """`python -m finetune.data prepare` with the training overrides; the run then finds both caches committed."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, run_train
+    run = tmp_path / "run"
+    args = [f"run.dir={run}", "data.seq_len=32"]
+    out = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml", *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "train: " in out.stdout and "eval: " in out.stdout and "4,096 documents" in out.stdout
+    caches = sorted((run / "data-cache").iterdir())
+    assert len(caches) == 2 and all((c / "COMMIT").exists() for c in caches)
+    stamp = {c: (c / "tokens.bin").stat().st_mtime_ns for c in caches}
+    run_train(run, nproc=0, overrides=["train.max_steps=1", "data.cache_dir=", "ckpt.interval=0"], timeout=300)
+    assert {c: (c / "tokens.bin").stat().st_mtime_ns for c in caches} == stamp  # not rebuilt
+    bad = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
+                          f"data.path={tmp_path}/nope.jsonl"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip() == f"error: data file not found: {tmp_path}/nope.jsonl"
+
+
+def _wait_worker(rank, world, port, tmp, q):
+    import time
+
+    import torch.distributed as dist
+
+    from finetune.dist import rank0_builds_others_wait
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    lines = []
+
+    def build(fail):
+        time.sleep(1.5)
+        if fail:
+            raise DataError("row 3 is bad")
+        os.makedirs(os.path.join(tmp, "c"))
+        open(os.path.join(tmp, "c", "COMMIT"), "w").close()
+        return os.path.join(tmp, "c")
+
+    out = []
+    for fail in (False, True):
+        try:
+            out.append(rank0_builds_others_wait(lambda: build(fail), os.path.join(tmp, "c" if not fail else "d", "COMMIT"),
+                                                "cache", DataError, poll_s=0.05, report_s=0.5, log=lines.append))
+        except DataError as e:
+            out.append(f"DataError: {e}")
+    q.put((rank, out, lines))
+    dist.destroy_process_group()
+
+
+def test_other_ranks_wait_on_the_filesystem_and_get_rank0s_error(tmp_path):
+    import torch.multiprocessing as mp
+
+    from conftest import free_port
+    ctx = mp.get_context("spawn")
+    q, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_wait_worker, args=(r, 2, port, str(tmp_path), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (out, lines)) for r, out, lines in (q.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    for r in (0, 1):
+        assert results[r][0] == [str(tmp_path / "c"), "DataError: row 3 is bad"]
+    assert results[0][1] == []
+    assert len(results[1][1]) >= 2 and all(line.startswith("rank 1: waiting for rank 0 to build cache")
+                                           for line in results[1][1])

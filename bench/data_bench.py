@@ -1,0 +1,160 @@
+"""Tokenizing throughput and peak memory: the old one-process loop vs the datasets pipeline (docs/data.md).
+
+    python bench/data_bench.py --conversations 200000 --lines 1000000 --repeats 3 --num-proc 2
+
+Generates a chat jsonl (conversations of 1-4 turns) and a text file, then tokenizes each with the tiny
+tokenizer, alternating old and new, each run in a fresh process. "old" is finetune/data.py as of commit
+7e96d2e (read with `git show`, so it is the exact code this replaced); "new" is build_cache. Reports
+rows/s (median and min-max over repeats), peak RSS of the process (and of its largest worker), and the
+size of the result. Peak RSS is ru_maxrss, the process's own high-water mark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OLD_COMMIT = "7e96d2e"
+
+
+def make_chat(path: str, n: int, seed: int = 0) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            msgs = []
+            for _ in range(rng.randint(1, 4)):
+                word = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 12)))
+                msgs += [{"role": "user", "content": f"reverse: {word}"}, {"role": "assistant", "content": word[::-1]}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+
+
+def make_text(path: str, n: int, seed: int = 1) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            words = ("".join(rng.choice("abcdefghij klmnop") for _ in range(rng.randint(2, 9)))
+                     for _ in range(rng.randint(4, 16)))
+            f.write(" ".join(words) + "\n")
+
+
+def _worker(method: str, path: str, cache_dir: str, num_proc: int, seq_len: int) -> dict:
+    """One measurement, in this (fresh) process."""
+    sys.path.insert(0, ROOT)
+    from transformers import AutoTokenizer
+
+    from finetune.config import DataConfig
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
+    cfg = DataConfig(path=path, seq_len=seq_len, cache_dir=cache_dir, num_proc=num_proc)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    if method == "old":
+        old = _load_old_module()
+        cache = old.cache_samples(cfg, tok)
+    else:
+        from finetune.data import build_cache
+        cache = build_cache(cfg, tok, num_proc=num_proc)
+    secs = time.perf_counter() - t0
+    size = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache))
+    return {"seconds": secs, "cache_bytes": size, "rss_before_kib": base_rss,
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "peak_child_rss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}
+
+
+def _load_old_module():
+    import importlib.util
+    src = subprocess.run(["git", "-C", ROOT, "show", f"{OLD_COMMIT}:finetune/data.py"], check=True,
+                         capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "old_data.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("old_data", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["old_data"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def measure(method: str, path: str, rows: int, num_proc: int, seq_len: int, work: str) -> dict:
+    cache_dir = os.path.join(work, f"cache-{method}")
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    env = {**os.environ, "HF_DATASETS_CACHE": os.path.join(work, "hf"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, __file__, "--worker", method, path, cache_dir, str(num_proc), str(seq_len)],
+                         capture_output=True, text=True, env=env)
+    if out.returncode != 0:
+        raise SystemExit(f"{method} failed:\n{out.stderr[-3000:]}")
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    shutil.rmtree(os.path.join(work, "hf"), ignore_errors=True)  # old: load_dataset's arrow copy
+    return {**res, "rows_per_s": rows / res["seconds"]}
+
+
+def summarize(name: str, runs: list[dict]) -> str:
+    rps = [r["rows_per_s"] for r in runs]
+    mib = lambda kib: kib / 1024  # noqa: E731
+    return (f"| {name} | {statistics.median(rps):,.0f} ({min(rps):,.0f}-{max(rps):,.0f}) | "
+            f"{mib(statistics.median(r['peak_rss_kib'] for r in runs)):,.0f} | "
+            f"{mib(statistics.median(r['peak_rss_kib'] - r['rss_before_kib'] for r in runs)):,.0f} | "
+            f"{mib(statistics.median(r['peak_child_rss_kib'] for r in runs)):,.0f} | "
+            f"{runs[0]['cache_bytes'] / 2**20:,.1f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--conversations", type=int, default=200_000)
+    p.add_argument("--lines", type=int, default=1_000_000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-proc", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--work", default=None, help="scratch folder (default: a temp dir, removed at the end)")
+    p.add_argument("--json", default=None, help="also write every measurement here")
+    args = p.parse_args()
+    work = args.work or tempfile.mkdtemp(prefix="data_bench-")
+    os.makedirs(work, exist_ok=True)
+    files = {"chat": (os.path.join(work, "chat.jsonl"), args.conversations, make_chat),
+             "text": (os.path.join(work, "text.txt"), args.lines, make_text)}
+    results = {}
+    for kind, (path, n, make) in files.items():
+        if n <= 0:
+            continue
+        make(path, n)
+        for rep in range(args.repeats):  # interleaved: old, new, old, new, ... so machine noise hits both
+            for method in ("old", "new"):
+                r = measure(method, path, n, args.num_proc, args.seq_len, work)
+                results.setdefault(f"{kind}/{method}", []).append(r)
+                print(f"{kind} {method} rep {rep}: {r['rows_per_s']:,.0f} rows/s, peak RSS "
+                      f"{r['peak_rss_kib'] / 1024:,.0f} MiB", file=sys.stderr, flush=True)
+    print(f"\n{args.conversations:,} conversations, {args.lines:,} text lines, {args.repeats} repeats, "
+          f"new with num_proc={args.num_proc}, {len(os.sched_getaffinity(0))} cores available\n")
+    print("| data/method | rows/s median (min-max) | peak RSS MiB | peak RSS - RSS at start MiB | "
+          "largest worker RSS MiB | result MiB |")
+    print("|---|---|---|---|---|---|")
+    for name, runs in results.items():
+        print(summarize(name, runs))
+    for kind in files:
+        if f"{kind}/old" in results:
+            old = statistics.median(r["rows_per_s"] for r in results[f"{kind}/old"])
+            new = statistics.median(r["rows_per_s"] for r in results[f"{kind}/new"])
+            print(f"\n{kind}: new / old = {new / old:.2f}x rows/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        method, path, cache_dir, num_proc, seq_len = sys.argv[2:7]
+        print(json.dumps(_worker(method, path, cache_dir, int(num_proc), int(seq_len))))
+    else:
+        main()

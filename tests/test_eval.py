@@ -1,0 +1,143 @@
+"""Document-aware packing, the validation loss and ckpt.keep_best (issue 13).
+
+    python -m pytest tests/test_eval.py -q
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, events, losses, run_train
+from finetune.data import IGNORE, Samples
+from finetune.evaluate import next_token_loss
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+def _cache(docs):
+    from types import SimpleNamespace
+    tokens = np.concatenate([np.asarray(d, dtype=np.int32) for d in docs])
+    offsets = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
+    return SimpleNamespace(tokens=tokens, mask=np.ones(len(tokens), np.uint8), offsets=offsets,
+                           meta={"n_docs": len(docs), "n_tokens": len(tokens), "pad_id": 0, "source": "x"})
+
+
+@torch.no_grad()
+def test_packed_loss_equals_the_sum_of_each_documents_own_loss(tiny_model):
+    """Two packed rows of 24 tokens holding 6 documents (one cut across the rows): the summed token loss of
+    the packed batch equals the sum of each document's (piece's) loss computed alone, padded to nothing."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, 100, n).tolist() for n in (5, 9, 12, 5, 13, 4)]  # 48 tokens
+    samples = Samples(_cache(docs), seq_len=24, pack=True)
+    ids, labels, pos = samples.batch([0, 1])
+    packed = next_token_loss(tiny_model, ids, labels, pos).double()
+    alone = torch.zeros((), dtype=torch.float64)
+    for row in range(2):
+        starts = (pos[row] == 0).nonzero().flatten().tolist() + [24]
+        for a, b in zip(starts[:-1], starts[1:]):  # each document, or piece of one, in its own forward
+            piece = ids[row, a:b][None]
+            alone += next_token_loss(tiny_model, piece, piece.clone()).double()
+    assert len(torch.nonzero(pos == 0)) == 7  # 6 documents, one of them cut in two
+    assert torch.allclose(packed, alone, rtol=1e-5), (packed.item(), alone.item())
+    # without position ids the documents see each other: the loss differs (the test can fail)
+    leaky = next_token_loss(tiny_model, ids, labels, None).double()
+    assert not torch.allclose(leaky, alone, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_padding_free_rows_give_the_same_loss(tiny_model):
+    """The flattened layout varlen/flash attention uses on GPU (one row, per-document positions) equals the
+    [batch, seq_len] layout: what the packing test proves on CPU/SDPA carries to the flash path."""
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(3, 100, n).tolist() for n in (7, 11, 6, 12, 12)]
+    ids, labels, pos = Samples(_cache(docs), seq_len=16, pack=True).batch([0, 1, 2])
+    rows = next_token_loss(tiny_model, ids, labels, pos).double()
+    flat = next_token_loss(tiny_model, ids.reshape(1, -1), labels.reshape(1, -1), pos.reshape(1, -1)).double()
+    assert torch.allclose(rows, flat, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- validation loss in real runs
+
+EVAL = ["data.eval_path=data/tiny/eval.jsonl", "data.micro_batch_size=5"]  # 64 eval rows -> 13 chunks of 5
+
+
+def test_eval_loss_identical_at_one_and_two_ranks(tmp_path):
+    """lr=0 keeps the initial weights (the same at any W): the eval loss must then be the same number, exactly,
+    with W=2 running an odd number of chunks (one dummy forward)."""
+    common = [*EVAL, "train.max_steps=2", "train.eval_interval=1", "train.lr=0", "ckpt.interval=0",
+              "ckpt.save_at_end=false"]
+    run_train(tmp_path / "w1", nproc=0, overrides=common)
+    proc = run_train(tmp_path / "w2", nproc=2, overrides=common)
+    a, b = events(tmp_path / "w1", "eval"), events(tmp_path / "w2", "eval")
+    assert [e["step"] for e in a] == [e["step"] for e in b] == [1, 2]
+    assert [e["eval_loss"] for e in a] == [e["eval_loss"] for e in b]
+    assert a[0]["eval_rows"] == 64 and a[0]["eval_tokens"] == b[0]["eval_tokens"] > 0
+    assert "eval        2 | eval_loss " in proc.stdout
+
+
+def test_eval_does_not_change_the_training_trajectory(tmp_path):
+    common = [*EVAL, "train.max_steps=6", "ckpt.interval=0", "ckpt.save_at_end=false"]
+    run_train(tmp_path / "plain", nproc=0, overrides=[*common, "train.eval_interval=0"])
+    run_train(tmp_path / "eval", nproc=0, overrides=[*common, "train.eval_interval=2", "train.eval_batches=2"])
+    assert losses(tmp_path / "plain") == losses(tmp_path / "eval")  # bit-identical floats
+    ev = events(tmp_path / "eval", "eval")
+    assert [e["step"] for e in ev] == [2, 4, 6] and all(e["eval_rows"] == 24 for e in ev)
+    assert ev[-1]["eval_loss"] < ev[0]["eval_loss"]
+    from finetune.metrics import plot_metrics
+    assert os.path.getsize(plot_metrics(str(tmp_path / "eval" / "metrics.jsonl"), str(tmp_path / "p.png"))) > 0
+
+
+# ---------------------------------------------------------------- ckpt.keep_best
+
+def _fake_checkpoint(ckpt_dir, step: int, score=None) -> None:
+    from ckpt.layout import COMMIT_FILE, step_dir
+    path = step_dir(str(ckpt_dir), step)
+    os.makedirs(path)
+    meta = {"step": step} if score is None else {"step": step, "score": score}
+    with open(os.path.join(path, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    open(os.path.join(path, COMMIT_FILE), "w").close()
+
+
+def test_keep_best_survives_retention_and_restarts(tmp_path):
+    from ckpt import CheckpointManager
+    from ckpt.layout import list_step_dirs
+    scores = {2: 3.0, 4: 1.5, 6: 2.5, 8: 1.0, 10: 2.0, 12: None}
+    mgr = CheckpointManager(str(tmp_path), "off", keep_last=1, keep_best=2)
+    for step, score in list(scores.items())[:4]:
+        _fake_checkpoint(tmp_path, step, score)
+        mgr._apply_retention(step)
+    assert [s for s, _ in list_step_dirs(str(tmp_path))] == [4, 8]  # best two (8 is also the newest)
+    mgr.close()
+    again = CheckpointManager(str(tmp_path), "off", keep_last=1, keep_best=2)  # a restarted job
+    for step, score in list(scores.items())[4:]:
+        _fake_checkpoint(tmp_path, step, score)
+        again._apply_retention(step)
+    assert [s for s, _ in list_step_dirs(str(tmp_path))] == [4, 8, 12]  # an unscored newest never evicts the best
+    again.close()
+
+
+def test_eval_loss_is_the_checkpoint_score_and_inspect_shows_it(tmp_path, capsys):
+    run = tmp_path / "run"
+    run_train(run, nproc=0, overrides=[*EVAL, "train.max_steps=6", "train.eval_interval=2", "train.eval_batches=1",
+                                       "ckpt.interval=2", "ckpt.keep_last=1", "ckpt.keep_best=1",
+                                       "ckpt.async_mode=off"])
+    ev = {e["step"]: e["eval_loss"] for e in events(run, "eval")}
+    from ckpt.inspect import list_checkpoints
+    from ckpt.layout import list_step_dirs
+    kept = list_step_dirs(str(run / "checkpoints"))
+    best = min(ev, key=ev.get)
+    assert {s for s, _ in kept} == {best, 6}
+    for s, path in kept:
+        assert json.load(open(os.path.join(path, "meta.json")))["score"] == ev[s]
+    list_checkpoints(str(run / "checkpoints"))
+    assert f"{ev[6]:.4f}" in capsys.readouterr().out
