@@ -182,26 +182,45 @@ def _check_conversation(messages, where: str) -> None:
         expected = "assistant" if role == "user" else "user"
 
 
-def _render(tokenizer, conversations, add_generation_prompt: bool) -> list[str]:
-    """The chat template applied to many conversations in one call (no per-call setup per conversation)."""
-    from transformers.utils.chat_template_utils import render_jinja_template
+def _plain(messages) -> bool:
+    """Only str role/content: what transformers' template sandboxing would copy unchanged."""
+    return all(type(m) is dict and len(m) == 2 and type(m.get("role")) is str and type(m.get("content")) is str
+               for m in messages)
 
-    if not conversations:
-        return []
+
+def _render(tokenizer, conversations, add_generation_prompt: bool) -> list[str]:
+    """The chat template applied as `apply_chat_template(..., tokenize=False)` does. Plain conversations go
+    straight to the compiled template (the per-call input copying is the identity for them, and costs more
+    than the rendering); anything else takes transformers' full path."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
+
+    special = tokenizer.special_tokens_map
+    if all(_plain(c) for c in conversations):
+        template = _compile_jinja_template(tokenizer.chat_template)
+        return [template.render(messages=c, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
+                                **special) for c in conversations]
     rendered, _ = render_jinja_template(conversations=conversations, chat_template=tokenizer.chat_template,
-                                        add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+                                        add_generation_prompt=add_generation_prompt, **special)
     return rendered
 
 
-def _label_mask(offsets: np.ndarray, spans: list[tuple[int, int]], where: str) -> np.ndarray:
-    """1 for tokens whose characters lie inside an assistant span [a, b); a token across a span edge means
-    the template and tokenizer do not split turns cleanly, so prompts cannot be masked exactly."""
-    mask = np.zeros(len(offsets), dtype=np.uint8)
-    starts, ends = offsets[:, 0], offsets[:, 1]
+def _first_token_at(encoding, char: int, text_len: int, where: str) -> int:
+    """Index of the first token that starts at or after `char`; an error if a token straddles `char`."""
+    while char < text_len:
+        t = encoding.char_to_token(char)
+        if t is not None:
+            if encoding.offsets[t][0] < char:
+                raise DataError(f"{where}: a token crosses the edge of an assistant turn; cannot mask prompts exactly")
+            return t
+        char += 1  # a character no token covers (e.g. dropped by the normalizer): look at the next one
+    return len(encoding.ids)
+
+
+def _label_mask(encoding, spans: list[tuple[int, int]], text_len: int, where: str) -> np.ndarray:
+    """1 for the tokens of each assistant span [a, b) of the rendered text."""
+    mask = np.zeros(len(encoding.ids), dtype=np.uint8)
     for a, b in spans:
-        if np.any((starts < a) & (ends > a)) or np.any((starts < b) & (ends > b)):
-            raise DataError(f"{where}: a token crosses the edge of an assistant turn; cannot mask prompts exactly")
-        mask[(starts >= a) & (ends <= b) & (ends > starts)] = 1
+        mask[_first_token_at(encoding, a, text_len, where): _first_token_at(encoding, b, text_len, where)] = 1
     return mask
 
 
@@ -209,8 +228,10 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
     """Token ids and loss masks (1 on assistant turns) of many conversations.
 
     Each conversation is tokenized once. The template renders it in full plus, per assistant turn, the prompt
-    before it (with the generation prompt) and the prefix ending with it: string renders only, no tokenizing.
-    Prefix consistency is checked on the strings: both must be prefixes of the full rendering.
+    before it (with the generation prompt) and the prefix ending with it (unless that is the whole
+    conversation): 2 x (assistant turns) string renders, no tokenizing.
+    Prefix consistency is checked on the strings: both must be prefixes of the full rendering, and the
+    turn's edges must fall between tokens of the full tokenization.
     """
     for msgs, w in zip(conversations, where):
         _check_conversation(msgs, w)
@@ -220,20 +241,20 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
             if m["role"] == "assistant":
                 owners.append(k)
                 prompts.append(msgs[:j])
-                prefixes.append(msgs[: j + 1])
+                prefixes.append(msgs[: j + 1] if j + 1 < len(msgs) else None)  # None: the full conversation
     full = _render(tokenizer, conversations, False)
-    starts, ends = _render(tokenizer, prompts, True), _render(tokenizer, prefixes, False)
+    starts = _render(tokenizer, prompts, True)
+    rendered = iter(_render(tokenizer, [p for p in prefixes if p is not None], False))
+    ends = [full[k] if p is None else next(rendered) for k, p in zip(owners, prefixes)]
     spans = [[] for _ in conversations]
     for k, s, e in zip(owners, starts, ends):
         if not (full[k].startswith(s) and full[k].startswith(e) and len(s) <= len(e)):
             raise DataError(f"{where[k]}: the chat template does not render conversations prefix-consistently; "
                             "cannot mask prompts")
         spans[k].append((len(s), len(e)))
-    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    ids, masks = [], []
-    for k, (row_ids, offs) in enumerate(zip(enc["input_ids"], enc["offset_mapping"])):
-        ids.append(row_ids)
-        masks.append(_label_mask(np.asarray(offs, dtype=np.int64).reshape(-1, 2), spans[k], where[k]))
+    enc = tokenizer(full, add_special_tokens=False)
+    ids = enc["input_ids"]
+    masks = [_label_mask(enc.encodings[k], spans[k], len(full[k]), where[k]) for k in range(len(conversations))]
     return ids, masks
 
 
