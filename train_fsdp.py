@@ -261,14 +261,16 @@ def tolerate_save_error(cfg, log, step: int, checkpoint_call) -> None:
 
 # ---------------------------------------------------------------- data and validation
 
-def shared_samples(cfg: Config, tokenizer, eval_set: bool = False):
+def shared_samples(cfg: Config, tokenizer, model, eval_set: bool = False):
     """Rank 0 tokenizes into the cache folder (or finds it committed); the other ranks wait for its COMMIT file
-    through the filesystem, with no collective deadline, however long tokenizing takes."""
+    through the filesystem, with no collective deadline, however long tokenizing takes. Flash attention
+    sees packed documents only in one row (varlen kernels), so packed batches are flattened for it."""
     ready = os.path.join(cache_path(cfg.data, tokenizer, eval_set), COMMIT_FILE)
     cache = rank0_builds_others_wait(lambda: build_cache(cfg.data, tokenizer, eval_set), ready,
                                      f"the {'eval' if eval_set else 'training'} data cache {os.path.dirname(ready)}",
                                      DataError, log=lambda m: print(m, flush=True))
-    return open_samples(cache, cfg.data)
+    flash = (getattr(model.config, "_attn_implementation", None) or "").startswith("flash")
+    return open_samples(cache, cfg.data, padding_free=flash)
 
 
 def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log) -> float:
@@ -369,8 +371,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     # ---- data: tokenized once on rank 0, global order independent of world size
     plan = BatchPlan.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
-    samples = shared_samples(cfg, tokenizer)
-    eval_set = shared_samples(cfg, tokenizer, eval_set=True) if cfg.train.eval_interval else None
+    samples = shared_samples(cfg, tokenizer, model)
+    eval_set = shared_samples(cfg, tokenizer, model, eval_set=True) if cfg.train.eval_interval else None
     stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, plan, rank)
     if not stream.has_next():
         raise DataError(f"data set {cfg.data.path} has {len(samples)} samples x {cfg.data.epochs} epoch(s), "

@@ -427,11 +427,13 @@ class Samples:
     pack=True: the documents' token stream cut into seq_len chunks (the tail is dropped). Position ids
     restart at every document start, and the first token of each document carries no loss, so no token
     is predicted from another document: with those position ids the model's attention is block-diagonal
-    (transformers detects packed sequences from position ids; see docs/data.md).
+    (transformers detects packed sequences from position ids; see docs/data.md). padding_free=True returns
+    a packed batch as one row of len(rows) x seq_len tokens: flash attention's varlen path needs that.
     """
 
-    def __init__(self, cache: TokenCache, seq_len: int, pack: bool, truncation: bool = True):
-        self.cache, self.seq_len, self.pack = cache, seq_len, pack
+    def __init__(self, cache: TokenCache, seq_len: int, pack: bool, truncation: bool = True,
+                 padding_free: bool = False):
+        self.cache, self.seq_len, self.pack, self.padding_free = cache, seq_len, pack, padding_free
         n_docs = cache.meta["n_docs"]
         self.num_rows = cache.meta["n_tokens"] // seq_len if pack else n_docs
         if not pack and not truncation and n_docs:
@@ -473,11 +475,13 @@ class Samples:
         segment_start = np.maximum(np.asarray(c.offsets[doc.ravel()]).reshape(t.shape), rows[:, None] * s)
         pos = t - segment_start
         labels = np.where((mask == 1) & (pos > 0), ids, IGNORE)
+        if self.padding_free:  # position 0 carries no label, so no row predicts across the seam
+            ids, labels, pos = ids.reshape(1, -1), labels.reshape(1, -1), pos.reshape(1, -1)
         return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(pos)
 
 
-def open_samples(cache: str, cfg_data) -> Samples:
-    samples = Samples(TokenCache(cache), cfg_data.seq_len, cfg_data.pack, cfg_data.truncation)
+def open_samples(cache: str, cfg_data, padding_free: bool = False) -> Samples:
+    samples = Samples(TokenCache(cache), cfg_data.seq_len, cfg_data.pack, cfg_data.truncation, padding_free)
     if len(samples) == 0:
         raise DataError(f"data set {samples.cache.meta['source']} yields no samples of seq_len={cfg_data.seq_len}")
     return samples

@@ -1,28 +1,30 @@
-"""The next-token loss (one definition for training and eval) and the validation loss over an eval set.
+"""Validation loss over an eval set: an exact token average, the same number at any world size.
 
     python -m pytest tests/test_eval.py -q
 
-Eval loss = sum of token losses over the eval rows / number of loss tokens, exactly, and the same
-number at any world size: rows are cut into chunks of a fixed size (data.micro_batch_size, never a
-function of W), chunk c runs on rank c % W, and the per-chunk sums are added in chunk order on every
-rank after each round's all-reduce. Every rank runs the same number of forwards (FSDP all-gathers
-need all ranks), so a rank without a chunk in the last round runs chunk 0 again and discards it.
+Eval rows are cut into chunks of a fixed size (data.micro_batch_size, never a function of W) and
+chunk c runs on rank c % W, so each chunk's loss sum is computed from the same inputs at any W. The
+sums are added as integers (fixed point, 2^-24 resolution per chunk), which is associative: one
+all-reduce at the end gives the same total whatever the order or the number of ranks. Every rank runs
+the same number of forwards (FSDP all-gathers need all ranks), so a rank without a chunk in the last
+round runs chunk 0 again and discards it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from finetune.data import IGNORE
+from finetune.loss import next_token_loss_sum
+
+FIXED_POINT = 2 ** 24  # chunk sums up to 5e11 fit an int64; rounding is 3e-8 per chunk
 
 
-def next_token_loss(model, ids, labels, position_ids=None, reduction: str = "sum") -> torch.Tensor:
-    """Cross entropy of token t+1 given tokens <= t. position_ids carry packed documents' boundaries."""
-    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits.float()
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                           ignore_index=IGNORE, reduction=reduction)
+def token_loss_sum(model, ids, labels, position_ids=None) -> torch.Tensor:
+    """Summed next-token loss of a batch (fp32). position_ids carry packed documents' boundaries."""
+    logits = model(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+    return next_token_loss_sum(logits, labels, IGNORE)
 
 
 def eval_rows(num_rows: int, global_batch: int, eval_batches: int) -> int:
@@ -30,17 +32,18 @@ def eval_rows(num_rows: int, global_batch: int, eval_batches: int) -> int:
 
 
 @torch.no_grad()
-def _chunk_loss(model, samples, rows, device) -> tuple[float, int]:
+def _chunk_loss(model, samples, rows, device) -> tuple[int, int]:
+    """(loss sum in fixed point, loss tokens) of one chunk of rows."""
     ids, labels, pos = samples.batch(rows)
     pos = None if pos is None else pos.to(device)
-    tok = next_token_loss(model, ids.to(device), labels.to(device), pos, reduction="none")
-    return float(tok.double().sum()), int((labels[:, 1:] != IGNORE).sum())
+    loss = float(token_loss_sum(model, ids.to(device), labels.to(device), pos))
+    return round(loss * FIXED_POINT), int((labels[:, 1:] != IGNORE).sum())
 
 
 def evaluate(model, samples, num_rows: int, chunk: int, device, rank: int, world_size: int) -> tuple[float, int]:
     """(mean token loss, loss tokens) over the first num_rows rows of `samples`; call on every rank."""
     n_chunks = -(-num_rows // chunk)
-    total, tokens = 0.0, 0
+    total, tokens = 0, 0
     was_training = model.training
     model.eval()  # no dropout: eval consumes no RNG, so it cannot change the training trajectory
     try:
@@ -48,13 +51,11 @@ def evaluate(model, samples, num_rows: int, chunk: int, device, rank: int, world
             mine = first + rank
             c = mine if mine < n_chunks else 0
             loss, n = _chunk_loss(model, samples, range(c * chunk, min((c + 1) * chunk, num_rows)), device)
-            sums = torch.zeros(2, world_size, dtype=torch.float64)
             if mine < n_chunks:
-                sums[0, rank], sums[1, rank] = loss, n
-            dist.all_reduce(sums)  # zeros elsewhere: the sum of each column is exactly one rank's value
-            for j in range(min(world_size, n_chunks - first)):  # chunk order, whatever W is
-                total += float(sums[0, j])
-                tokens += int(sums[1, j])
+                total, tokens = total + loss, tokens + n
     finally:
         model.train(was_training)
-    return total / max(tokens, 1), tokens
+    sums = torch.tensor([total, tokens], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(sums)  # integers: exact in any order
+    return int(sums[0]) / FIXED_POINT / max(int(sums[1]), 1), int(sums[1])

@@ -12,7 +12,7 @@ import torch
 
 from conftest import ROOT, events, losses, run_train
 from finetune.data import IGNORE, Samples
-from finetune.evaluate import next_token_loss
+from finetune.evaluate import token_loss_sum
 
 
 @pytest.fixture(scope="module")
@@ -39,17 +39,17 @@ def test_packed_loss_equals_the_sum_of_each_documents_own_loss(tiny_model):
     docs = [rng.integers(3, 100, n).tolist() for n in (5, 9, 12, 5, 13, 4)]  # 48 tokens
     samples = Samples(_cache(docs), seq_len=24, pack=True)
     ids, labels, pos = samples.batch([0, 1])
-    packed = next_token_loss(tiny_model, ids, labels, pos).double()
+    packed = token_loss_sum(tiny_model, ids, labels, pos).double()
     alone = torch.zeros((), dtype=torch.float64)
     for row in range(2):
         starts = (pos[row] == 0).nonzero().flatten().tolist() + [24]
         for a, b in zip(starts[:-1], starts[1:]):  # each document, or piece of one, in its own forward
             piece = ids[row, a:b][None]
-            alone += next_token_loss(tiny_model, piece, piece.clone()).double()
+            alone += token_loss_sum(tiny_model, piece, piece.clone()).double()
     assert len(torch.nonzero(pos == 0)) == 7  # 6 documents, one of them cut in two
     assert torch.allclose(packed, alone, rtol=1e-5), (packed.item(), alone.item())
     # without position ids the documents see each other: the loss differs (the test can fail)
-    leaky = next_token_loss(tiny_model, ids, labels, None).double()
+    leaky = token_loss_sum(tiny_model, ids, labels, None).double()
     assert not torch.allclose(leaky, alone, rtol=1e-5)
 
 
@@ -59,9 +59,10 @@ def test_padding_free_rows_give_the_same_loss(tiny_model):
     [batch, seq_len] layout: what the packing test proves on CPU/SDPA carries to the flash path."""
     rng = np.random.default_rng(1)
     docs = [rng.integers(3, 100, n).tolist() for n in (7, 11, 6, 12, 12)]
-    ids, labels, pos = Samples(_cache(docs), seq_len=16, pack=True).batch([0, 1, 2])
-    rows = next_token_loss(tiny_model, ids, labels, pos).double()
-    flat = next_token_loss(tiny_model, ids.reshape(1, -1), labels.reshape(1, -1), pos.reshape(1, -1)).double()
+    rows = token_loss_sum(tiny_model, *Samples(_cache(docs), seq_len=16, pack=True).batch([0, 1, 2])).double()
+    ids, labels, pos = Samples(_cache(docs), seq_len=16, pack=True, padding_free=True).batch([0, 1, 2])
+    assert ids.shape == (1, 48)
+    flat = token_loss_sum(tiny_model, ids, labels, pos).double()
     assert torch.allclose(rows, flat, rtol=1e-5)
 
 
