@@ -5,8 +5,10 @@
 Generates a chat jsonl (conversations of 1-4 turns) and a text file, then tokenizes each with the tiny
 tokenizer, alternating old and new, each run in a fresh process. "old" is finetune/data.py as of commit
 7e96d2e (read with `git show`, so it is the exact code this replaced); "new" is build_cache. Reports
-rows/s (median and min-max over repeats), peak RSS of the process (and of its largest worker), and the
-size of the result. Peak RSS is ru_maxrss, the process's own high-water mark.
+rows/s (median and min-max over repeats), memory, and the size of the result. Memory: the process's peak
+RSS (ru_maxrss), its growth over the RSS after every import, and the peak, sampled every 0.2 s, of the
+process's RSS plus its worker processes' private memory (USS: forked workers share the parent's pages,
+so their RSS would count those twice).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,27 +50,66 @@ def make_text(path: str, n: int, seed: int = 1) -> None:
             f.write(" ".join(words) + "\n")
 
 
+def _kib(pid: int, fields: tuple[str, ...]) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return sum(int(line.split()[1]) for line in f if line.split(":")[0] in fields)
+    except OSError:
+        return 0
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+class TreeMemory:
+    """Peak of (own RSS + children's USS), sampled in a thread."""
+
+    def __init__(self, period: float = 0.2):
+        self.peak, self._stop = 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period: float) -> None:
+        me = os.getpid()
+        while not self._stop.is_set():
+            total = _kib(me, ("Rss",)) + sum(_kib(c, ("Private_Clean", "Private_Dirty")) for c in _children(me))
+            self.peak = max(self.peak, total)
+            self._stop.wait(period)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def _worker(method: str, path: str, cache_dir: str, num_proc: int, seq_len: int) -> dict:
     """One measurement, in this (fresh) process."""
     sys.path.insert(0, ROOT)
+    import datasets  # noqa: F401 - every import before the baseline RSS, for both methods
     from transformers import AutoTokenizer
 
     from finetune.config import DataConfig
+    from finetune.data import build_cache
+    datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
     cfg = DataConfig(path=path, seq_len=seq_len, cache_dir=cache_dir, num_proc=num_proc)
+    old = _load_old_module() if method == "old" else None
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tree = TreeMemory()
     t0 = time.perf_counter()
-    if method == "old":
-        old = _load_old_module()
-        cache = old.cache_samples(cfg, tok)
-    else:
-        from finetune.data import build_cache
-        cache = build_cache(cfg, tok, num_proc=num_proc)
+    cache = old.cache_samples(cfg, tok) if old else build_cache(cfg, tok, num_proc=num_proc)
     secs = time.perf_counter() - t0
     size = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache))
     return {"seconds": secs, "cache_bytes": size, "rss_before_kib": base_rss,
-            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "peak_child_rss_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "peak_tree_kib": tree.stop()}
 
 
 def _load_old_module():
@@ -104,7 +146,7 @@ def summarize(name: str, runs: list[dict]) -> str:
     return (f"| {name} | {statistics.median(rps):,.0f} ({min(rps):,.0f}-{max(rps):,.0f}) | "
             f"{mib(statistics.median(r['peak_rss_kib'] for r in runs)):,.0f} | "
             f"{mib(statistics.median(r['peak_rss_kib'] - r['rss_before_kib'] for r in runs)):,.0f} | "
-            f"{mib(statistics.median(r['peak_child_rss_kib'] for r in runs)):,.0f} | "
+            f"{mib(statistics.median(r['peak_tree_kib'] for r in runs)):,.0f} | "
             f"{runs[0]['cache_bytes'] / 2**20:,.1f} |")
 
 
@@ -136,7 +178,7 @@ def main() -> None:
     print(f"\n{args.conversations:,} conversations, {args.lines:,} text lines, {args.repeats} repeats, "
           f"new with num_proc={args.num_proc}, {len(os.sched_getaffinity(0))} cores available\n")
     print("| data/method | rows/s median (min-max) | peak RSS MiB | peak RSS - RSS at start MiB | "
-          "largest worker RSS MiB | result MiB |")
+          "peak RSS + workers' USS MiB | result MiB |")
     print("|---|---|---|---|---|---|")
     for name, runs in results.items():
         print(summarize(name, runs))

@@ -306,3 +306,17 @@ def test_other_ranks_wait_on_the_filesystem_and_get_rank0s_error(tmp_path):
     assert results[0][1] == []
     assert len(results[1][1]) >= 2 and all(line.startswith("rank 1: waiting for rank 0 to build cache")
                                            for line in results[1][1])
+
+
+def test_bad_row_stops_both_ranks_with_one_line(tmp_path):
+    """Under torchrun the rank-0 tokenizing error reaches rank 1 through the error file: both stop, one line."""
+    from conftest import run_train
+    rows = _conversations(30)
+    rows[6]["messages"][1]["role"] = "assistent"  # a typo in row 7
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    proc = run_train(tmp_path / "run", nproc=2, check=False, timeout=180, overrides=[f"data.path={path}"])
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    want = f"error: {path} row 7: messages[1].role is 'assistent', expected 'assistant'"
+    assert ours and all(line.startswith(want) for line in ours), proc.stderr[-3000:]
+    assert 'train_fsdp.py", line' not in proc.stderr
