@@ -19,7 +19,7 @@ def _micro_batches(rank: int, n: int, seq: int = 16):
         ids = torch.randint(6, 101, (2, seq), generator=gen)
         labels = ids.clone()
         labels[:, :3] = -100  # a masked prompt
-        out.append((ids, labels))
+        out.append((ids, labels, None))  # (input_ids, labels, position_ids), as BatchStream yields them
     return out
 
 
