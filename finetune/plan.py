@@ -155,15 +155,19 @@ def gpu_states(cfg, s: Shapes, world: int) -> list[tuple[str, int]]:
             ("AdamW state (2 x fp32 shards)", ADAM_BYTES * trainable)]
 
 
-def gpu_items(cfg, s: Shapes, world: int, micro_batch: int) -> list[tuple[str, float]]:
-    """[(what, bytes)] on one GPU: the states FSDP2 shards, what it gathers for one block, activations."""
+def gpu_items(cfg, s: Shapes, world: int, micro_batch: int, accum: int = 1) -> list[tuple[str, float]]:
+    """[(what, bytes)] on one GPU: the states FSDP2 shards (over W / model.replicas ranks: HSDP shards
+    within a replica group), what it gathers for one block, activations."""
     compute = compute_bytes(cfg)
     reduce = 4 if cfg.model.reduce_dtype == "fp32" else 2
     decoder, logits = activation_bytes(s, micro_batch * cfg.data.seq_len, compute, cfg.model.activation_checkpointing)
-    states = gpu_states(cfg, s, world)
+    states = gpu_states(cfg, s, shard_world(cfg, world))
     if cfg.model.cpu_offload:  # CPUOffloadPolicy: the shards and the optimizer step live in host memory
         states = [(f"{what}: in host memory (model.cpu_offload)", 0) for what, _ in states]
     block_grads = s.block_params * s.trainable // s.params  # LoRA: the frozen base has no gradients
+    if accum > 1 and not cfg.train.reduce_every_micro_batch:  # no-sync accumulation holds every unsharded grad
+        states = states + [("unsharded gradients between micro batches (train.reduce_every_micro_batch=false)",
+                            reduce * s.trainable)]
     return states + [
         ("gathered parameters (root + 2 blocks, compute dtype)", compute * (s.root_params + 2 * s.block_params)),
         ("unsharded gradients of one block before reduce-scatter", (compute + reduce) * block_grads),
@@ -195,6 +199,11 @@ def seconds(t: float) -> str:
 
 def divisors(n: int) -> list[int]:
     return [w for w in range(1, n + 1) if n % w == 0]
+
+
+def shard_world(cfg, world: int) -> int:
+    """Ranks one copy of the state is sharded over: W, or W / model.replicas with HSDP."""
+    return max(1, world // cfg.model.replicas)
 
 
 def checkpoint_bytes(s: Shapes, world: int) -> tuple[int, int]:
@@ -242,14 +251,14 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
         batch = BatchPlan.make(g, cfg.data.micro_batch_size, world)
         lines.append(f"batch: global {g} = {world} ranks x {batch.accum_steps} accum x {batch.micro_batch} micro, "
                      f"seq {cfg.data.seq_len}; world sizes that divide it: {divisors(g)}")
-        micro = batch.micro_batch
+        micro, accum = batch.micro_batch, batch.accum_steps
     except DataError as e:
         problems.append(str(e))
-        micro = min(cfg.data.micro_batch_size, g)
+        micro, accum = min(cfg.data.micro_batch_size, g), 1
     if s.max_positions and cfg.data.seq_len > s.max_positions:
         problems.append(f"data.seq_len={cfg.data.seq_len} is above the model's max_position_embeddings={s.max_positions}")
 
-    items = gpu_items(cfg, s, world, micro)
+    items = gpu_items(cfg, s, world, micro, accum)
     total = sum(b for _, b in items)
     lines.append("per GPU:")
     lines += [f"  {what:<72} {size(b):>10}" for what, b in items]
@@ -261,8 +270,8 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
                         f"largest item: {worst[0]} {size(worst[1])} (more GPUs shard the states further; "
                         "model.activation_checkpointing=true and a smaller data.micro_batch_size cut activations)")
 
-    ckpt, rank_bytes = checkpoint_bytes(s, world)
-    offload = sum(b for what, b in gpu_states(cfg, s, world)) if cfg.model.cpu_offload else 0
+    ckpt, rank_bytes = checkpoint_bytes(s, shard_world(cfg, world))  # every replica stages its own shard
+    offload = sum(b for what, b in gpu_states(cfg, s, shard_world(cfg, world))) if cfg.model.cpu_offload else 0
     more, host_problems = host_lines(cfg, rank_bytes, offload, args.gpus_per_node, args.host_memory)
     lines += more
     problems += host_problems

@@ -103,3 +103,20 @@ def test_planned_checkpoint_size_is_what_a_run_saves(tmp_path):
     planned, per_rank = checkpoint_bytes(model_shapes(cfg.model), 2)
     assert saved == planned and planned < 2 * per_rank < planned * 1.1
     assert planned < GIB
+
+
+def test_plan_knows_hsdp_and_no_sync_accumulation(capsys):
+    """HSDP shards one copy over a node (W / model.replicas), and no-sync accumulation holds every grad."""
+    preset = os.path.join(ROOT, "configs", "llama3-8b-sft.yaml")
+
+    def total(*extra):
+        rc, out, err = plan(capsys, ["--config", preset, "--plan", *extra])
+        return float(re.search(r"total\s+([\d.]+) GiB", out).group(1)), out
+    one_node, _ = total("--nodes", "1")
+    four_fsdp, _ = total("--nodes", "4")
+    four_hsdp, _ = total("--nodes", "4", "model.replicas=4")
+    assert four_fsdp < four_hsdp and abs(four_hsdp - one_node) < 0.5  # activations may differ with the batch
+    no_sync, out = total("--nodes", "1", "data.micro_batch_size=1", "train.reduce_every_micro_batch=false")
+    assert "unsharded gradients between micro batches" in out
+    synced, _ = total("--nodes", "1", "data.micro_batch_size=1")
+    assert no_sync - synced == pytest.approx(4 * 8.03e9 / GIB, rel=0.01)  # fp32 grads of all 8B params
