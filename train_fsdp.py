@@ -35,6 +35,7 @@ from finetune.data import COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError
     open_samples
 from finetune.dist import rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate
+from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, progress_bar, step_line
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
@@ -343,7 +344,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                             timeout=collective_timeout(cfg.ckpt.timeout_minutes), keep_best=cfg.ckpt.keep_best)
     mgr.acquire_lock()  # first: a second job on this ckpt.dir stops here, before it writes anything
     os.makedirs(cfg.run.dir, exist_ok=True)
-    log = RankZeroLog(rank, cfg.run.dir)
+    log = RankZeroLog(rank, cfg.run.dir, open_loggers(cfg, rank))  # + TensorBoard / W&B when asked
     mgr.on_event, mgr.on_log = log.event, log.info
     if rank == 0:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -30,6 +31,9 @@ class RunConfig:
     dir: str = "runs/tiny"  # where metrics.jsonl, config.yaml, checkpoints/ and hf/ go
     log_interval: int = 10  # print one line every N optimizer steps (metrics.jsonl gets every step)
     progress_bar: bool = True  # tqdm bar on rank 0, only when stdout is a terminal
+    tensorboard: bool = False  # also write TensorBoard event files to <dir>/tensorboard (needs `tensorboard`)
+    wandb: str = "off"  # off | offline | online: also log to Weights & Biases, files in <dir>/wandb (needs `wandb`)
+    wandb_project: str = "fsdp-finetune"  # W&B project name
 
 
 @dataclass
@@ -125,6 +129,7 @@ _CHOICES = {
     "ckpt.async_mode": ("off", "thread", "process"),
     "export.dtype": ("auto", "fp32", "bf16", "fp16"),
     "ckpt.resume_config_check": ("refuse", "warn"),
+    "run.wandb": ("off", "offline", "online"),
 }
 
 
@@ -238,6 +243,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config key 'train.eval_interval' needs 'data.eval_path' (eval data)")
     if cfg.ckpt.keep_best and not cfg.train.eval_interval:
         raise ConfigError("config key 'ckpt.keep_best' needs 'train.eval_interval' > 0 (it ranks checkpoints by eval loss)")
+    for key, package, wanted in (("run.tensorboard", "tensorboard", cfg.run.tensorboard),
+                                 ("run.wandb", "wandb", cfg.run.wandb != "off")):
+        if wanted and importlib.util.find_spec(package) is None:  # optional: only this run needs it
+            raise ConfigError(f"config key '{key}' needs the {package} package, which is not installed: "
+                              f"pip install {package} (version pinned in requirements.txt), or turn {key} off")
 
 
 def _read_yaml(path: str):

@@ -16,15 +16,19 @@ import sys
 import threading
 import time
 
+from finetune.loggers import ScalarStream
+
 
 class RankZeroLog:
     """print() and metrics.jsonl on rank 0 only; every other rank's calls are no-ops."""
 
-    def __init__(self, rank: int, run_dir: str):
+    def __init__(self, rank: int, run_dir: str, loggers: list = ()):
         self.rank = rank
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._file = open(self.path, "a") if rank == 0 else None
         self._lock = threading.Lock()  # checkpoint events arrive from the commit thread
+        self._loggers = list(loggers)  # finetune/loggers.py: TensorBoard, W&B, fed the same records
+        self._scalars = ScalarStream()
 
     def info(self, msg: str) -> None:
         if self.rank == 0:
@@ -35,6 +39,10 @@ class RankZeroLog:
             with self._lock:  # flush per line: a SIGKILL must not eat the steps already logged
                 self._file.write(json.dumps(fields) + "\n")
                 self._file.flush()
+                if self._loggers:
+                    scalars = self._scalars.scalars(fields)
+                    for logger in self._loggers:
+                        logger.log(scalars)
 
     def event(self, name: str, **fields) -> None:
         self.record(event=name, time=time.time(), **fields)
@@ -43,6 +51,9 @@ class RankZeroLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+        for logger in self._loggers:
+            logger.close()
+        self._loggers = []
 
 
 def step_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float,
