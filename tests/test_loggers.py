@@ -21,12 +21,12 @@ from finetune.loggers import ScalarStream
 
 @pytest.fixture(scope="module")
 def logged_run(tmp_path_factory):
-    """One W=2 run with both loggers on: 6 steps, async checkpoints at 3 and 6."""
+    """One W=2 run with both loggers on: 6 steps, eval and async checkpoints at 3 and 6."""
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     run = tmp_path_factory.mktemp("loggers") / "run"
-    run_train(run, nproc=2, overrides=["train.max_steps=6", "ckpt.interval=3", "run.tensorboard=true",
-                                       "run.wandb=offline"], env={"WANDB_SILENT": "true"})
+    run_train(run, nproc=2, overrides=["train.max_steps=6", "ckpt.interval=3", "train.eval_interval=3",
+                                       "run.tensorboard=true", "run.wandb=offline"])
     return run
 
 
@@ -35,8 +35,11 @@ def test_tensorboard_event_files_hold_the_run(logged_run):
     acc = EventAccumulator(str(logged_run / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "checkpoint/blocking_s",
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tokens_per_s", "eval/loss", "checkpoint/blocking_s",
             "checkpoint/committed_s"} <= tags, tags
+    evals = {ev["step"]: ev["eval_loss"] for ev in events(logged_run, "eval")}
+    assert sorted(evals) == [3, 6]
+    assert {e.step: round(e.value, 5) for e in acc.Scalars("eval/loss")} == {s: round(v, 5) for s, v in evals.items()}
     loss = {e.step: e.value for e in acc.Scalars("train/loss")}
     want = losses(logged_run)
     assert sorted(loss) == sorted(want) == [1, 2, 3, 4, 5, 6]
