@@ -610,6 +610,9 @@ def prepare(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2 or sys.argv[1] != "prepare":
-        sys.exit("usage: python -m finetune.data prepare --config <yaml> [key=value ...]")
-    sys.exit(prepare(sys.argv[2:]))
+    if sys.argv[1:2] == ["prepare"]:
+        sys.exit(prepare(sys.argv[2:]))
+    asked = sys.argv[1:2] in (["-h"], ["--help"])
+    print(f"usage: python -m finetune.data prepare --config <yaml> [key=value ...]\n\n{prepare.__doc__}\n"
+          "python -m finetune.data prepare --help lists the options.", file=sys.stdout if asked else sys.stderr)
+    sys.exit(0 if asked else 2)
