@@ -26,13 +26,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ckpt import CheckpointError, CheckpointManager, ModelOptimizer, RNGState, collective_timed_out, \
-    read_meta, reseed_all, rng_key, staging_need
+from ckpt import CheckpointError, CheckpointManager, DiskFullError, ModelOptimizer, RNGState, collective_timed_out, \
+    on_rank0_then_share, read_meta, read_saved_config, reseed_all, rng_key, staging_need, step_dir
 from ckpt.faults import fault_point
 from ckpt.policy import SavePolicy
-from finetune.config import Config, ConfigError, config_hash, load_config, to_yaml
+from finetune.config import Config, ConfigError, config_hash, load_config, resume_changes, to_yaml
 from finetune.data import COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
-    open_samples
+    check_loss_tokens, open_samples
 from finetune.dist import rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate
 from finetune.loggers import open_loggers
@@ -219,17 +219,52 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     if path is None:
         reseed_all(cfg.train.seed * 1000 + rank)
         return
+    check_resume_config(mgr, path, cfg, log)
     meta = read_meta(path)
     saved_world = meta["world_size"]
     rng_world = meta.get("rng_world_size", saved_world)
     state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=rng_world == world_size)
     mgr.load(path, state, model_state=state["app"].state_dict()["model"])
+    follow_config_schedule(optimizer, scheduler, cfg.train, log)
     if rng_world != world_size:
         reseed_all(cfg.train.seed * 1000 + rank + 7919 * progress.step)
         log.info(f"resume: RNG saved by {rng_world} ranks, now {world_size}: re-derived as "
                  f"seed*1000 + rank + 7919*step (step {progress.step})")
     log.info(f"resume: loaded {path} at step {progress.step} (saved by {saved_world} ranks, now {world_size})")
     log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
+
+
+def check_resume_config(mgr, path: str, cfg: Config, log) -> None:
+    """List every difference between the checkpoint's config and this one; refuse the ones that make the
+    continuation meaningless (finetune/config.py RESUME_REFUSED, docs/resume-rules.md)."""
+    saved = on_rank0_then_share(lambda: read_saved_config(path), group=mgr.pg)
+    if saved is None:
+        log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
+        return
+    changes = resume_changes(saved, cfg)
+    for change in changes:
+        log.info(f"resume: config changed since {path}: {change.line()}")
+    if changes:
+        log.event("resume_config_changes", path=path, changes=[c.__dict__ for c in changes])
+    refused = [c for c in changes if c.verdict == "refused"]
+    if refused:
+        raise ConfigError(f"resuming {path} with a changed {', '.join(c.key for c in refused)} "
+                          f"({'; '.join(f'{c.saved!r} -> {c.current!r}: {c.why}' for c in refused)}); start a new run "
+                          "(another ckpt.dir, or ckpt.resume=none) or set ckpt.resume_config_check=warn")
+
+
+def follow_config_schedule(optimizer, scheduler, t, log) -> None:
+    """After a load, the optimizer hyperparameters and the LR schedule are the current config's from this step
+    on (a raised max_steps or a new lr must not keep the checkpoint's schedule). Unchanged config: same floats."""
+    factor = lr_factor(scheduler.last_epoch, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+    old_lr = optimizer.param_groups[0]["lr"]
+    for group in optimizer.param_groups:
+        group.update(initial_lr=t.lr, lr=t.lr * factor, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    if optimizer.param_groups[0]["lr"] != old_lr:
+        log.info(f"resume: LR at step {scheduler.last_epoch + 1} is {t.lr * factor:.4e} by the current config "
+                 f"(the checkpoint's schedule had {old_lr:.4e})")
 
 
 def final_save(mgr, cfg, state, step: int, world_size: int, log, save_now: bool = True,
@@ -375,6 +410,9 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     samples = shared_samples(cfg, tokenizer, model)
     eval_set = shared_samples(cfg, tokenizer, model, eval_set=True) if cfg.train.eval_interval else None
     stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, plan, rank)
+    loss_warning = on_rank0_then_share(lambda: check_loss_tokens(samples, cfg.data), group=mgr.pg, error_type=DataError)
+    if loss_warning:
+        log.info(loss_warning)
     if not stream.has_next():
         raise DataError(f"data set {cfg.data.path} has {len(samples)} samples x {cfg.data.epochs} epoch(s), "
                         f"fewer than one global batch (data.global_batch_size={plan.global_batch})")
@@ -438,7 +476,11 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
         if isinstance(e, KeyboardInterrupt) or not cfg.ckpt.save_at_end:
             raise
         if collective_timed_out(e):  # a save needs every rank, and one of them is stuck or gone
-            log.info(f"error at step {progress.step}: a collective timed out; no emergency checkpoint without all ranks")
+            log.info(f"error at step {progress.step}: a collective timed out; no emergency checkpoint without "
+                     "all ranks")
+            raise
+        if isinstance(e, DiskFullError):  # another save on that filesystem cannot succeed
+            log.info(f"error at step {progress.step}: {e}; no emergency checkpoint on a full disk")
             raise
         if mid_step:  # saving now would record a batch as consumed that was never (fully) trained on
             log.info(f"error inside step {progress.step + 1}: {type(e).__name__}: {e}; no checkpoint of a "
@@ -467,8 +509,12 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
         for prompt, out in zip(prompts, sample(model, tokenizer, prompts, device)):
             log.info(f"sample: {prompt!r} -> {out!r}")
     if exit_code == 0 and cfg.export.at_end:  # every rank writes its share of the tensors
-        from ckpt.hf import export_latest
-        log.info(export_latest(cfg.ckpt.dir, os.path.join(cfg.run.dir, "hf"), cfg.export.dtype))
+        from ckpt.hf import export_final
+        if mgr.last_saved_step != progress.step:
+            raise CheckpointError(f"export.at_end: no checkpoint of the final step {progress.step} "
+                                  "(ckpt.save_at_end=false?)")
+        log.info(export_final(step_dir(cfg.ckpt.dir, progress.step), os.path.join(cfg.run.dir, "hf"),
+                              cfg.export.dtype))
     log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - t_start:.1f}s")
     log.close()
     return exit_code

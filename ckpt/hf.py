@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.futures import Future
 
 from .commit import VerifyError, verify_checkpoint
-from .layout import CONFIG_FILE, step_dir
-from .manager import CheckpointError, latest_committed_step, read_meta
+from .layout import CONFIG_FILE, step_of
+from .manager import SAVE_ERRORS, CheckpointError, read_meta, save_failure
 
 MODEL_PREFIX = "app.model."  # where CheckpointManager's ModelOptimizer puts the model's state dict
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # or "auto": source_dtype
@@ -433,6 +433,8 @@ def plan_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_siz
     """Check the checkpoint against the model it was trained from and lay out the output files."""
     from transformers import AutoConfig
 
+    if os.path.lexists(out_dir) and (os.path.islink(out_dir) or not os.path.isdir(out_dir)):
+        raise CheckpointError(f"{os.path.normpath(out_dir)} exists and is not a folder; choose a new folder")
     model_dir, tok_dir = source_dirs(ckpt_path)
     config = AutoConfig.from_pretrained(model_dir)
     cls_name, names, aliases = model_names(config)
@@ -483,8 +485,10 @@ def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "auto", max_sha
         start_export(plan)
         write_weights(plan, jobs)
         finish_export(plan)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(plan.tmp, ignore_errors=True)
+        if isinstance(e, SAVE_ERRORS):  # a full disk, DCP's CheckpointException: one line naming the export
+            raise save_failure(e, os.path.dirname(plan.out_dir) or ".", f"the export {plan.out_dir}") from e
         raise
     return plan.summary()
 
@@ -502,31 +506,28 @@ def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=Non
     problem = None
     try:
         write_share(plan.ckpt_path, plan.tmp, plan.files, tensor_shares(plan.files, world)[rank])
-    except Exception as e:  # noqa: BLE001 - agreed below, re-raised on every rank
-        problem = f"{type(e).__name__}: {e}"
+    except SAVE_ERRORS as e:  # agreed below, re-raised on every rank
+        problem = str(save_failure(e, os.path.dirname(plan.out_dir) or ".", f"the export {plan.out_dir}"))
     problems = [None] * world
     dist.all_gather_object(problems, problem, group=group)
     if any(problems):
         on_rank0_then_share(lambda: shutil.rmtree(plan.tmp, ignore_errors=True), group)
-        raise CheckpointError(f"export of {ckpt_path} failed: {next(p for p in problems if p)}")
+        raise CheckpointError(next(p for p in problems if p))
     on_rank0_then_share(lambda: finish_export(plan), group)
     return plan.summary()
 
 
-def export_latest(ckpt_dir: str, out_dir: str, dtype: str = "auto") -> str:
-    """End of training, on every rank: export the newest committed checkpoint (just committed by this job,
-    so not re-hashed) over any earlier export in out_dir, each rank writing its share; returns a log line."""
+def export_final(ckpt_path: str, out_dir: str, dtype: str = "auto") -> str:
+    """End of training, on every rank: export this job's final checkpoint (committed by this job, so not
+    re-hashed) over any earlier export in out_dir, each rank writing its share; returns a log line."""
     import torch.distributed as dist
 
-    step = latest_committed_step(ckpt_dir)
-    if step is None:
-        raise CheckpointError(f"export: no committed checkpoint in {ckpt_dir} (ckpt.save_at_end=false?)")
     if dist.is_initialized():
-        info = export_on_ranks(step_dir(ckpt_dir, step), out_dir, dtype)
+        info = export_on_ranks(ckpt_path, out_dir, dtype)
     else:
-        info = export_checkpoint(step_dir(ckpt_dir, step), out_dir, dtype, overwrite=True, verify=False)
-    return (f"export: step {step} -> {info['path']} ({info['class']}, {info['files']} safetensors file(s), "
-            f"{info['bytes'] / 2**20:.1f} MiB {info['dtype']})")
+        info = export_checkpoint(ckpt_path, out_dir, dtype, overwrite=True, verify=False)
+    return (f"export: step {step_of(ckpt_path)} -> {info['path']} ({info['class']}, {info['files']} safetensors "
+            f"file(s), {info['bytes'] / 2**20:.1f} MiB {info['dtype']})")
 
 
 def export_cli(checkpoint: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB", jobs: int = 1) -> int:

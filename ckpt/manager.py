@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -43,11 +44,61 @@ from .lock import DirLock, LockError
 from .faults import TornWriteFileSystem, fault_point, wants
 from .preflight import process_staging_shortfall
 from .inspect import read_meta_or_empty
-from .layout import COMMIT_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
+from .layout import COMMIT_FILE, CONFIG_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
 
 
 class CheckpointError(RuntimeError):
     """A save, load or lock problem; the message names the checkpoint and the cause."""
+
+
+class DiskFullError(CheckpointError):
+    """A save failed because its filesystem is full: another save there (an emergency one) cannot succeed."""
+
+
+# DCP's CheckpointException derives from BaseException, so `except Exception` misses it
+SAVE_ERRORS = (Exception, CheckpointException)
+
+
+def _errors_in(error: BaseException):
+    """`error`, its causes, and the per-rank failures inside a DCP CheckpointException."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [exc for exc, _ in e.failures.values()]
+
+
+def _disk_full(error: BaseException, path: str) -> bool:
+    """ENOSPC/EDQUOT anywhere in the error, or (torch.save's zip writer reports "unexpected pos" instead of
+    the errno) less than 1 MiB left on the filesystem of `path` right after the failure."""
+    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _errors_in(error)):
+        return True
+    try:
+        return shutil.disk_usage(path).free < 2**20
+    except OSError:
+        return False
+
+
+def _cause(error: BaseException) -> str:
+    """One line: the first rank's own exception of a CheckpointException (its str() is a traceback wall)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (exc, _) = next(iter(sorted(error.failures.items(), key=lambda kv: kv[0])))
+        return f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return f"{type(error).__name__}: {error}"
+
+
+def save_failure(error: BaseException, ckpt_dir: str, what: str) -> CheckpointError:
+    """The one-line error of a failed write under `ckpt_dir`; DiskFullError when its filesystem is full."""
+    if isinstance(error, CheckpointError):
+        return error
+    if _disk_full(error, ckpt_dir):
+        return DiskFullError(f"no space left on {ckpt_dir} while writing {what}")
+    return CheckpointError(f"writing {what} failed: {_cause(error)}")
 
 
 class _Writer(ChecksummingWriter):
@@ -127,10 +178,8 @@ def stop_uploader_process() -> None:
 
 def collective_timed_out(error: BaseException) -> bool:
     """Whether `error` is a collective that gave up waiting for a rank (gloo's "Timed out waiting ...", as
-    such or inside a DCP CheckpointException). NCCL's watchdog aborts the process instead of raising."""
-    if isinstance(error, CheckpointException):
-        return any(collective_timed_out(exc) for exc, _ in error.failures.values())
-    return isinstance(error, RuntimeError) and "Timed out waiting" in str(error)
+    such, as a cause, or inside a DCP CheckpointException). NCCL's watchdog aborts the process instead."""
+    return any(isinstance(e, RuntimeError) and "Timed out waiting" in str(e) for e in _errors_in(error))
 
 
 def quiet_uploader_logs() -> None:
@@ -246,12 +295,15 @@ class CheckpointManager:
         path = step_dir(self.dir, step)
 
         def prepare():
-            if os.path.exists(path):
-                _remove_checkpoint(path)  # leftover of a crashed save of this same step, never committed data we keep
-            os.makedirs(path)
-            for name, text in files.items():
-                with open(os.path.join(path, name), "w") as f:
-                    f.write(text)
+            if os.path.lexists(path):
+                self._clear_stale(path)  # leftover of a crashed save of this same step, never committed data we keep
+            try:
+                os.makedirs(path)
+                for name, text in files.items():
+                    with open(os.path.join(path, name), "w") as f:
+                        f.write(text)
+            except OSError as e:
+                raise save_failure(e, self.dir, f"checkpoint {path}") from e
         self._on_rank0_then_share(prepare)
         writer = _Writer(path, step)
         if blocking or self.async_mode == "off":
@@ -260,21 +312,23 @@ class CheckpointManager:
                 upload_s = time.perf_counter() - t0
                 fault_point("before_commit", step)
                 self._on_rank0_then_share(lambda: self._commit(path, step, metadata, list(files)))
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"save of {path} failed: {type(e).__name__}: {e}") from e
+            except SAVE_ERRORS as e:
+                raise save_failure(e, self.dir, f"checkpoint {path}") from e
             blocking_s = time.perf_counter() - t0
             self.last_saved_step = step
             self.on_event("checkpoint", step=step, path=path, mode="sync", blocking_s=blocking_s,
                           upload_s=upload_s, committed_s=blocking_s)
             return blocking_s
-        with _preemption_signals_blocked():
-            resp = dcp.async_save(
-                state, storage_writer=writer, process_group=self.pg, async_stager=self._stager_for_mode(),
-                planner=_planner(),
-                async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.async_mode == "process"
-                                         else AsyncCheckpointerType.THREAD))
+        try:
+            with _preemption_signals_blocked():
+                resp = dcp.async_save(
+                    state, storage_writer=writer, process_group=self.pg, async_stager=self._stager_for_mode(),
+                    planner=_planner(),
+                    async_checkpointer_type=(AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                                             else AsyncCheckpointerType.THREAD))
+        except SAVE_ERRORS as e:  # staging: process mode copies into shared memory (/dev/shm)
+            raise save_failure(e, "/dev/shm" if self.async_mode == "process" else self.dir,
+                               f"the staged copy of checkpoint {path}") from e
         staged = _StagingWait()
         if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
             self._staging, upload = (resp.staging_completion, staged), resp.upload_completion
@@ -308,11 +362,11 @@ class CheckpointManager:
         try:
             metadata = upload.result()
             upload_s = time.perf_counter() - t0
-        except Exception as e:
-            raise CheckpointError(f"background save of {path} failed: {type(e).__name__}: {e}") from e
-        fault_point("before_commit", step)
-        if self.rank == 0:
-            self._commit(path, step, metadata, own_files)
+            fault_point("before_commit", step)
+            if self.rank == 0:
+                self._commit(path, step, metadata, own_files)
+        except SAVE_ERRORS as e:
+            raise save_failure(e, self.dir, f"checkpoint {path} (in the background)") from e
         committed_s = time.perf_counter() - t0
         # The upload is done, so staging is too: the training thread's wait, if not yet recorded, returns at
         # once when it comes. Bounded, so a job that exits without wait_for_staging() never hangs here.
@@ -320,8 +374,21 @@ class CheckpointManager:
         self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s + staged.wait_s,
                       upload_s=upload_s, committed_s=committed_s, staging_wait_s=staged.wait_s)
 
+    def _clear_stale(self, path: str) -> None:
+        """Remove a folder (or anything else) in the way of this step's save. It is not a checkpoint this job
+        trusts: resume verified newer ones and skipped it, or it is this job's own failed attempt. If it
+        cannot be removed (a damaged tree), it is moved aside so the save goes on."""
+        _remove_checkpoint(path)
+        if os.path.lexists(path):
+            aside = f"{path}.damaged-{os.getpid()}-{int(time.time())}"
+            os.replace(path, aside)
+            self.on_log(f"checkpoint: moved damaged {path} aside to {aside}")
+
     def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> None:
-        marker = commit_checkpoint(path, self.world_size, metadata.file_digests, metadata, own_files)
+        try:
+            marker = commit_checkpoint(path, self.world_size, metadata.file_digests, metadata, own_files)
+        except OSError as e:
+            raise save_failure(e, self.dir, f"the commit marker of {path}") from e
         fault_point("after_commit", step)
         size = sum(f["size"] for f in marker["files"].values())
         self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
@@ -430,18 +497,25 @@ class CheckpointManager:
             check_model_matches(path, model_state, prefix)
         try:
             dcp.load(state, checkpoint_id=path, process_group=self.pg)
-        except Exception as e:
-            raise CheckpointError(f"loading {path} failed: {type(e).__name__}: {e}") from e
+        except SAVE_ERRORS as e:
+            raise CheckpointError(f"loading {path} failed: {_cause(e)}") from e
         if os.path.realpath(os.path.dirname(os.path.normpath(path))) == os.path.realpath(self.dir):
             self.last_saved_step = step_of(path)  # a final save of this same step must not rewrite (and risk) it
 
 
 def _remove_checkpoint(path: str) -> None:
-    """Marker first: a crash halfway through leaves an uncommitted folder, never a marked partial one."""
-    try:
-        os.remove(os.path.join(path, COMMIT_FILE))
-    except FileNotFoundError:
-        pass
+    """Marker first: a crash halfway through leaves an uncommitted folder, never a marked partial one.
+    Anything may stand where a file or folder belongs (a folder named commit.json, a file named step-N)."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+        return
+    marker = os.path.join(path, COMMIT_FILE)
+    if os.path.isdir(marker) and not os.path.islink(marker):
+        shutil.rmtree(marker, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(marker)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -456,13 +530,35 @@ def read_meta(path: str) -> dict:
         return json.load(f)
 
 
+def read_saved_config(path: str) -> str | None:
+    """The training config saved beside the shards (text), or None for a checkpoint without one."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(f"'{n}'" for n in names[:shown]) + more
+
+
 def check_model_matches(path: str, model_state: dict, prefix: str = "app.model.") -> None:
+    """Same tensor names in both directions, and the same shapes: a checkpoint of a deeper model must not
+    load into a shallower one by leaving the extra layers behind."""
     saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    in_ckpt = {k[len(prefix):] for k in saved if k.startswith(prefix)}
+    lacking = sorted(set(model_state) - in_ckpt)
+    extra = sorted(in_ckpt - set(model_state))
+    if lacking:
+        raise CheckpointError(f"checkpoint {path} does not match the model: it has no {_few(lacking)} "
+                              "(a different model architecture?)")
+    if extra:
+        raise CheckpointError(f"checkpoint {path} does not match the model: the model has no {_few(extra)} "
+                              f"({len(extra)} saved tensors; a different model architecture?)")
     for name, tensor in model_state.items():
         key = prefix + name
-        if key not in saved:
-            raise CheckpointError(f"checkpoint {path} does not match the model: it has no '{name}' "
-                                  "(a different model architecture?)")
         saved_shape = tuple(getattr(saved[key], "size", ()))
         if saved_shape != tuple(tensor.shape):
             raise CheckpointError(f"checkpoint {path} does not match the model: '{name}' is {list(saved_shape)} "
@@ -474,5 +570,5 @@ def latest_committed_step(ckpt_dir: str) -> int | None:
     return steps[-1] if steps else None
 
 
-__all__ = ["CheckpointManager", "CheckpointError", "best_scored", "collective_timed_out", "on_rank0_then_share",
-           "read_meta", "latest_committed_step", "step_of"]
+__all__ = ["CheckpointManager", "CheckpointError", "DiskFullError", "best_scored", "collective_timed_out",
+           "on_rank0_then_share", "read_meta", "read_saved_config", "latest_committed_step", "step_of"]

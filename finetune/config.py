@@ -103,7 +103,7 @@ class CkptConfig:
     save_at_end: bool = True  # synchronous final save at max_steps / end of data / exception
     continue_on_save_error: bool = False  # log a failed periodic save and keep training
     timeout_minutes: float = 30.0  # checkpoint collectives (save, load) wait this long for a rank
-    resume_config_check: str = "refuse"  # refuse | warn: resuming with a changed model/data/seed/batch (docs/resume-rules.md)
+    resume_config_check: str = "refuse"  # refuse | warn: resume with changed model/data/seed/batch (docs/resume-rules)
 
 
 @dataclass
@@ -285,6 +285,85 @@ def load_config(yaml_path: str | None, overrides: list[str] = ()) -> Config:
         cfg.data.cache_dir = os.path.join(cfg.run.dir, "data-cache")
     validate(cfg)
     return cfg
+
+
+# ---------------------------------------------------------------- resume: the checkpoint's config vs this one
+
+# Changes that make a continuation meaningless: refused on resume unless ckpt.resume_config_check=warn.
+# Every other field takes effect as the new config says (docs/resume-rules.md).
+RESUME_REFUSED = {
+    "model.name_or_path": "the weights trained on are another model's",
+    "model.config_path": "the architecture trained is another one",
+    "model.tokenizer_path": "token ids would mean other tokens",
+    "data.path": "the saved data position counts samples of another data set",
+    "data.name": "the saved data position counts samples of another data set",
+    "data.split": "the saved data position counts samples of another data set",
+    "data.revision": "the saved data position counts samples of another data set",
+    "data.mixture": "the saved data position counts samples of another data set",
+    "data.format": "samples would be tokenized otherwise",
+    "data.text_field": "samples would come from another column",
+    "data.messages_field": "samples would come from another column",
+    "data.pack": "the saved data position counts other samples",
+    "data.seq_len": "the saved data position counts other samples",
+    "data.global_batch_size": "steps, the schedule and the data position count other batches",
+    "train.seed": "the saved data position is only meaningful in the order made with its seed",
+}
+_RESUME_EFFECT = {  # what applying a change means, where it is more than "takes effect"
+    "train.lr": "the LR schedule follows the new config from the resumed step on",
+    "train.min_lr_ratio": "the LR schedule follows the new config from the resumed step on",
+    "train.warmup_steps": "the LR schedule follows the new config from the resumed step on",
+    "train.max_steps": "the LR schedule follows the new config from the resumed step on",
+    "train.weight_decay": "set in the restored optimizer",
+    "train.beta1": "set in the restored optimizer",
+    "train.beta2": "set in the restored optimizer",
+    "train.seed": "the data order continues with the checkpoint's seed",
+    "model.init_std": "no effect: the weights come from the checkpoint",
+}
+
+
+@dataclass
+class ConfigChange:
+    key: str
+    saved: object
+    current: object
+    verdict: str  # refused | warned (refused, but ckpt.resume_config_check=warn) | applied
+    why: str  # why refused, or what applying it means
+
+    def line(self) -> str:
+        return f"{self.key}: {self.saved!r} -> {self.current!r} ({self.verdict}: {self.why})"
+
+
+def _same(key: str, a, b) -> bool:
+    """Equal values; paths are equal when they name the same files from here."""
+    if a == b:
+        return True
+    if key in ("model.name_or_path", "model.config_path", "model.tokenizer_path", "data.path") and \
+            isinstance(a, str) and isinstance(b, str):
+        def norm(v):
+            return [os.path.realpath(p.strip()) for p in v.split(",") if p.strip()]
+        return norm(a) == norm(b)
+    return False
+
+
+def resume_changes(saved_yaml: str, cfg: Config) -> list[ConfigChange]:
+    """Every field whose value differs between a checkpoint's config.yaml and `cfg`, with its rule.
+    Fields that only one side knows (another version of this file) are not compared."""
+    try:
+        saved = _flatten(yaml.safe_load(saved_yaml) or {})
+    except (yaml.YAMLError, AttributeError) as e:
+        raise ConfigError(f"the checkpoint's config.yaml cannot be read: {e}") from None
+    changes = []
+    for key, current in _flatten(to_dict(cfg)).items():
+        if key not in saved or _same(key, saved[key], current):
+            continue
+        if key not in RESUME_REFUSED:
+            verdict, why = "applied", _RESUME_EFFECT.get(key, "takes effect")
+        elif cfg.ckpt.resume_config_check == "refuse":
+            verdict, why = "refused", RESUME_REFUSED[key]
+        else:
+            verdict, why = "warned", f"{RESUME_REFUSED[key]}; {_RESUME_EFFECT.get(key, 'takes effect')}"
+        changes.append(ConfigChange(key, saved[key], current, verdict, why))
+    return changes
 
 
 def to_dict(cfg: Config) -> dict:

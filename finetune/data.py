@@ -342,7 +342,34 @@ def _write_cache(mapped, tmp: str, meta: dict) -> dict:
     return {**meta, "n_docs": n_docs, "n_tokens": n_tokens, "token_dtype": "int32"}
 
 
-def build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | None = None,
+def build_cache(*args, **kwargs) -> str:
+    """_build_cache, with a UnicodeDecodeError from datasets (while loading, or later when rows are read)
+    turned into a DataError naming the file and line; the files are scanned only after the error."""
+    try:
+        return _build_cache(*args, **kwargs)
+    except UnicodeError as e:
+        cfg_data, eval_set = args[0], kwargs.get("eval_set", args[2] if len(args) > 2 else False)
+        for src, _ in sources(cfg_data, eval_set):
+            for file in (p.strip() for p in src.path.split(",") if p.strip()):
+                bad = _first_non_utf8_line(file) if os.path.isfile(file) else None
+                if bad is not None:
+                    raise DataError(f"data file {file} line {bad[0]} is not valid UTF-8: {bad[1]}") from None
+        raise DataError(f"cannot read data: {type(e).__name__}: {e}") from None
+
+
+def _first_non_utf8_line(path: str) -> tuple[int, str] | None:
+    """(1-based line, reason) of the first line of `path` that is not UTF-8."""
+    if os.path.splitext(path)[1] != ".parquet":
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return number, f"byte {line[e.start:e.start + 1]!r} at column {e.start + 1} ({e.reason})"
+    return None
+
+
+def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | None = None,
                 progress: bool = False) -> str:
     """Tokenize the data set (or the eval set) into its cache folder unless it is already committed.
 
@@ -487,6 +514,33 @@ def open_samples(cache: str, cfg_data, padding_free: bool = False) -> Samples:
     return samples
 
 
+def check_loss_tokens(samples: Samples, cfg_data) -> str | None:
+    """Refuse samples of which none has a token that carries loss (every step would have loss 0 and no
+    gradient, e.g. data.seq_len shorter than every prompt); a warning line when some have none. Counted once
+    per cache, seq_len and packing (a small json in the cache folder), so a restart reads nothing again."""
+    name = f"loss-rows-s{cfg_data.seq_len}-{'pack' if cfg_data.pack else 'pad'}-t{int(cfg_data.truncation)}.json"
+    stats_path = os.path.join(samples.cache.path, name)
+    if os.path.exists(stats_path):
+        with open(stats_path) as f:
+            without = json.load(f)["without_loss_tokens"]
+    else:
+        plain = Samples(samples.cache, cfg_data.seq_len, cfg_data.pack, cfg_data.truncation)  # one row per sample
+        without = sum(int((plain.batch(range(i, min(i + 4096, len(plain))))[1][:, 1:] == IGNORE).all(dim=1).sum())
+                      for i in range(0, len(plain), 4096))
+        tmp = f"{stats_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"samples": len(plain), "without_loss_tokens": without}, f)
+        os.replace(tmp, stats_path)
+    n, where = len(samples), f"{samples.cache.meta['source']} at data.seq_len={cfg_data.seq_len}"
+    if without == n:
+        raise DataError(f"no sample of {where} has a token that carries loss ({without} of {n} samples end before "
+                        "the first trained token, e.g. inside the prompt); raise data.seq_len")
+    if without:
+        return (f"warning: {without} of {n} samples ({100 * without / n:.1f}%) of {where} have no token that carries "
+                "loss (they end inside the prompt) and add nothing to training")
+    return None
+
+
 class ArraySamples:
     """Samples from in-memory [N, seq_len] arrays (tests and small experiments)."""
 
@@ -579,6 +633,8 @@ class BatchStream:
             raise DataError(f"checkpoint was made on a data set of {state['num_rows']} samples, this one has "
                             f"{len(self.samples)}; the data position cannot be continued")
         self.position = int(state["position"])
+        if int(state.get("seed", self.order.seed)) != self.order.seed:  # only allowed by ckpt.resume_config_check=warn
+            self.order = GlobalOrder(len(self.samples), int(state["seed"]))  # the position counts in that order
 
 
 # ---------------------------------------------------------------- `python -m finetune.data prepare`

@@ -10,6 +10,8 @@ step can appear twice; the last record of a step is the one that counts.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import os
 import sys
@@ -37,19 +39,37 @@ class RankZeroLog:
     def record(self, **fields) -> None:
         if self._file is not None:
             with self._lock:  # flush per line: a SIGKILL must not eat the steps already logged
-                self._file.write(json.dumps(fields) + "\n")
-                self._file.flush()
+                try:
+                    self._file.write(json.dumps(fields) + "\n")
+                    self._file.flush()
+                except OSError as e:
+                    self._stop_recording(e)
+                    return
                 if self._loggers:
                     scalars = self._scalars.scalars(fields)
                     for logger in self._loggers:
                         logger.log(scalars)
+
+    def _stop_recording(self, error: OSError) -> None:
+        """A full (or failing) disk under run.dir: rank 0 alone cannot stop the job without leaving the other
+        ranks in a collective, so it says so once and stops writing metrics; stdout lines and checkpoints go on
+        (a checkpoint on the same full disk then ends the job with its own error line)."""
+        what = "no space left on" if error.errno in (errno.ENOSPC, errno.EDQUOT) else f"{error.strerror} on"
+        print(f"warning: {what} {os.path.dirname(self.path)} while writing metrics.jsonl; metrics are no longer "
+              "recorded there", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            self._file.close()
+        self._file = None
 
     def event(self, name: str, **fields) -> None:
         self.record(event=name, time=time.time(), **fields)
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as e:
+                self._stop_recording(e)
             self._file = None
         for logger in self._loggers:
             logger.close()

@@ -42,7 +42,8 @@ def write_rows(path, n: int) -> None:
     (["train.max_stepz=3"], "unknown config key 'train.max_stepz'"),
     (["train.max_steps=ten"], "config key 'train.max_steps' must be int, got 'ten'"),
     (["data.seq_len=4096"], "data.seq_len=4096 is larger than the model allows (max_position_embeddings=128)"),
-], ids=["unknown-key", "wrong-type", "seq-len-too-long"])
+    (["data.seq_len=8"], "at data.seq_len=8 has a token that carries loss ("),
+], ids=["unknown-key", "wrong-type", "seq-len-too-long", "no-loss-token"])
 def test_bad_config(tmp_path, overrides, needle):
     proc = run_train(tmp_path / "run", nproc=0, overrides=overrides, check=False, timeout=TIMEOUT)
     assert_clear_error(proc, needle, torchrun=False)
@@ -53,7 +54,9 @@ def test_bad_config(tmp_path, overrides, needle):
     (lambda p: p.write_text(""), "data file is empty: {p}"),
     (lambda p: p.write_text("\n\n"), "cannot read data file(s) {p}"),
     (lambda p: write_rows(p, 5), "has 5 samples x 1 epoch(s), fewer than one global batch (data.global_batch_size=12)"),
-], ids=["missing", "empty", "blank-lines", "smaller-than-one-batch"])
+    (lambda p: (write_rows(p, 30), p.write_bytes(p.read_bytes().replace(b'reverse: w2"', b'reverse: w\xff2"', 1))),
+     "data file {p} line 3 is not valid UTF-8: byte b'\\xff' at column"),
+], ids=["missing", "empty", "blank-lines", "smaller-than-one-batch", "not-utf8"])
 def test_bad_data_file(tmp_path, make, needle):
     data = tmp_path / "train.jsonl"
     make(data)
@@ -113,7 +116,8 @@ def test_resume_other_model_shape_two_ranks(tmp_path):
     cfg = json.loads((wide / "config.json").read_text())
     cfg["intermediate_size"] = 256
     (wide / "config.json").write_text(json.dumps(cfg))
-    proc = run_train(run, nproc=2, check=False, timeout=TIMEOUT, overrides=[f"model.config_path={wide}"])
+    proc = run_train(run, nproc=2, check=False, timeout=TIMEOUT,
+                     overrides=[f"model.config_path={wide}", "ckpt.resume_config_check=warn"])  # past the config check
     assert_clear_error(proc, "does not match the model: 'model.layers.0.mlp.", torchrun=True)
     assert re.search(r"is \[\d+, \d+\] in the checkpoint but \[\d+, \d+\] in the model", proc.stderr)
 
@@ -141,3 +145,27 @@ def test_refused_job_writes_nothing_in_run_dir(tmp_path):
 def test_out_of_range_config(tmp_path, overrides, needle):
     proc = run_train(tmp_path / "run", nproc=0, overrides=overrides, check=False, timeout=TIMEOUT)
     assert_clear_error(proc, needle, torchrun=False)
+
+
+def test_resume_deeper_checkpoint_into_shallower_model(tmp_path):
+    """A 3-layer model's checkpoint resumed after its config.json was edited to 2 layers: refused, naming a
+    saved tensor the model lacks (the resume-config check cannot see this: the config path is the same)."""
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(ROOT, "assets", "tiny-llama"), model)
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    run = tmp_path / "run"
+    run_train(run, nproc=0, overrides=["train.max_steps=1", "ckpt.interval=0", f"model.config_path={model}"],
+              timeout=TIMEOUT)
+    (model / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    proc = run_train(run, nproc=0, check=False, timeout=TIMEOUT,
+                     overrides=["train.max_steps=2", "ckpt.interval=0", f"model.config_path={model}"])
+    assert_clear_error(proc, "does not match the model: the model has no 'model.layers.2.", torchrun=False)
+
+
+def test_some_samples_without_loss_tokens_warn(tmp_path):
+    proc = run_train(tmp_path / "run", nproc=0, timeout=TIMEOUT, overrides=["data.seq_len=20", "train.max_steps=1",
+                                                                          "ckpt.interval=0", "ckpt.save_at_end=false"])
+    m = re.search(r"warning: (\d+) of (\d+) samples \([\d.]+%\) of \S+ at data.seq_len=20 have no token that carries "
+                  r"loss", proc.stdout)
+    assert m and 0 < int(m.group(1)) < int(m.group(2)), proc.stdout[-2000:]

@@ -232,3 +232,19 @@ def test_held_flock_with_stopped_heartbeat_says_what_to_do(tmp_path):
     with pytest.raises(CheckpointError, match="probably dead.*ps -p 4242. on node-17.*delete .*\\.lock"):
         CheckpointManager(str(tmp_path), "off").acquire_lock()
     holder.close()
+
+
+def test_model_check_refuses_saved_tensors_the_model_lacks(tmp_path):
+    """A deeper model's checkpoint must not load into a shallower one by leaving its extra layers behind."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.manager import check_model_matches
+    t = torch.zeros(2, 3)
+    saved = {f"model.layers.{i}.w": t for i in range(3)}
+    dcp.save({f"app.model.{k}": v for k, v in saved.items()}, checkpoint_id=str(tmp_path), no_dist=True)
+    check_model_matches(str(tmp_path), saved)
+    with pytest.raises(CheckpointError, match=r"the model has no 'model\.layers\.2\.w' \(1 saved tensors"):
+        check_model_matches(str(tmp_path), {k: v for k, v in saved.items() if "layers.2" not in k})
+    with pytest.raises(CheckpointError, match=r"it has no 'model\.layers\.3\.w'"):
+        check_model_matches(str(tmp_path), {**saved, "model.layers.3.w": t})

@@ -1,0 +1,74 @@
+"""Resume with a changed config: every difference is listed, meaningless ones are refused, the schedule
+after the resume is the new config's (docs/resume-rules.md).
+
+    python -m pytest tests/test_resume_config.py -q
+"""
+
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, events, run_train
+from finetune.config import load_config, resume_changes, to_yaml
+from finetune.data import GlobalOrder
+from train_fsdp import lr_factor
+
+TIMEOUT = 180
+BASE = ["ckpt.interval=2", "ckpt.async_mode=off", "train.warmup_steps=3", "train.lr=1e-3"]
+
+
+def metrics(run):
+    steps = {}
+    with open(os.path.join(str(run), "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            if "event" not in rec:
+                steps[rec["step"]] = rec
+    return steps
+
+
+def test_rules_per_field():
+    saved = to_yaml(load_config(None))
+    changes = {c.key: c for c in resume_changes(saved, load_config(None, [
+        "train.seed=7", "data.seq_len=48", "train.lr=0.5", "train.grad_clip=2", "model.config_path=elsewhere"]))}
+    assert {k: c.verdict for k, c in changes.items()} == {
+        "train.seed": "refused", "data.seq_len": "refused", "model.config_path": "refused",
+        "train.lr": "applied", "train.grad_clip": "applied"}
+    warned = resume_changes(saved, load_config(None, ["train.seed=7", "ckpt.resume_config_check=warn"]))
+    assert [(c.key, c.verdict) for c in warned] == [("train.seed", "warned"), ("ckpt.resume_config_check", "applied")]
+    same_path = resume_changes(saved, load_config(None, [f"model.config_path={os.path.abspath('assets/tiny-llama')}"]))
+    assert same_path == [] or os.getcwd() != ROOT
+
+
+def test_lr_and_max_steps_changed_on_resume_follow_the_new_schedule(tmp_path):
+    """max_steps 4 -> 8 and lr 1e-3 -> 2e-3: steps 5..8 use exactly the new config's schedule, and it is logged."""
+    run = tmp_path / "run"
+    run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=4"])
+    proc = run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=8", "train.lr=2e-3"])
+    got = {s: r["lr"] for s, r in metrics(run).items() if s > 4}
+    want = {s: 2e-3 * lr_factor(s - 1, 3, 8, 0.1) for s in range(5, 9)}
+    assert got == want
+    assert "resume: config changed since" in proc.stdout and "train.lr: 0.001 -> 0.002 (applied" in proc.stdout
+    assert "train.max_steps: 4 -> 8 (applied: the LR schedule follows the new config" in proc.stdout
+    assert "resume: LR at step 5 is " in proc.stdout
+
+
+def test_seed_change_refused_then_continues_the_saved_order_with_warn(tmp_path):
+    run = tmp_path / "run"
+    run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=2", "train.seed=11"])
+    refused = run_train(run, nproc=0, check=False, timeout=TIMEOUT,
+                        overrides=[*BASE, "train.max_steps=4", "train.seed=12", "data.seq_len=48"])
+    err = [x for x in refused.stderr.splitlines() if x.strip()]
+    assert refused.returncode == 2 and len(err) == 1, refused.stderr[-3000:]
+    assert err[0].startswith("error: resuming ") and "with a changed data.seq_len, train.seed (" in err[0], err[0]
+    assert "ckpt.resume_config_check=warn" in err[0]
+    assert max(metrics(run)) == 2  # nothing trained
+
+    proc = run_train(run, nproc=0, timeout=TIMEOUT,
+                     overrides=[*BASE, "train.max_steps=4", "train.seed=12", "ckpt.resume_config_check=warn"])
+    assert "train.seed: 11 -> 12 (warned: " in proc.stdout and "continues with the checkpoint's seed" in proc.stdout
+    rows = sum(1 for _ in open(os.path.join(ROOT, "data", "tiny", "train.jsonl")))
+    order = GlobalOrder(rows, 11)  # the saved order, not seed 12's
+    assert [metrics(run)[s]["sample_ids"] for s in (3, 4)] == [order.rows(24, 12), order.rows(36, 12)]
+    assert "train.seed" in [c["key"] for c in events(run, "resume_config_changes")[-1]["changes"]]
