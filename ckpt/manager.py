@@ -96,6 +96,9 @@ def save_failure(error: BaseException, ckpt_dir: str, what: str) -> CheckpointEr
     """The one-line error of a failed write under `ckpt_dir`; DiskFullError when its filesystem is full."""
     if isinstance(error, CheckpointError):
         return error
+    if collective_timed_out(error):
+        return CheckpointError(f"writing {what}: a checkpoint collective timed out waiting for another rank, which "
+                               "is stuck or dead")
     if _disk_full(error, ckpt_dir):
         return DiskFullError(f"no space left on {ckpt_dir} while writing {what}")
     return CheckpointError(f"writing {what} failed: {_cause(error)}")

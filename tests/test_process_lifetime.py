@@ -94,3 +94,17 @@ def test_frozen_rank_ends_job_with_collective_timeout(tmp_path):
                      "for another rank, which is stuck or dead"], proc.stderr[-3000:]
     assert 'train_fsdp.py", line' not in proc.stderr, proc.stderr[-3000:]
     assert time.time() - t0 < 200
+
+
+def test_frozen_rank_during_a_save_ends_job_with_checkpoint_timeout(tmp_path):
+    """Rank 1 freezes while writing its shards of a sync save: rank 0 gives up after ckpt.timeout_minutes
+    (6 s here), says so in one line, and tries no emergency save (it would need the frozen rank)."""
+    run = tmp_path / "run"
+    proc = run_train(run, nproc=2, check=False, timeout=240, env={"CKPT_FAULT": "sleep@write:2,rank=1,secs=600"},
+                     overrides=["train.max_steps=4", "ckpt.interval=2", "ckpt.async_mode=off",
+                                "ckpt.timeout_minutes=0.1"])
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert proc.returncode != 0
+    assert lines == [f"error: writing checkpoint {run}/checkpoints/step-000002: a checkpoint collective timed out "
+                     "waiting for another rank, which is stuck or dead"], proc.stderr[-3000:]
+    assert "no emergency checkpoint without all ranks" in proc.stdout
