@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ckpt import CheckpointError, CheckpointManager, DiskFullError, ModelOptimizer, RNGState, collective_timed_out, \
     on_rank0_then_share, read_meta, read_saved_config, reseed_all, rng_key, staging_need, step_dir
+from ckpt.adapter import check_same_base
 from ckpt.faults import fault_point
 from ckpt.policy import SavePolicy
 from finetune.config import Config, ConfigError, config_hash, load_config, resume_changes, to_yaml
@@ -38,6 +39,7 @@ from finetune.evaluate import eval_rows, evaluate
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, progress_bar, step_line
+from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
 from finetune.plan import add_plan_arguments, print_plan
 
@@ -111,7 +113,8 @@ def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float
 def build_optimizer(model, cfg: Config):
     t = cfg.train
     on_gpu = next(model.parameters()).is_cuda  # fused AdamW takes DTensors on CUDA; cpu_offload keeps params on CPU
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                   fused=True if on_gpu else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
@@ -204,6 +207,8 @@ def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float |
             "seed": cfg.train.seed}
     if eval_loss is not None:
         meta["score"] = eval_loss  # lower is better: ckpt.keep_best keeps the lowest (the eval loss of this step)
+    if cfg.model.lora.r:
+        meta["lora"] = lora_meta(cfg.model)  # base folder + fingerprint: a resume on another base is refused
     return {"meta.json": json.dumps(meta, indent=1) + "\n", "config.yaml": to_yaml(cfg)}
 
 
@@ -219,6 +224,7 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     if path is None:
         reseed_all(cfg.train.seed * 1000 + rank)
         return
+    check_same_base(path, lora_meta(cfg.model) if cfg.model.lora.r else None)
     check_resume_config(mgr, path, cfg, log)
     meta = read_meta(path)
     saved_world = meta["world_size"]
@@ -399,7 +405,9 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                         f"(max_position_embeddings={max_pos})")
     if cfg.model.name_or_path:
         from ckpt.hf import load_hf_weights
-        load_hf_weights(model, cfg.model.name_or_path)
+        load_hf_weights(model, cfg.model.name_or_path, file_name=base_file_name if cfg.model.lora.r else None)
+        if cfg.model.lora.r:
+            init_adapters(model, cfg.train.seed)
     else:
         init_random(model, cfg.train.seed, cfg.model.init_std)
     optimizer, scheduler = build_optimizer(model, cfg)
@@ -420,7 +428,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     # ---- resume (after the data stream exists, so restored RNG is not consumed by its creation)
     resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size)
-    log.info(f"world {world_size} | device {device.type} | {sum(p.numel() for p in model.parameters()):,} params | "
+    log.info(f"world {world_size} | device {device.type} | {param_summary(model)} | "
              f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
              f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
 

@@ -6,6 +6,7 @@
     python -m ckpt inspect runs/tiny/checkpoints/step-000200 --tensors   # every key, shape and dtype
     python -m ckpt reshard <src> <dst> --world-size 3
     python -m ckpt export  <checkpoint> <out_dir> [--dtype auto|fp32|bf16|fp16] [--jobs 4]
+    python -m ckpt export  <checkpoint> <out_dir> --adapter            # LoRA: PEFT adapter folder (default: merged)
 
 Exit status 0 on success, 1 when a checkpoint is invalid or a command fails; errors go to stderr.
 """
@@ -42,7 +43,7 @@ def cmd_reshard(args) -> int:
 
 def cmd_export(args) -> int:
     from .hf import export_cli
-    return export_cli(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.jobs)
+    return export_cli(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.jobs, args.adapter)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the source model's torch_dtype (fp32 for a random init)")
     e.add_argument("--jobs", type=int, default=1, help="processes writing tensors in parallel")
     e.add_argument("--max-shard-size", default="2GB", help="split safetensors above this size (e.g. 500MB)")
+    e.add_argument("--adapter", action="store_true",
+                   help="LoRA checkpoint: write the PEFT adapter folder (PeftModel.from_pretrained) instead of merging")
     e.set_defaults(fn=cmd_export)
     return p
 

@@ -105,17 +105,23 @@ def check_safetensors_files(hf_dir: str) -> None:
                                   f"holds {_few(present)}; remove the files of other saves")
 
 
-def load_hf_weights(model: torch.nn.Module, hf_dir: str, process_group=None) -> None:
+def load_hf_weights(model: torch.nn.Module, hf_dir: str, process_group=None, file_name=None) -> None:
     """Read a local HF safetensors model (one file, or sharded with an index) into the fully_shard-ed
     `model`, in place, on every rank. bf16/fp16 files are converted to the parameters' dtype as they are
     copied; tied aliases (lm_head.weight) are filled through their source; non-persistent buffers
-    (rotary inv_freq) are not in the files and were computed when the model was built."""
+    (rotary inv_freq) are not in the files and were computed when the model was built.
+    `file_name(state-dict name)` gives a tensor's name in the files, or None for one they do not hold
+    (LoRA: `q_proj.base_layer.weight` is `q_proj.weight` there, adapters are not there)."""
     check_safetensors_files(hf_dir)
     saved = HuggingFaceStorageReader(hf_dir).read_metadata().state_dict_metadata  # file headers only
     model_sd = get_model_state_dict(model)
-    state = {k: model_sd[k] for k in check_hf_keys(model, model_sd, saved, hf_dir)}
+    to_model = {k: k for k in model_sd} if file_name is None else \
+        {file_name(k): k for k in model_sd if file_name(k) is not None}
+    file_sd = {f: model_sd[k] for f, k in to_model.items()}
+    state = {k: file_sd[k] for k in check_hf_keys(model, file_sd, saved, hf_dir)}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(hf_dir), process_group=process_group)
-    set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # tied aliases are absent
+    set_model_state_dict(model, {to_model[f]: v for f, v in state.items()},
+                         options=StateDictOptions(strict=False))  # tied aliases (and adapters) are absent
 
 
 # ---------------------------------------------------------------- export: where the pieces come from
@@ -476,10 +482,14 @@ def finish_export(plan: ExportPlan) -> None:
 
 
 def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB",
-                      overwrite: bool = False, verify: bool = True, jobs: int = 1) -> dict:
+                      overwrite: bool = False, verify: bool = True, jobs: int = 1, adapter: bool = False) -> dict:
     """Write a complete HF model folder from a checkpoint saved at any world size, with `jobs` processes
-    and no process group. The folder appears whole or not at all (built beside it, then renamed)."""
+    and no process group. The folder appears whole or not at all (built beside it, then renamed).
+    A LoRA checkpoint is merged into its base (ckpt/adapter.py); adapter=True writes the PEFT adapter alone."""
     check_export(ckpt_path, out_dir, overwrite, verify, jobs)
+    from .adapter import export_lora, lora_info
+    if adapter or lora_info(ckpt_path) is not None:  # adapters only: that alone, or merged into the base
+        return export_lora(ckpt_path, out_dir, dtype, max_shard_size, adapter_only=adapter)
     plan = plan_export(ckpt_path, out_dir, dtype, max_shard_size)
     try:
         start_export(plan)
@@ -498,8 +508,11 @@ def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=Non
     caller has just committed it). Call on all ranks; an error on any rank raises on all."""
     import torch.distributed as dist
 
+    from .adapter import export_lora, lora_info
     from .manager import on_rank0_then_share
 
+    if lora_info(ckpt_path) is not None:  # merged LoRA: one streaming writer (the base is read once, in order)
+        return on_rank0_then_share(lambda: export_lora(ckpt_path, out_dir, dtype), group)
     plan = plan_export(ckpt_path, out_dir, dtype)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     on_rank0_then_share(lambda: start_export(plan), group)
@@ -530,14 +543,15 @@ def export_final(ckpt_path: str, out_dir: str, dtype: str = "auto") -> str:
             f"file(s), {info['bytes'] / 2**20:.1f} MiB {info['dtype']})")
 
 
-def export_cli(checkpoint: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB", jobs: int = 1) -> int:
+def export_cli(checkpoint: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB", jobs: int = 1,
+               adapter: bool = False) -> int:
     """`python -m ckpt export`: 0 and one OK line, or 1 and one error line."""
     try:
-        info = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size, jobs=jobs)
+        info = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size, jobs=jobs, adapter=adapter)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"OK: {checkpoint} -> {info['path']}: {info['class']}, {info['tensors']} tensors in {info['files']} "
-          f"safetensors file(s), {info['bytes'] / 2**20:.1f} MiB {info['dtype']}, with config, generation config, "
-          "tokenizer")
+          f"safetensors file(s), {info['bytes'] / 2**20:.1f} MiB {info['dtype']}, "
+          f"{info.get('extras', 'with config, generation config, tokenizer')}")
     return 0

@@ -156,6 +156,10 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
     if "score" in meta:
         print(f"  score (eval loss) {meta['score']:.6f}")
+    from .adapter import describe
+    lora_line = describe(meta, _dir_bytes(path))
+    if lora_line:
+        print(f"  {lora_line}")
     if meta.get("resharded_from"):
         print(f"  resharded from {meta['resharded_from']} (RNG blobs of {rng_world_size(meta)} ranks)")
     try:

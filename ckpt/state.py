@@ -3,7 +3,7 @@
     python -m pytest tests/test_ckpt_unit.py
 
 - ModelOptimizer: the sharded model + optimizer through DCP's `get_state_dict` / `set_state_dict`, so the
-  keys are FQNs and the shards reshard to any world size on load.
+  keys are FQNs and the shards reshard to any world size on load. Frozen parameters are not saved.
 - RNGState: python, numpy, torch CPU and the own CUDA device's generators of ONE rank, saved under a rank-unique key
   (`rng_rank<r>`): the same key on every rank would come back as rank 0's value for all of them.
 """
@@ -19,16 +19,23 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 
 class ModelOptimizer:
+    """Only what training changes: frozen parameters (a LoRA base) are left out of the saved state, and
+    loading does not expect them (they come from the base model, which meta.json fingerprints)."""
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
+        self.has_frozen = any(not p.requires_grad for p in model.parameters())
 
     def state_dict(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
+                                            options=StateDictOptions(ignore_frozen_params=True))
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
+        # strict would demand the frozen weights too; the caller checks every trainable key is present
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=StateDictOptions(strict=True))
+                       optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=not self.has_frozen, ignore_frozen_params=True))
 
 
 class ModelOnly:
@@ -47,8 +54,9 @@ class ModelOnly:
 
 def staging_need(model: torch.nn.Module) -> tuple[int, int]:
     """(tensors, bytes) this rank stages per checkpoint with AdamW: each local parameter shard, two
-    moments of its size and dtype, and a step scalar: 12 bytes x params / W for fp32 masters."""
-    params = list(model.parameters())
+    moments of its size and dtype, and a step scalar: 12 bytes x params / W for fp32 masters. Frozen
+    parameters (a LoRA base) are not saved, so not staged."""
+    params = [p for p in model.parameters() if p.requires_grad]
     local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params)
     return 4 * len(params), 3 * local + 8 * len(params)
 

@@ -37,6 +37,16 @@ class RunConfig:
 
 
 @dataclass
+class LoRAConfig:
+    r: int = 0  # LoRA rank (peft); 0 = off: full fine-tuning. >0 freezes the base from name_or_path
+    alpha: float = 16.0  # LoRA scaling is alpha / r
+    dropout: float = 0.0  # dropout on the adapter's input (uses the per-rank RNG that checkpoints restore)
+    target_modules: str = "all-linear"  # comma-separated module names (q_proj,v_proj) or all-linear: every
+    #                                     Linear of the decoder blocks (attention + MLP projections), not lm_head
+    quantize: str = "none"  # none | 4bit: a 4-bit base (QLoRA) needs GPU kernels and is not supported
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = ""  # local HF model dir (config.json + safetensors + tokenizer), or empty
     config_path: str = "assets/tiny-llama"  # HF config dir used when name_or_path is empty (random init)
@@ -47,6 +57,7 @@ class ModelConfig:
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
     init_std: float = 0.02  # std of the normal init for random-init models
     replicas: int = 1  # HSDP when > 1: shard within groups of W/replicas ranks (a node), replicate across groups
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # model.lora.*: adapters instead of full fine-tuning
 
 
 @dataclass
@@ -130,6 +141,7 @@ _CHOICES = {
     "export.dtype": ("auto", "fp32", "bf16", "fp16"),
     "ckpt.resume_config_check": ("refuse", "warn"),
     "run.wandb": ("off", "offline", "online"),
+    "model.lora.quantize": ("none", "4bit"),
 }
 
 
@@ -151,6 +163,9 @@ _RANGES = {
     "run.log_interval": _at_least(1),
     "model.init_std": _above(0),
     "model.replicas": _at_least(1),
+    "model.lora.r": _at_least(0),
+    "model.lora.alpha": _above(0),
+    "model.lora.dropout": _between(0, 1, high_open=True),
     "data.seq_len": _at_least(2),  # the loss needs a next token
     "data.global_batch_size": _at_least(1),
     "data.micro_batch_size": _at_least(1),
@@ -201,16 +216,24 @@ def _coerce(key: str, value, typ):
 
 def _apply(cfg: Config, key: str, value) -> None:
     parts = key.split(".")
-    if len(parts) != 2:
+    if len(parts) < 2:
         raise ConfigError(f"unknown config key '{key}' (keys look like section.name, e.g. train.max_steps)")
-    section, name = parts
-    sub = getattr(cfg, section, None)
-    if sub is None or not dataclasses.is_dataclass(sub):
-        raise ConfigError(f"unknown config key '{key}': no section '{section}'")
+    sub = cfg
+    for i, part in enumerate(parts[:-1]):  # model.lora.r walks into a nested section
+        sub = getattr(sub, part, None)
+        if sub is None or not dataclasses.is_dataclass(sub):
+            raise ConfigError(f"unknown config key '{key}': no section '{'.'.join(parts[:i + 1])}'")
+    name = parts[-1]
     hints = typing.get_type_hints(type(sub))
-    if name not in hints:
+    if name not in hints or dataclasses.is_dataclass(getattr(sub, name)):
         raise ConfigError(f"unknown config key '{key}'")
     setattr(sub, name, _coerce(key, value, hints[name]))
+
+
+def _get(cfg: Config, key: str):
+    for part in key.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -226,12 +249,10 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 def validate(cfg: Config) -> None:
     for key, allowed in _CHOICES.items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name) not in allowed:
-            raise ConfigError(f"config key '{key}' must be one of {'|'.join(allowed)}, got {getattr(getattr(cfg, section), name)!r}")
+        if _get(cfg, key) not in allowed:
+            raise ConfigError(f"config key '{key}' must be one of {'|'.join(allowed)}, got {_get(cfg, key)!r}")
     for key, (ok, allowed) in _RANGES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
+        value = _get(cfg, key)
         if not (math.isfinite(value) and ok(value)):
             raise ConfigError(f"config key '{key}' must be {allowed}, got {value!r}")
     try:
@@ -248,6 +269,21 @@ def validate(cfg: Config) -> None:
         if wanted and importlib.util.find_spec(package) is None:  # optional: only this run needs it
             raise ConfigError(f"config key '{key}' needs the {package} package, which is not installed: "
                               f"pip install {package} (version pinned in requirements.txt), or turn {key} off")
+    validate_lora(cfg.model)
+
+
+def validate_lora(model: ModelConfig) -> None:
+    lora = model.lora
+    if lora.quantize != "none":
+        raise ConfigError(f"config key 'model.lora.quantize={lora.quantize}': QLoRA (a 4-bit quantized base) is "
+                          "not supported: it needs bitsandbytes GPU kernels; use model.lora.quantize=none")
+    if lora.r == 0:
+        return
+    if not lora.target_modules.strip():
+        raise ConfigError("config key 'model.lora.target_modules' is empty (e.g. all-linear or q_proj,v_proj)")
+    if not model.name_or_path:
+        raise ConfigError(f"config key 'model.lora.r={lora.r}' needs model.name_or_path: LoRA adapts the weights "
+                          "of a trained base model (a local HF folder), it does not start from random init")
 
 
 def _read_yaml(path: str):

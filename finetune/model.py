@@ -83,6 +83,9 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
     hf_config = AutoConfig.from_pretrained(src)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    if cfg_model.lora.r:  # adapters go in on meta, before fully_shard groups the parameters
+        from finetune.lora import add_adapters
+        add_adapters(model, cfg_model.lora, src, base_dtype=resolve_param_dtype(cfg_model.param_dtype, device))
     if cfg_model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mp = MixedPrecisionPolicy(param_dtype=resolve_param_dtype(cfg_model.param_dtype, device),

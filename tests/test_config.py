@@ -88,10 +88,17 @@ def test_every_numeric_field_has_a_range():
     import typing
 
     from finetune.config import _RANGES, Config
-    numeric = {f"{sec.name}.{f.name}" for sec in dataclasses.fields(Config)
-               for f in dataclasses.fields(typing.get_type_hints(Config)[sec.name])
-               if typing.get_type_hints(typing.get_type_hints(Config)[sec.name])[f.name] in (int, float)}
-    assert numeric == set(_RANGES)
+
+    def numeric(cls, prefix=""):  # nested sections too: model.lora.r
+        hints = typing.get_type_hints(cls)
+        keys = set()
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                keys |= numeric(hints[f.name], f"{prefix}{f.name}.")
+            elif hints[f.name] in (int, float):
+                keys.add(prefix + f.name)
+        return keys
+    assert numeric(Config) == set(_RANGES)
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):

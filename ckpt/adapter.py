@@ -1,0 +1,233 @@
+"""LoRA checkpoints: which base they belong to, and their two exports (PEFT adapter folder, merged HF model).
+
+    python -m ckpt export runs/lora/checkpoints/step-000100 out/adapter --adapter   # PeftModel.from_pretrained
+    python -m ckpt export runs/lora/checkpoints/step-000100 out/merged              # full HF model, merged
+    python -m pytest tests/test_lora.py -q
+
+A LoRA checkpoint holds only the adapters and their optimizer state; meta.json's "lora" entry names the
+base model folder and a fingerprint of its weights (`base_fingerprint`). Resuming or exporting against
+another base is refused, naming both (`check_same_base`). The merged export streams the base one tensor
+at a time from its safetensors files, adds scaling * B @ A where an adapter applies, and writes it to its
+place in the pre-sized output files: peak memory is about two copies of the largest tensor, not the model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+import os
+import shutil
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
+
+from .hf import (_DTYPE_NAMES, EXPORT_DTYPES, MODEL_PREFIX, OutTensor, _replace_dir, check_safetensors_files, create_files,
+                 model_names, parse_size, plan_files, safetensors_header, source_dirs, source_dtype, write_index,
+                 write_model_files)
+from .inspect import read_items, read_meta_or_empty
+from .manager import CheckpointError
+
+ADAPTER_SUFFIX = (".lora_A.default.weight", ".lora_B.default.weight")  # peft's names in the training model
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_SAMPLED_TENSORS, _SAMPLED_BYTES = 8, 1 << 20
+
+
+# ---------------------------------------------------------------- the base model and its fingerprint
+
+def safetensors_headers(hf_dir: str) -> dict[str, dict]:
+    """{tensor name: {file, dtype, shape, start (absolute byte offset), nbytes}} from the file headers only."""
+    check_safetensors_files(hf_dir)
+    out = {}
+    for name in sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")):
+        path = os.path.join(hf_dir, name)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        for key, t in header.items():
+            if key != "__metadata__":
+                begin, end = t["data_offsets"]
+                out[key] = {"file": path, "dtype": t["dtype"], "shape": t["shape"], "start": 8 + n + begin,
+                            "nbytes": end - begin}
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def base_fingerprint(hf_dir: str) -> dict:
+    """{"fingerprint", "params", "bytes"} of a HF safetensors folder: sha256 over every tensor's name, dtype
+    and shape, plus the first MiB of 8 tensors spread over the sorted names. Cost: the headers + 8 MiB read,
+    whatever the model size. Same weights in other files (sharding) -> same fingerprint; another fine-tune of
+    the same architecture differs in the sampled bytes."""
+    headers = safetensors_headers(hf_dir)
+    h = hashlib.sha256()
+    names = sorted(headers)
+    for name in names:
+        h.update(json.dumps([name, headers[name]["dtype"], headers[name]["shape"]]).encode())
+    step = max(1, len(names) // _SAMPLED_TENSORS)
+    for name in names[::step][:_SAMPLED_TENSORS]:
+        t = headers[name]
+        with open(t["file"], "rb") as f:
+            f.seek(t["start"])
+            h.update(f.read(min(t["nbytes"], _SAMPLED_BYTES)))
+    return {"fingerprint": "sha256:" + h.hexdigest()[:32], "params": sum(math.prod(t["shape"]) for t in headers.values()),
+            "bytes": sum(t["nbytes"] for t in headers.values())}
+
+
+def lora_info(ckpt_path: str) -> dict | None:
+    """meta.json's "lora" entry of a checkpoint, or None for a full fine-tuning checkpoint."""
+    return read_meta_or_empty(ckpt_path).get("lora")
+
+
+def check_same_base(ckpt_path: str, expected: dict | None) -> None:
+    """Refuse to resume `ckpt_path` in a run whose adapter setup (`expected`: the run's meta "lora" entry, None
+    for full fine-tuning) differs: full vs LoRA, or adapters trained on another base (both named)."""
+    saved = lora_info(ckpt_path)
+    if saved is None and expected is None:
+        return
+    if saved is None:
+        raise CheckpointError(f"checkpoint {ckpt_path} is a full fine-tuning checkpoint, but this run trains LoRA "
+                              f"adapters (r={expected['r']}) on {expected['base']}")
+    if expected is None:
+        raise CheckpointError(f"checkpoint {ckpt_path} holds LoRA adapters (r={saved['r']}) of base {saved['base']}, "
+                              "but this run does full fine-tuning")
+    if saved["base_fingerprint"] != expected["base_fingerprint"]:
+        raise CheckpointError(f"checkpoint {ckpt_path} was trained on base {saved['base']} "
+                              f"({saved['base_fingerprint']}), but this run's base is {expected['base']} "
+                              f"({expected['base_fingerprint']}): adapters only fit the weights they were trained on")
+
+
+def describe(meta: dict, ckpt_bytes: int) -> str | None:
+    """One line for `inspect`: a LoRA checkpoint, and its size against a full one (fp32 weights + AdamW)."""
+    lora = meta.get("lora")
+    if not lora:
+        return None
+    full = lora["base_params"] * 12  # 4 bytes of fp32 weight + 8 of AdamW moments per parameter
+    return (f"LoRA checkpoint: adapters r={lora['r']}, alpha {lora['alpha']}, on base {lora['base']} "
+            f"({lora['base_fingerprint']}); {ckpt_bytes / 2**20:.2f} MiB = {100 * ckpt_bytes / full:.2f}% of a full "
+            f"fine-tuning checkpoint of this model (~{full / 2**20:.1f} MiB: fp32 weights + AdamW moments)")
+
+
+# ---------------------------------------------------------------- exports
+
+def read_adapters(ckpt_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module name: (lora_A, lora_B)} in full, in this process. Adapters are small (r x (in + out) per module)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = [k for k in FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
+            if k.startswith(MODEL_PREFIX) and k.endswith(ADAPTER_SUFFIX)]
+    items = read_items(ckpt_path, keys)
+    out = {}
+    for k in keys:
+        module = k[len(MODEL_PREFIX):-len(ADAPTER_SUFFIX[0])]
+        if k.endswith(ADAPTER_SUFFIX[0]):
+            out[module] = (items[k], items[MODEL_PREFIX + module + ADAPTER_SUFFIX[1]])
+    if not out:
+        raise CheckpointError(f"{ckpt_path}: meta.json says LoRA but the checkpoint holds no adapter weights")
+    return out
+
+
+def base_dirs_checked(ckpt_path: str, lora: dict) -> tuple[str, str]:
+    """(base folder, tokenizer folder) named in the checkpoint; refused if the base's weights are not the
+    ones the adapters were trained on."""
+    model_dir, tok_dir = source_dirs(ckpt_path)
+    found = base_fingerprint(os.path.abspath(model_dir))["fingerprint"]
+    if found != lora["base_fingerprint"]:
+        raise CheckpointError(f"{ckpt_path} was trained on base {lora['base']} ({lora['base_fingerprint']}), but "
+                              f"{model_dir} now holds other weights ({found}); restore that base to export")
+    return model_dir, tok_dir
+
+
+def write_adapter(ckpt_path: str, lora: dict, tmp: str, dtype: str) -> dict:
+    """adapter_config.json (peft's LoraConfig) + adapter_model.safetensors with peft's tensor names, in the
+    trained dtype (fp32) unless asked otherwise."""
+    from peft import LoraConfig
+
+    dtype = "fp32" if dtype == "auto" else dtype
+    adapters = read_adapters(ckpt_path)
+    base = lora["base"]
+    base = os.path.abspath(base) if os.path.isdir(base) else base
+    LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"], task_type="CAUSAL_LM",
+               target_modules=sorted({m.rsplit(".", 1)[-1] for m in adapters}), base_model_name_or_path=base,
+               inference_mode=True).save_pretrained(tmp)
+    tensors = {}
+    for module, (a, b) in adapters.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(EXPORT_DTYPES[dtype]).contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(EXPORT_DTYPES[dtype]).contiguous()
+    save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+    return {"class": f"PEFT LoRA adapter (r={lora['r']}) for {base}", "tensors": len(tensors), "files": 1,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "dtype": dtype,
+            "extras": "with adapter_config.json; load with PeftModel.from_pretrained(base, path)"}
+
+
+def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_size: str) -> dict:
+    """The base with W + (alpha / r) * B @ A merged into every adapted weight, as HF safetensors + config."""
+    from transformers import AutoConfig
+
+    model_dir, tok_dir = base_dirs_checked(ckpt_path, lora)
+    config = AutoConfig.from_pretrained(model_dir)
+    cls_name, names, aliases = model_names(config)
+    names = [n for n in names if n not in aliases]
+    headers = safetensors_headers(model_dir)
+    missing = [n for n in names if n not in headers]
+    if missing:
+        raise CheckpointError(f"base {model_dir} does not fit {cls_name}: missing {missing[:4]}")
+    adapters = read_adapters(ckpt_path)
+    unknown = [m for m in adapters if m + ".weight" not in headers]
+    if unknown:
+        raise CheckpointError(f"{ckpt_path}: adapters for {unknown[:4]}, which base {model_dir} does not have")
+    shapes = {MODEL_PREFIX + n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
+                                                      torch.Size(headers[n]["shape"]), []) for n in names}
+    out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else EXPORT_DTYPES[dtype]  # auto: the base's
+    files = plan_files(shapes, names, out_dtype, parse_size(max_shard_size))
+    written = create_files(tmp, files)
+    scaling = lora["alpha"] / lora["r"]
+    for fname, tensors in zip(written, files):
+        fd, data_start = os.open(os.path.join(tmp, fname), os.O_RDWR), len(safetensors_header(tensors))
+        try:
+            for out in tensors:
+                _write_one(fd, data_start, out, headers[out.name]["file"], adapters.get(out.name[:-len(".weight")]),
+                           scaling)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    write_index(tmp, files, written)
+    write_model_files(model_dir, tok_dir, tmp, config, cls_name, out_dtype)
+    return {"class": f"{cls_name} (LoRA r={lora['r']} merged)", "tensors": len(names), "files": len(written),
+            "bytes": sum(t.nbytes for ts in files for t in ts), "dtype": _DTYPE_NAMES[out_dtype]}
+
+
+def _write_one(fd: int, data_start: int, out: OutTensor, src_file: str, adapter, scaling: float) -> None:
+    with safe_open(src_file, "pt") as f:
+        tensor = f.get_tensor(out.name)
+    if adapter is not None:
+        a, b = adapter
+        tensor = tensor.float() + (b.float() @ a.float()) * scaling  # as peft's merge: W + (B @ A) * scaling
+    data = tensor.to(out.dtype).contiguous().view(torch.uint8).numpy()
+    os.pwrite(fd, data, data_start + out.begin)
+    out.written = data.nbytes
+
+
+def export_lora(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB",
+                adapter_only: bool = False) -> dict:
+    """Write the PEFT adapter folder (adapter_only) or the merged HF model of a verified LoRA checkpoint.
+    Built beside `out_dir`, then renamed into place: it appears whole or not at all."""
+    lora = lora_info(ckpt_path)
+    if lora is None:
+        raise CheckpointError(f"{ckpt_path} is a full fine-tuning checkpoint: --adapter needs a LoRA checkpoint "
+                              "(model.lora.r > 0); export it without --adapter")
+    out_dir = os.path.normpath(out_dir)
+    tmp = f"{out_dir}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        info = write_adapter(ckpt_path, lora, tmp, dtype) if adapter_only else \
+            write_merged(ckpt_path, lora, tmp, dtype, max_shard_size)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"path": out_dir, **info}
