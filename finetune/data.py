@@ -74,8 +74,10 @@ def sources(cfg_data, eval_set: bool = False) -> list[tuple[Source, float]]:
 
 
 def _is_local(path: str) -> bool:
+    """An existing path, or file names with a data extension (missing ones then get a clear error). A hub
+    name ("org/name") has a slash too, so a slash alone does not make a path local."""
     files = [p.strip() for p in path.split(",") if p.strip()]
-    return os.path.exists(path) or any(os.path.sep in p or os.path.splitext(p)[1] in _FILE_BUILDERS for p in files)
+    return os.path.exists(path) or all(os.path.splitext(p)[1] in _FILE_BUILDERS for p in files)
 
 
 def _load_local_files(path: str, cache_dir: str | None):
@@ -112,7 +114,7 @@ def load_source(src: Source, cache_dir: str | None = None):
     elif os.path.isdir(src.path) or not _is_local(src.path):
         try:
             ds = datasets.load_dataset(src.path, src.name or None, split=src.split, revision=src.revision or None,
-                                       cache_dir=cache_dir)
+                                       cache_dir=cache_dir if os.path.isdir(src.path) else None)  # hub: HF's cache
         except Exception as e:  # noqa: BLE001 - one line naming the source
             raise DataError(f"cannot load data set {src.path} (name={src.name or None}, split={src.split}): "
                             f"{type(e).__name__}: {e}") from None

@@ -320,3 +320,20 @@ def test_bad_row_stops_both_ranks_with_one_line(tmp_path):
     want = f"error: {path} row 7: messages[1].role is 'assistent', expected 'assistant'"
     assert ours and all(line.startswith(want) for line in ours), proc.stderr[-3000:]
     assert 'train_fsdp.py", line' not in proc.stderr
+
+
+def test_hub_name_goes_to_load_dataset_with_subset_split_revision(monkeypatch):
+    """Offline here: record the call a hub name makes (the same call a local folder of files takes)."""
+    import datasets
+
+    from finetune.data import load_documents
+    seen = {}
+
+    def fake_load_dataset(path, name=None, split=None, revision=None, cache_dir=None):
+        seen.update(path=path, name=name, split=split, revision=revision, cache_dir=cache_dir)
+        return datasets.Dataset.from_list([{"text": "hello"}])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    ds, fmt, column, _ = load_documents(DataConfig(path="org/chat-set", name="en", split="train_sft", revision="v1.0"))
+    assert seen == {"path": "org/chat-set", "name": "en", "split": "train_sft", "revision": "v1.0", "cache_dir": None}
+    assert fmt == "text" and ds[column] == ["hello"]
