@@ -418,6 +418,8 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
         cause = _data_error_in(e)
         if cause is not None:  # datasets' worker pool re-raises our error wrapped or re-typed
             raise DataError(cause) from None
+        if isinstance(e, OSError):  # e.g. a full disk: one line, and nothing half-written was kept
+            raise DataError(f"cannot build the data cache in {cfg_data.cache_dir}: {e}") from None
         raise
     return cache
 
