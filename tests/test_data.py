@@ -337,3 +337,18 @@ def test_hub_name_goes_to_load_dataset_with_subset_split_revision(monkeypatch):
     ds, fmt, column, _ = load_documents(DataConfig(path="org/chat-set", name="en", split="train_sft", revision="v1.0"))
     assert seen == {"path": "org/chat-set", "name": "en", "split": "train_sft", "revision": "v1.0", "cache_dir": None}
     assert fmt == "text" and ds[column] == ["hello"]
+
+
+def test_full_disk_while_building_is_one_line_and_leaves_nothing(tmp_path, tok, monkeypatch):
+    import errno
+
+    import finetune.data as data
+    path = _write_jsonl(tmp_path / "chat.jsonl", _conversations(20))
+
+    def full_disk(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(data, "_write_cache", full_disk)
+    with pytest.raises(DataError, match=r"cannot build the data cache in .*No space left on device"):
+        build_cache(DataConfig(path=path, cache_dir=str(tmp_path / "cache")), tok)
+    assert os.listdir(tmp_path / "cache") == []
