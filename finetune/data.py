@@ -405,7 +405,8 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
         mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
                         num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
                         fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label},
-                        features=_tokenized_features(), cache_file_name=os.path.join(tmp, "tokenized.arrow"), desc="tokenize")
+                        features=_tokenized_features(), cache_file_name=os.path.join(tmp, "tokenized.arrow"),
+                        desc="tokenize")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         meta = _write_cache(mapped, tmp, {"version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad})
         del mapped, ds
