@@ -46,7 +46,7 @@ class Shapes:
     """What the plan needs from the model: parameter counts by role, and the sizes activations scale with."""
     arch: str
     source: str
-    params: int  # every parameter
+    params: int  # the model's own parameters (a LoRA model: the base, without its adapters)
     trainable: int  # what the optimizer updates (all of them, or the LoRA adapters)
     root_params: int  # outside the decoder blocks (embeddings, final norm, lm_head): the root FSDP group
     block_params: int  # one decoder block (the largest)
@@ -74,19 +74,8 @@ def config_dir(cfg_model) -> tuple[str, str]:
     return cfg_model.config_path, note
 
 
-def lora_targets(cfg_model) -> tuple[int, set[str] | None]:
-    """(rank, module names or None for every Linear of the blocks); rank 0 when LoRA is off or absent."""
-    lora = getattr(cfg_model, "lora", None)
-    r = getattr(lora, "r", 0) if lora is not None else 0
-    if not r:
-        return 0, None
-    names = getattr(lora, "target_modules", "all-linear")
-    return r, None if names == "all-linear" else {n.strip() for n in names.split(",") if n.strip()}
-
-
 def model_shapes(cfg_model) -> Shapes:
     import torch
-    import torch.nn as nn
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from finetune.model import decoder_blocks
@@ -95,25 +84,23 @@ def model_shapes(cfg_model) -> Shapes:
     hf = AutoConfig.from_pretrained(src)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf)
+    lora = getattr(cfg_model, "lora", None)
+    if lora is not None and lora.r:  # the adapters exactly as training adds them (peft, on meta)
+        from finetune.lora import add_adapters
+        add_adapters(model, lora, src, base_dtype=torch.bfloat16)
     blocks = decoder_blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    every = [(p.shape[0] if p.dim() else 1, p.numel()) for p in model.parameters()]
-    r, targets = lora_targets(cfg_model)
-    adapters = []
-    if r:  # peft's LoRA: lora_A (r x in) and lora_B (out x r) beside each targeted Linear of the blocks
-        for b in blocks:
-            for name, m in b.named_modules():
-                if isinstance(m, nn.Linear) and (targets is None or name.split(".")[-1] in targets):
-                    adapters += [(r, r * m.in_features), (m.out_features, m.out_features * r)]
+    shapes = [(p.shape[0] if p.dim() else 1, p.numel(), p.requires_grad) for p in model.parameters()]
+    trainable = [(d, n) for d, n, grad in shapes if grad]
+    frozen = [(d, n) for d, n, grad in shapes if not grad]
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return Shapes(
         arch=type(model).__name__, source=os.path.join(src, "config.json") + note,
-        params=sum(n for _, n in every) + sum(n for _, n in adapters),
-        trainable=sum(n for _, n in (adapters if r else every)),
+        params=sum(n for _, n in (frozen or trainable)), trainable=sum(n for _, n in trainable),  # base size
         root_params=sum(p.numel() for p in model.parameters() if id(p) not in in_blocks),
         block_params=max(sum(p.numel() for p in b.parameters()) for b in blocks),
-        sharded_trainable=adapters if r else every, sharded_frozen=every if r else [],
+        sharded_trainable=trainable, sharded_frozen=frozen,
         layers=len(blocks), hidden=hf.hidden_size, kv_hidden=getattr(hf, "num_key_value_heads", heads) * head_dim,
         intermediate=getattr(hf, "intermediate_size", 4 * hf.hidden_size), vocab=hf.vocab_size,
         max_positions=getattr(hf, "max_position_embeddings", None))

@@ -64,8 +64,9 @@ def test_preset_header_plan_runs_and_fits_as_stated(preset, capsys):
     total = float(re.search(r"total\s+([\d.]+) GiB", out).group(1))
     stated = int(re.search(r"Memory per GPU \(planner estimate\): ~(\d+) GiB", head).group(1))
     assert abs(total - stated) <= 1, f"header says ~{stated} GiB, the planner {total} GiB"
-    ckpt = float(re.search(r"checkpoint: ([\d.]+) GiB per save", out).group(1))
-    assert round(ckpt) == int(re.search(r"Checkpoint: (\d+) GiB per save", head).group(1))
+    planned = re.search(r"checkpoint: ([\d.]+) (GiB|MiB) per save", out)
+    stated = re.search(r"Checkpoint: (\d+) (GiB|MiB) per save", head)
+    assert (round(float(planned.group(1))), planned.group(2)) == (int(stated.group(1)), stated.group(2))
 
 
 def test_plan_says_why_it_does_not_fit(capsys):
@@ -84,6 +85,16 @@ def test_plan_refuses_to_plan_a_model_it_cannot_see(capsys):
     rc, out, err = plan(capsys, ["--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--plan",
                                  "model.name_or_path=/nowhere/model"])
     assert rc == 2 and err.startswith("error: model.name_or_path=/nowhere/model is not on this machine")
+
+
+def test_lora_plan_counts_the_adapters_peft_adds(tmp_path):
+    """The planner adds the adapters with training's own code: r x (in + out) per targeted Linear."""
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen2.5-7b-lora.yaml"))
+    s = model_shapes(cfg.model)
+    per_layer = 16 * ((3584 + 3584) * 2 + (3584 + 512) * 2 + (3584 + 18944) * 3)  # q, o; k, v; gate, up, down
+    assert s.trainable == 28 * per_layer and s.params == PUBLISHED["qwen2.5-7b"]
+    full = load_config(os.path.join(ROOT, "configs", "qwen2.5-7b-lora.yaml"), ["model.lora.r=0"])
+    assert checkpoint_bytes(s, 4)[0] * 150 < checkpoint_bytes(model_shapes(full.model), 4)[0]
 
 
 def test_fsdp_shards_are_padded_on_dim0():
