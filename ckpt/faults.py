@@ -4,9 +4,10 @@
     CKPT_FAULT="oserror@write:6" ...                                    # ENOSPC while writing step 6's shards
     python -m pytest tests/test_faults.py -q                            # the suite that uses it
 
-Format `<action>@<point>[:<step>][,rank=<r>][,secs=<s>]`, several joined by `;`. Actions: `kill` (SIGKILL
-this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like a
-full disk) and `sleep` (wait `secs`, to widen a window, e.g. let an async save finish). Points, in the
+Format `<action>@<point>[:<step>][,rank=<r>][,secs=<s>][,file=<path>]`, several joined by `;`. Actions: `kill`
+(SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like
+a full disk), `sleep` (wait `secs`, to widen a window) and `wait_for` (wait until `file` exists, at most
+`secs`: e.g. an async save's commit marker, so a test does not depend on how loaded the machine is). Points, in the
 order a step and its save reach them:
   mid_step       batch taken from the data stream, optimizer step not finished (train loop)
   after_step     step finished and logged (train loop)
@@ -38,7 +39,7 @@ def _parse(spec: str) -> list[dict]:
         point, _, step = where.partition(":")
         kv = dict(o.split("=", 1) for o in opts.split(",") if "=" in o)
         faults.append({"action": action, "point": point, "step": int(step) if step else None,
-                       "rank": int(kv["rank"]) if "rank" in kv else None, "secs": float(kv.get("secs", 5))})
+                       "rank": int(kv["rank"]) if "rank" in kv else None, "secs": float(kv.get("secs", 5)), "file": kv.get("file")})
     return faults
 
 
@@ -62,6 +63,10 @@ def fault_point(point: str, step: int | None = None) -> None:
             raise OSError(errno.ENOSPC, f"No space left on device (injected by CKPT_FAULT at {point}, step {step})")
         elif f["action"] == "sleep":
             time.sleep(f["secs"])
+        elif f["action"] == "wait_for":
+            deadline = time.monotonic() + f["secs"]
+            while not os.path.exists(f["file"]) and time.monotonic() < deadline:
+                time.sleep(0.05)
         else:
             raise ValueError(f"CKPT_FAULT: unknown action {f['action']!r}")
 

@@ -78,6 +78,13 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
     return proc
 
 
+def kill_after_commit(run_dir, saved_step: int, kill_step: int) -> str:
+    """CKPT_FAULT: the step before `kill_step` waits for step `saved_step`'s commit marker (an async save;
+    process mode's uploader starts slowly on a loaded machine), then every rank is SIGKILLed after `kill_step`."""
+    marker = os.path.join(str(run_dir), "checkpoints", f"step-{saved_step:06d}", "commit.json")
+    return f"wait_for@after_step:{kill_step - 1},secs=120,file={marker};kill@after_step:{kill_step}"
+
+
 def losses(run_dir) -> dict[int, float]:
     steps, _ = read_metrics(os.path.join(str(run_dir), "metrics.jsonl"))
     return {s: r["loss"] for s, r in steps.items()}

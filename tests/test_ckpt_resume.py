@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ckpt import verify_checkpoint
-from conftest import ROOT, events, losses, run_train, train_cmd
+from conftest import ROOT, events, kill_after_commit, losses, run_train, train_cmd
 
 RESUME_RUN = ["train.max_steps=12", "ckpt.interval=6", "ckpt.keep_last=0"]
 
@@ -45,9 +45,8 @@ def straight_run(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["off", "thread", "process"])
 def test_kill_and_resume_is_bit_identical(tmp_path, straight_run, mode):
     run = tmp_path / "B"
-    # the pause at step 7 lets the step-6 save commit even with the slow first start of process mode
     killed = run_train(run, nproc=2, overrides=[*RESUME_RUN, f"ckpt.async_mode={mode}"],
-                       env={"CKPT_FAULT": "sleep@after_step:7,secs=4;kill@after_step:8"}, check=False)
+                       env={"CKPT_FAULT": kill_after_commit(run, 6, 8)}, check=False)
     assert killed.returncode != 0
     assert max(losses(run)) == 8, "the kill should land right after step 8"
     assert not (run / "checkpoints" / "step-000012").exists()

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import ROOT, events, free_port, losses, run_train
+from conftest import ROOT, events, free_port, kill_after_commit, losses, run_train
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NO_CUDA = "CUDA is not available (torch.cuda.is_available() is False): the GPU suite runs on a GPU machine"
@@ -47,7 +47,7 @@ def test_two_gpu_kill_and_resume_is_bit_identical(tmp_path, mode):
     straight, run = tmp_path / "straight", tmp_path / "resumed"
     run_train(straight, nproc=2, overrides=[*RUN, f"ckpt.async_mode={mode}"])
     killed = run_train(run, nproc=2, overrides=[*RUN, f"ckpt.async_mode={mode}"],
-                       env={"CKPT_FAULT": "sleep@after_step:7,secs=4;kill@after_step:8"}, check=False)
+                       env={"CKPT_FAULT": kill_after_commit(run, 6, 8)}, check=False)
     assert killed.returncode != 0 and max(losses(run)) == 8
     run_train(run, nproc=2, overrides=[*RUN, f"ckpt.async_mode={mode}"])
     assert [e["step"] for e in events(run, "resume")] == [6]

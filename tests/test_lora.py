@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt import verify_checkpoint
-from conftest import FAST, ROOT, events, losses, run_train
+from conftest import FAST, ROOT, events, kill_after_commit, losses, run_train
 from finetune.config import load_config
 from finetune.data import COMMIT_FILE, open_samples
 from finetune.metrics import read_metrics
@@ -109,10 +109,7 @@ def test_lora_learns_and_saves_only_adapters(root, straight):
 @pytest.mark.parametrize("mode", ["off", "thread", "process"])
 def test_kill_and_resume_is_bit_identical(root, straight, tmp_path, mode):
     run, overrides = tmp_path / "b", [f"model.name_or_path={base_of(root)}", *KILL_RUN, f"ckpt.async_mode={mode}"]
-    # the pause at step 7 lets the step-6 save commit; process mode first spawns its uploader (slow under load)
-    pause = 12 if mode == "process" else 4
-    killed = run_train(run, 2, overrides, env={"CKPT_FAULT": f"sleep@after_step:7,secs={pause};kill@after_step:8"},
-                       check=False)
+    killed = run_train(run, 2, overrides, env={"CKPT_FAULT": kill_after_commit(run, 6, 8)}, check=False)
     assert killed.returncode != 0 and max(losses(run)) == 8
     run_train(run, 2, overrides)
     assert [e["step"] for e in events(run, "resume")] == [6]
