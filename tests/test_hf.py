@@ -25,8 +25,11 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import ROOT, free_port, run_train
+from conftest import FAST, ROOT, free_port, run_train
+from finetune.config import load_config
+from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
+from finetune.model import load_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 # family -> (dtype of the saved files, max shard size): bf16 files test the dtype conversion both ways,
@@ -217,15 +220,16 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
 
     # step-0 loss (the step-1 record, computed before the update) == from_pretrained's on the same rows
     steps, _ = read_metrics(str(run / "metrics.jsonl"))
-    cache = os.path.dirname(glob.glob(str(tmp_path / ".tok-cache" / "*" / "input_ids.npy"))[0])
-    rows = steps[1]["sample_ids"]
-    input_ids, labels = np.load(os.path.join(cache, "input_ids.npy")), np.load(os.path.join(cache, "labels.npy"))
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      [*FAST, f"model.name_or_path={llama}", f"data.cache_dir={tmp_path / '.tok-cache'}"])
+    samples = open_samples(cache_path(cfg.data, load_tokenizer(cfg.model)), cfg.data)  # the run's token cache
+    input_ids, labels, _ = samples.batch(steps[1]["sample_ids"])
     hf_model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
-    assert steps[1]["loss"] == pytest.approx(_batch_loss(hf_model, input_ids[rows], labels[rows]), rel=1e-5)
+    assert steps[1]["loss"] == pytest.approx(_batch_loss(hf_model, input_ids.numpy(), labels.numpy()), rel=1e-5)
 
     # export.at_end: fp32 logits exactly the trained model's
     ckpt = str(run / "checkpoints" / "step-000002")
-    batch = torch.from_numpy(input_ids[:4].astype(np.int64))
+    batch = samples.batch([0, 1, 2, 3])[0].long()
     with torch.no_grad():
         want = _trained_model(llama, ckpt)(input_ids=batch).logits
         got = AutoModelForCausalLM.from_pretrained(str(run / "hf")).eval()(input_ids=batch).logits
