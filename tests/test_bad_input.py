@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import time
 
 import pytest
 
@@ -101,7 +102,8 @@ def test_second_job_on_same_ckpt_dir_two_ranks(tmp_path):
     ckpt_dir.mkdir()
     with open(ckpt_dir / ".lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held.write("pid 4242 on node-7 since 2026-01-01 00:00:00\n")
+        held.write(json.dumps({"host": "node-7", "pid": 4242, "started": "2026-01-01T00:00:00",
+                               "heartbeat": time.time()}) + "\n")  # ckpt/lock.py's record
         held.flush()
         proc = run_train(tmp_path / "run", nproc=2, check=False, timeout=TIMEOUT, overrides=[f"ckpt.dir={ckpt_dir}"])
     assert_clear_error(proc, f"ckpt.dir {ckpt_dir} is in use by another job (pid 4242 on node-7", torchrun=True)
