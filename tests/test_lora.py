@@ -20,8 +20,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from ckpt import verify_checkpoint
 from conftest import FAST, ROOT, events, kill_after_commit, losses, run_train
 from finetune.config import load_config
-from finetune.data import COMMIT_FILE, open_samples
+from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
+from finetune.model import load_tokenizer
 
 LORA = ["model.lora.r=8", "model.lora.alpha=16", "train.lr=1e-2"]
 KILL_RUN = [*LORA, "model.lora.dropout=0.1", "train.max_steps=12", "ckpt.interval=6", "ckpt.keep_last=0"]
@@ -79,9 +80,10 @@ def test_lora_learns_and_saves_only_adapters(root, straight):
     records = read_metrics(str(straight / "metrics.jsonl"))[0]
     assert sorted(records) == list(range(1, 13))
     rows = [i for s in range(1, 13) for i in records[s]["sample_ids"]]
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), FAST)
-    cache = next(p for p in (root / ".tok-cache").iterdir() if (p / COMMIT_FILE).exists())
-    ids, labels, _ = open_samples(str(cache), cfg.data).batch(rows)  # the rows train_fsdp.py trained on
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
+                      [*FAST, f"model.name_or_path={base_of(root)}", f"data.cache_dir={root / '.tok-cache'}"])
+    cache = cache_path(cfg.data, load_tokenizer(cfg.model))  # the training set's cache, not the eval set's
+    ids, labels, _ = open_samples(cache, cfg.data).batch(rows)  # the rows train_fsdp.py trained on
     with torch.no_grad():
         before = batch_loss(AutoModelForCausalLM.from_pretrained(base_of(root)).eval()(input_ids=ids).logits, labels)
     after = batch_loss(trained_logits(base_of(root), straight / "checkpoints" / "step-000012", ids), labels)
