@@ -11,6 +11,8 @@ import signal
 import socket
 import subprocess
 import sys
+import warnings
+from contextlib import contextmanager
 
 import pytest
 
@@ -83,6 +85,27 @@ def kill_after_commit(run_dir, saved_step: int, kill_step: int) -> str:
     process mode's uploader starts slowly on a loaded machine), then every rank is SIGKILLed after `kill_step`."""
     marker = os.path.join(str(run_dir), "checkpoints", f"step-{saved_step:06d}", "commit.json")
     return f"wait_for@after_step:{kill_step - 1},secs=120,file={marker};kill@after_step:{kill_step}"
+
+
+@contextmanager
+def small_filesystem(mnt, size_bytes: int, subdir: str, fault_steps: range):
+    """(mnt/subdir, env, how): a tmpfs of `size_bytes` mounted at `mnt` (root only), unmounted afterwards; where
+    mounting is not allowed, a roomy folder whose checkpoint writes of `fault_steps` fail with ENOSPC instead."""
+    mnt.mkdir()
+    try:
+        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes // 1024}k", "tmpfs", str(mnt)],
+                               capture_output=True, text=True)
+        why = mount.stderr.strip() if mount.returncode else ""
+    except OSError as e:  # no mount binary
+        why = str(e)
+    if not why:
+        try:
+            yield mnt / subdir, {}, "tmpfs"
+        finally:
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+        return
+    warnings.warn(f"disk-full test ran with an injected ENOSPC, not a tmpfs: {why}")
+    yield mnt / subdir, {"CKPT_FAULT": ";".join(f"oserror@write:{s}" for s in fault_steps)}, "injected"
 
 
 def losses(run_dir) -> dict[int, float]:

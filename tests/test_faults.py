@@ -13,14 +13,13 @@ the seed is in the test id, so a failure replays with `-k seed7-`.
 import os
 import random
 import subprocess
-import warnings
 
 import pytest
 
 from ckpt import verify_checkpoint
 from ckpt.__main__ import main as ckpt_cli
 from ckpt.layout import is_marked_committed, list_step_dirs
-from conftest import events, losses, run_train
+from conftest import events, losses, run_train, small_filesystem
 
 RUN = ["train.max_steps=12", "ckpt.interval=3", "ckpt.keep_last=2"]  # async saves at 3, 6, 9; final (sync) at 12
 SAVES = (3, 6, 9, 12)
@@ -183,23 +182,9 @@ def test_each_corruption_is_detected_and_resume_falls_back(tmp_path, capsys):
 def small_disk(tmp_path, straight_run):
     """(ckpt.dir, env, how): a tmpfs with room for two checkpoints, or, where mounting is not allowed,
     the storage writer failing with ENOSPC from step 9 on."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
     room = 2.5 * checkpoint_bytes(straight_run / "checkpoints" / "step-000012")
-    try:
-        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(room) // 1024}k", "tmpfs", str(mnt)],
-                               capture_output=True, text=True)
-        why = mount.stderr.strip() if mount.returncode else ""
-    except OSError as e:  # no mount binary
-        why = str(e)
-    if not why:
-        try:
-            yield mnt / "checkpoints", {}, "tmpfs"
-        finally:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
-        return
-    warnings.warn(f"disk-full test ran with an injected ENOSPC, not a tmpfs: {why}")
-    yield mnt / "checkpoints", {"CKPT_FAULT": ";".join(f"oserror@write:{s}" for s in range(9, 13))}, "injected"
+    with small_filesystem(tmp_path / "small-disk", int(room), "checkpoints", range(9, 13)) as how:
+        yield how
 
 
 @pytest.mark.parametrize("keep_going", [False, True], ids=["stop", "continue_on_save_error"])

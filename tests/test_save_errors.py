@@ -6,14 +6,12 @@ mode, and a damaged folder in the way of a save does not stop it.
 
 import json
 import os
-import subprocess
-import warnings
 
 import pytest
 
 from ckpt import verify_checkpoint
 from ckpt.layout import is_marked_committed, list_step_dirs
-from conftest import events, losses, run_train
+from conftest import events, losses, run_train, small_filesystem
 
 TIMEOUT = 240
 
@@ -22,22 +20,8 @@ TIMEOUT = 240
 def small_run_dir(tmp_path):
     """(run.dir, env, how): a 4 MiB tmpfs (room for two checkpoints of the tiny model at W=2, and metrics),
     or, where mounting is not allowed, a roomy folder whose checkpoint writes fail with ENOSPC from step 6 on."""
-    mnt = tmp_path / "small-disk"
-    mnt.mkdir()
-    try:
-        mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4300k", "tmpfs", str(mnt)],
-                               capture_output=True, text=True)
-        why = mount.stderr.strip() if mount.returncode else ""
-    except OSError as e:
-        why = str(e)
-    if not why:
-        try:
-            yield mnt / "run", {}, "tmpfs"
-        finally:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
-        return
-    warnings.warn(f"disk-full test ran with an injected ENOSPC, not a tmpfs: {why}")
-    yield mnt / "run", {"CKPT_FAULT": ";".join(f"oserror@write:{s}" for s in range(6, 13))}, "injected"
+    with small_filesystem(tmp_path / "small-disk", 4300 * 1024, "run", range(6, 13)) as how:
+        yield how
 
 
 def test_full_disk_sync_saves_one_error_line(tmp_path, small_run_dir):
