@@ -418,7 +418,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     samples = shared_samples(cfg, tokenizer, model)
     eval_set = shared_samples(cfg, tokenizer, model, eval_set=True) if cfg.train.eval_interval else None
     stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, plan, rank)
-    loss_warning = on_rank0_then_share(lambda: check_loss_tokens(samples, cfg.data), group=mgr.pg, error_type=DataError)
+    loss_warning = check_loss_tokens(samples, cfg.data, rank, world_size)  # each rank counts 1/W of the samples
     if loss_warning:
         log.info(loss_warning)
     if not stream.has_next():

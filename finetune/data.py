@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from finetune.dist import all_ranks_reduce
+
 IGNORE = -100  # label value that carries no loss (prompt and padding tokens)
 CACHE_VERSION = 2  # bump when the cache layout or the tokenization rule changes
 COMMIT_FILE = "COMMIT"
@@ -528,23 +530,29 @@ def open_samples(cache: str, cfg_data, padding_free: bool = False) -> Samples:
     return samples
 
 
-def check_loss_tokens(samples: Samples, cfg_data) -> str | None:
+def check_loss_tokens(samples: Samples, cfg_data, rank: int = 0, world_size: int = 1) -> str | None:
     """Refuse samples of which none has a token that carries loss (every step would have loss 0 and no
-    gradient, e.g. data.seq_len shorter than every prompt); a warning line when some have none. Counted once
-    per cache, seq_len and packing (a small json in the cache folder), so a restart reads nothing again."""
+    gradient, e.g. data.seq_len shorter than every prompt); a warning line when some have none. Every rank
+    counts its 1/W of the samples and one all-reduce adds them up (O(data / W) a rank, nobody waits on a
+    rank 0 that reads everything); the count is kept per cache, seq_len and packing (a small json in the
+    cache folder), so a restart reads nothing again. Call it on every rank: it is collective when W > 1."""
     name = f"loss-rows-s{cfg_data.seq_len}-{'pack' if cfg_data.pack else 'pad'}-t{int(cfg_data.truncation)}.json"
     stats_path = os.path.join(samples.cache.path, name)
-    if os.path.exists(stats_path):
+    counted = all_ranks_reduce(int(os.path.exists(stats_path)), "min")  # all read, or all count
+    if counted:
         with open(stats_path) as f:
             without = json.load(f)["without_loss_tokens"]
     else:
         plain = Samples(samples.cache, cfg_data.seq_len, cfg_data.pack, cfg_data.truncation)  # one row per sample
-        without = sum(int((plain.batch(range(i, min(i + 4096, len(plain))))[1][:, 1:] == IGNORE).all(dim=1).sum())
-                      for i in range(0, len(plain), 4096))
-        tmp = f"{stats_path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump({"samples": len(plain), "without_loss_tokens": without}, f)
-        os.replace(tmp, stats_path)
+        lo, hi = len(plain) * rank // world_size, len(plain) * (rank + 1) // world_size
+        mine = sum(int((plain.batch(range(i, min(i + 4096, hi)))[1][:, 1:] == IGNORE).all(dim=1).sum())
+                   for i in range(lo, hi, 4096))
+        without = all_ranks_reduce(mine, "sum")
+        if rank == 0:
+            tmp = f"{stats_path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                json.dump({"samples": len(plain), "without_loss_tokens": without}, f)
+            os.replace(tmp, stats_path)
     n, where = len(samples), f"{samples.cache.meta['source']} at data.seq_len={cfg_data.seq_len}"
     if without == n:
         raise DataError(f"no sample of {where} has a token that carries loss ({without} of {n} samples end before "

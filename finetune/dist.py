@@ -1,4 +1,5 @@
-"""Rank-0 work that other ranks wait for through the filesystem, with no collective deadline.
+"""Rank-0 work that other ranks wait for through the filesystem, with no collective deadline; a small integer
+all-reduce for work every rank shares.
 
     python -m pytest tests/test_data.py -q -k wait
 
@@ -15,6 +16,7 @@ import os
 import time
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 
@@ -68,3 +70,13 @@ def rank0_builds_others_wait(build: Callable[[], str], ready_file: str, what: st
                 log(f"rank {rank}: waiting for rank 0 to build {what} ({(now - t0) / 60:.0f} min)")
         time.sleep(poll_s)
     return os.path.dirname(ready_file)
+
+
+def all_ranks_reduce(value: int, op: str) -> int:
+    """`value` summed ("sum") or minimised ("min") over the ranks; the value itself outside a process group.
+    A CPU tensor, so it goes over gloo also where nccl serves the GPU tensors."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op])
+    return int(t.item())
