@@ -53,8 +53,8 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(slurm, tmp_path):
     env = {"NPROC_PER_NODE": "2", "RDZV_PORT": str(free_port()), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
            "CKPT_FAULT": SLOW_STEPS,
            "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}  # torchrun of this python
-    # flags override the script's #SBATCH lines: one node, no GPUs, this machine's cores
-    job = slurm.sbatch("--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={os.cpu_count()}", f"--chdir={ROOT}",
+    # the script's #SBATCH lines as they are (they ask for no GPUs: this partition has none), this machine's cores
+    job = slurm.sbatch(f"--cpus-per-task={os.cpu_count()}", f"--chdir={ROOT}",
                        f"--output={out}", os.path.join(ROOT, "slurm", "train.sbatch"), "configs/tiny.yaml", *FAST,
                        f"run.dir={run}", f"data.cache_dir={tmp_path / '.tok-cache'}", *STEPS, env=env)
 
