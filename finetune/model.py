@@ -97,7 +97,7 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in decoder_blocks(model):
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
+    fully_shard(model, **kwargs)  # default reshard_after_forward: the root stays gathered for backward
     model.to_empty(device="cpu" if cfg_model.cpu_offload else device)
     init_buffers(model)
     return model

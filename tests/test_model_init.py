@@ -5,7 +5,9 @@
 - a tiny Gemma3 (embed_scale: a non-persistent buffer in a module that also owns a weight) and a tiny
   Llama (rotary inv_freq) saved with save_pretrained, loaded at W=2 through model.name_or_path: logits
   and loss equal `from_pretrained`'s on the same batch;
-- random init of Gemma3 takes HF's zero-centred norms.
+- random init of Gemma3 takes HF's zero-centred norms;
+- the root keeps its parameters (embedding, final norm, lm_head) gathered after forward, since backward
+  needs them at once, while each block reshards (torch's default for the root, torchtitan's choice).
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def _loss(logits, labels):
     return float(next_token_loss_sum(logits, labels, IGNORE)) / (labels[:, 1:] != IGNORE).sum().item()
 
 
+def _gathered(module) -> bool:
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    return all(p.sharded_state == ShardedState.UNSHARDED for p in module._get_fsdp_state()._fsdp_param_group.fsdp_params)
+
+
 def _worker(rank: int, port: int, dirs: dict, results: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -67,7 +74,7 @@ def _worker(rank: int, port: int, dirs: dict, results: dict) -> None:
 
     from ckpt.hf import load_hf_weights
     from finetune.config import ModelConfig
-    from finetune.model import build_sharded_model, init_random
+    from finetune.model import build_sharded_model, decoder_blocks, init_random
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -87,6 +94,8 @@ def _worker(rank: int, port: int, dirs: dict, results: dict) -> None:
         init_random(model, 1, 0.02)
         out["gemma3_random_norms"] = [float(p.full_tensor().abs().max()) for n, p in model.named_parameters()
                                       if "norm" in n]
+        model(input_ids=ids, use_cache=False).logits.sum()  # a training forward; backward not yet run
+        out["gathered_after_forward"] = {"root": _gathered(model), "block": _gathered(decoder_blocks(model)[0])}
         results[rank] = out
     finally:
         dist.destroy_process_group()
@@ -112,3 +121,11 @@ def test_loaded_model_gives_from_pretrained_logits_and_loss(loaded, family):
 def test_gemma3_random_init_uses_its_zero_centred_norms(loaded):
     norms = loaded[0]["gemma3_random_norms"]
     assert norms and max(norms) == 0.0
+
+
+def test_root_stays_gathered_after_forward_and_blocks_reshard(loaded):
+    """Resharding the root after forward would free the embedding and lm_head only to all-gather them again
+    at once for backward (~4 GB at vocab 128k x 8192 in bf16). Fails if the root is given
+    reshard_after_forward=True, or if a block stops resharding (its memory would then stay gathered)."""
+    for rank in (0, 1):
+        assert loaded[rank]["gathered_after_forward"] == {"root": True, "block": False}
