@@ -1,12 +1,18 @@
-"""A real one-machine SLURM for the tests: munged + slurmctld + slurmd as root, no systemd, all state in a temp dir.
+"""A real SLURM on this machine for the tests: munged + slurmctld + slurmd(s) as root, no systemd, state in a temp dir.
 
-    python -m pytest tests/test_slurm.py        # uses it through the `slurm` fixture
-    python tests/slurm_cluster.py               # start one, print how to use it, stop it on Enter
+    python -m pytest tests/test_slurm.py              # one node: this host, loopback (the `slurm` fixture)
+    python -m pytest tests/test_slurm_multinode.py    # two hosts, each in its own namespaces
+    python tests/slurm_cluster.py [--nodes 2]         # start one, print how to use it, stop it on Enter
 
 Needs root and the Debian packages `slurmctld slurmd slurm-client munge` (`bash .ci/install-slurm.sh`).
 Nothing outside the temp dir is touched: our own munge key and socket, our own slurm.conf (clients find
-it through SLURM_CONF), free TCP ports, daemons run in the foreground as our children and are stopped by
-their pids. `unavailable_reason()` says precisely why a cluster cannot run here, for a skip message.
+it through SLURM_CONF), daemons run in the foreground as our children and are stopped by their pids.
+`unavailable_reason()` says precisely why a cluster cannot run here, for a skip message.
+
+With nodes=N the cluster is N+1 simulated machines (`Host`): slurmctld in one, one slurmd in each of the
+others, every one in its own network, UTS (host name) and mount namespaces (its own /etc/hosts). The
+controller's namespace holds a bridge; each node has a veth link `eth0` into it. Traffic never leaves
+namespaces created here, and they vanish, links included, once their processes are killed.
 """
 
 from __future__ import annotations
@@ -23,13 +29,17 @@ import tempfile
 import time
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue", "sinfo")
+NAMESPACE_BINARIES = ("unshare", "nsenter", "ip", "mount", "hostname")
 SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
-# ProctrackType=linuxproc and TaskPlugin=none: no cgroups or systemd needed. The node has the machine's
+# Simulated network: 10.77.0.0/24 exists only inside our namespaces, so it cannot clash with the machine's.
+SUBNET, CTL_NAME, NODE_IFNAME = "10.77.0", "slurmctl", "eth0"
+
+# ProctrackType=linuxproc and TaskPlugin=none: no cgroups or systemd needed. A node has the machine's
 # real core count; Sockets/Cores must multiply to it or slurmd refuses the layout.
 SLURM_CONF = """\
 ClusterName=pytest
-SlurmctldHost={host}(127.0.0.1)
+SlurmctldHost={ctl_host}({ctl_addr})
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 SlurmUser=root
@@ -39,11 +49,12 @@ AuthType=auth/munge
 AuthInfo=socket={munge_socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+# %n: the node's name, so that several slurmd on one machine keep apart
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
+SlurmdLogFile={root}/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 ProctrackType=proctrack/linuxproc
@@ -58,12 +69,15 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
-KillWait=30
+KillWait={kill_wait}
 MinJobAge=600
-NodeName={host} NodeAddr=127.0.0.1 CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 \\
-  RealMemory={mem_mb} State=UNKNOWN
-PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP
+# a node that stops answering is DOWN after this many seconds (default 300), its jobs end as NODE_FAIL
+SlurmdTimeout={slurmd_timeout}
+{nodes}
+PartitionName=debug Nodes={node_list} Default=YES MaxTime=INFINITE State=UP
 """
+NODE_LINE = ("NodeName={name} NodeAddr={addr} CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 "
+             "RealMemory={mem_mb} State=UNKNOWN")
 
 
 def _which(name: str) -> str | None:
@@ -86,20 +100,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def unavailable_reason() -> str | None:
+def _wait(cond, timeout: float, what: str, explain=lambda: "") -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise SlurmError(f"timed out after {timeout:.0f}s waiting for {what}\n{explain()}")
+        time.sleep(0.2)
+
+
+def unavailable_reason(nodes: int = 0) -> str | None:
     """None if a cluster can be started here, else why not (for pytest.skip)."""
     if sys.platform != "linux":
         return f"SLURM test needs Linux, this is {sys.platform}"
     if os.geteuid() != 0:
         return "SLURM test needs root (it starts munged, slurmctld and slurmd); run `bash .ci/run` as root"
-    missing = [b for b in BINARIES if _which(b) is None]
+    missing = [b for b in BINARIES + (NAMESPACE_BINARIES if nodes else ()) if _which(b) is None]
     if missing:
         return (f"SLURM test needs {', '.join(missing)}: install with `bash .ci/install-slurm.sh` "
-                "(Debian packages slurmctld slurmd slurm-client munge)")
+                "(Debian packages slurmctld slurmd slurm-client munge; iproute2 util-linux)")
     try:
         pwd.getpwnam("munge")
     except KeyError:
         return "SLURM test needs the user 'munge' (created by the Debian munge package)"
+    return _namespaces_unavailable_reason() if nodes else None
+
+
+def _namespaces_unavailable_reason() -> str | None:
+    """Try what the multi-host cluster needs: new net/UTS/mount namespaces, a bridge and a veth pair."""
+    try:
+        host = Host("probe", None)
+    except (OSError, SlurmError) as e:
+        return f"multi-node SLURM test cannot create network/UTS/mount namespaces here: {e}"
+    try:
+        host.sh("ip", "link", "add", "br-probe", "type", "bridge")
+        host.sh("ip", "link", "add", "va", "type", "veth", "peer", "name", "vb")
+    except SlurmError as e:
+        return f"multi-node SLURM test cannot create a bridge or veth link in a namespace: {e}"
+    finally:
+        host.destroy()
     return None
 
 
@@ -107,16 +145,88 @@ class SlurmError(RuntimeError):
     pass
 
 
-class SlurmCluster:
-    """One node named `hostname -s`, one partition `debug`; use `env` for every client command."""
+class Host:
+    """A simulated machine: new network, UTS and mount namespaces, held open by a `sleep` child. Commands
+    run in it through `nsenter`; `destroy()` kills every process in it, and with the last one the kernel
+    removes the namespaces and their network links."""
 
-    def __init__(self):
-        self.host = socket.gethostname().split(".")[0]  # slurmd identifies its node by the short host name
+    def __init__(self, name: str, hosts_file: str | None):
+        self.name = name
+        self.holder = subprocess.Popen(
+            [_which("unshare"), "--net", "--uts", "--mount", "--propagation", "private", "--", "sleep", "infinity"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+        _wait(lambda: self.holder.poll() is not None or self._comm() == "sleep", 10, f"namespaces of {name}")
+        if self.holder.poll() is not None:
+            raise SlurmError(f"unshare exited {self.holder.returncode}: {self.holder.stderr.read().decode().strip()}")
+        self.netns = os.readlink(f"/proc/{self.holder.pid}/ns/net")
+        self.sh("hostname", name)
+        self.sh("ip", "link", "set", "lo", "up")
+        if hosts_file:  # this machine's own name resolution, as DNS or /etc/hosts gives it on a real cluster
+            self.sh("mount", "--bind", hosts_file, "/etc/hosts")
+
+    def _comm(self) -> str:
+        try:
+            with open(f"/proc/{self.holder.pid}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+
+    def cmd(self, *argv: str, cwd: str = "/") -> list[str]:
+        """`argv` run inside this host (nsenter execs it: the pid is argv's own)."""
+        return [_which("nsenter"), f"--target={self.holder.pid}", "--net", "--uts", "--mount", f"--wd={cwd}",
+                "--", *argv]
+
+    def sh(self, *argv: str) -> str:
+        out = subprocess.run(self.cmd(*argv), capture_output=True, text=True, timeout=30)
+        if out.returncode != 0:
+            raise SlurmError(f"on {self.name}: {' '.join(argv)} exited {out.returncode}: {out.stderr.strip()}")
+        return out.stdout
+
+    def pids(self) -> list[int]:
+        """Every process in this host's network namespace but the holder (daemons, jobs, orphans)."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != self.holder.pid:
+                try:
+                    if os.readlink(f"/proc/{entry}/ns/net") == self.netns:
+                        found.append(int(entry))
+                except OSError:
+                    pass  # gone meanwhile
+        return found
+
+    def kill_all(self, sig: int = signal.SIGKILL) -> None:
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def destroy(self) -> None:
+        if self.holder.poll() is not None:
+            return
+        self.kill_all()
+        self.holder.kill()
+        self.holder.wait()
+
+
+class SlurmCluster:
+    """nodes=0: one node named `hostname -s` on loopback. nodes=N: N hosts `node1`..`nodeN`, each in its
+    own namespaces, and the controller in another. One partition `debug`; use `run()` for client commands."""
+
+    def __init__(self, nodes: int = 0, slurmd_timeout: int = 300, kill_wait: int = 30):
+        self.nodes = [f"node{i}" for i in range(1, nodes + 1)] or [socket.gethostname().split(".")[0]]
+        self.namespaced = nodes > 0
+        self.slurmd_timeout, self.kill_wait = slurmd_timeout, kill_wait
         self.root = tempfile.mkdtemp(prefix="pytest-slurm-")
         os.chmod(self.root, 0o755)  # munged runs as user munge and must reach its socket dir below
         self.conf = os.path.join(self.root, "slurm.conf")
         self.env = {**os.environ, "SLURM_CONF": self.conf}
+        self.hosts: dict[str, Host] = {}  # name -> Host, the controller's included, when namespaced
         self._procs: list[tuple[str, subprocess.Popen]] = []
+
+    def addr(self, name: str) -> str:
+        """A host's address on the simulated network."""
+        return f"{SUBNET}.1" if name == CTL_NAME else f"{SUBNET}.{10 + self.nodes.index(name) + 1}"
 
     # ------------------------------------------------------------ start / stop
 
@@ -124,19 +234,30 @@ class SlurmCluster:
         try:
             self._start_munge()
             self._write_conf()
-            for name, args in (("slurmctld", ["-D", "-i"]), ("slurmd", ["-D"])):  # -D: foreground, we own the pid
-                log = open(os.path.join(self.root, f"{name}.stdout"), "w")
-                self._procs.append((name, subprocess.Popen([_which(name), *args, "-f", self.conf], env=self.env,
-                                                           stdout=log, stderr=subprocess.STDOUT,
-                                                           preexec_fn=_die_with_parent)))
-            self._wait(lambda: self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip() == "idle",
-                       timeout, "node to become idle")
+            if self.namespaced:
+                self._make_network()
+            self._start_daemon("slurmctld", CTL_NAME, "-D", "-i")  # -D: foreground, we own the pid
+            for node in self.nodes:
+                self._start_daemon(f"slurmd-{node}", node, "-D")
+            want = "\n".join(["idle"] * len(self.nodes))
+            _wait(lambda: self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip() == want,
+                  timeout, "nodes to become idle", self.logs_tail)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _start_daemon(self, name: str, host: str, *args: str) -> None:
+        argv = [_which(name.split("-")[0]), *args, "-f", self.conf]
+        if self.namespaced:
+            argv = self.hosts[host].cmd(*argv)
+        log = open(os.path.join(self.root, f"{name}.stdout"), "w")
+        self._procs.append((name, subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                   preexec_fn=_die_with_parent)))
+
     def _start_munge(self) -> None:
+        """munged stays in this machine's namespaces: clients reach it through its socket file, which
+        network namespaces do not separate."""
         munge = pwd.getpwnam("munge")
         mdir = os.path.join(self.root, "munge")
         os.makedirs(mdir, mode=0o700)
@@ -155,26 +276,66 @@ class SlurmCluster:
             user=munge.pw_uid, group=munge.pw_gid, extra_groups=[], stdout=log, stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent)
         self._procs.append(("munged", proc))
-        self._wait(lambda: os.path.exists(self.munge_socket) or proc.poll() is not None, 20, "munged socket")
+        _wait(lambda: os.path.exists(self.munge_socket) or proc.poll() is not None, 20, "munged socket")
         if proc.poll() is not None:
             raise SlurmError(f"munged exited with {proc.returncode}: {self._tail('munged.stdout')}")
 
     def _write_conf(self) -> None:
         os.makedirs(os.path.join(self.root, "state"))
-        os.makedirs(os.path.join(self.root, "spool"))
-        mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 * 9 // 10
+        mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20 * 9 // 10 // len(self.nodes)
+        if self.namespaced:  # own network stacks: the standard ports, addresses on the simulated network
+            ctl_host, ctl_addr, ctld_port, slurmd_port = CTL_NAME, self.addr(CTL_NAME), 6817, 6818
+            addrs = [self.addr(n) for n in self.nodes]
+        else:
+            ctl_host, ctl_addr, ctld_port, slurmd_port = self.nodes[0], "127.0.0.1", _free_port(), _free_port()
+            addrs = ["127.0.0.1"]
+        nodes = "\n".join(NODE_LINE.format(name=n, addr=a, cpus=os.cpu_count(), mem_mb=mem_mb)
+                          for n, a in zip(self.nodes, addrs))
         with open(self.conf, "w") as f:
-            f.write(SLURM_CONF.format(host=self.host, root=self.root, ctld_port=_free_port(),
-                                      slurmd_port=_free_port(), munge_socket=self.munge_socket,
-                                      cpus=os.cpu_count(), mem_mb=mem_mb))
+            f.write(SLURM_CONF.format(ctl_host=ctl_host, ctl_addr=ctl_addr, root=self.root, ctld_port=ctld_port,
+                                      slurmd_port=slurmd_port, munge_socket=self.munge_socket,
+                                      kill_wait=self.kill_wait, slurmd_timeout=self.slurmd_timeout,
+                                      nodes=nodes, node_list=",".join(self.nodes)))
+
+    def _make_network(self) -> None:
+        """The controller's host holds a bridge; every node gets a veth pair: `eth0` in the node, its
+        other end (named after the node) in the bridge."""
+        for name in (CTL_NAME, *self.nodes):
+            self.hosts[name] = Host(name, self._hosts_file(name))
+        ctl = self.hosts[CTL_NAME]
+        ctl.sh("ip", "link", "add", "br0", "type", "bridge")
+        ctl.sh("ip", "addr", "add", f"{self.addr(CTL_NAME)}/24", "dev", "br0")
+        ctl.sh("ip", "link", "set", "br0", "up")
+        for name in self.nodes:
+            node = self.hosts[name]
+            subprocess.run([_which("ip"), "link", "add", "name", name, "netns", str(ctl.holder.pid), "type", "veth",
+                            "peer", "name", NODE_IFNAME, "netns", str(node.holder.pid)], check=True,
+                           capture_output=True)
+            ctl.sh("ip", "link", "set", name, "master", "br0", "up")
+            node.sh("ip", "addr", "add", f"{self.addr(name)}/24", "dev", NODE_IFNAME)
+            node.sh("ip", "link", "set", NODE_IFNAME, "up")
+
+    def _hosts_file(self, name: str) -> str:
+        """The host's /etc/hosts: the other hosts by their addresses, and its own name on 127.0.1.1 as a
+        default Debian/Ubuntu install writes it. So a program that finds its address by resolving its own
+        host name gets loopback, and only an explicit interface (GLOO_SOCKET_IFNAME...) reaches the others."""
+        lines = ["127.0.0.1 localhost"]
+        for other in (CTL_NAME, *self.nodes):
+            lines.append(f"127.0.1.1 {other}" if other == name else f"{self.addr(other)} {other}")
+        path = os.path.join(self.root, f"hosts.{name}")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return path
 
     def stop(self) -> None:
-        """Cancel every job, wait for them to end, then stop the daemons by pid (newest first)."""
+        """Cancel every job, wait for them to end, stop the daemons by pid (newest first), then kill what
+        is left in the simulated hosts (a job's orphans, a stopped process) and the hosts themselves."""
         if any(name == "slurmctld" and p.poll() is None for name, p in self._procs):
             self.run("scancel", "--full", "--signal=KILL", "--state=RUNNING", check=False)
             self.run("scancel", "--state=PENDING", check=False)
             try:
-                self._wait(lambda: not self.run("squeue", "-h", check=False).stdout.strip(), 30, "jobs to end")
+                _wait(lambda: not self.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip(),
+                      30, "jobs to end")
             except SlurmError:
                 pass  # the daemons go anyway; the log says which job hung
         for _name, proc in reversed(self._procs):
@@ -186,6 +347,9 @@ class SlurmCluster:
                     proc.kill()
                     proc.wait()
         self._procs = []
+        for host in self.hosts.values():
+            host.destroy()
+        self.hosts = {}
 
     def cleanup(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -194,8 +358,11 @@ class SlurmCluster:
 
     def run(self, *cmd: str, check: bool = True, env: dict | None = None, timeout: float = 30
             ) -> subprocess.CompletedProcess:
-        out = subprocess.run([_which(cmd[0]), *cmd[1:]], env={**self.env, **(env or {})}, capture_output=True,
-                             text=True, timeout=timeout)
+        """A client command (sbatch, scontrol, ...), on the controller's host when namespaced."""
+        argv = [_which(cmd[0]), *cmd[1:]]
+        if self.namespaced:
+            argv = self.hosts[CTL_NAME].cmd(*argv, cwd=os.getcwd())
+        out = subprocess.run(argv, env={**self.env, **(env or {})}, capture_output=True, text=True, timeout=timeout)
         if check and out.returncode != 0:
             raise SlurmError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr.strip()}")
         return out
@@ -204,17 +371,9 @@ class SlurmCluster:
         return int(self.run("sbatch", "--parsable", *args, env=env).stdout.strip().split(";")[0])
 
     def job(self, job_id: int) -> dict[str, str]:
-        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, ...)."""
+        """`scontrol show job` as a dict (JobState, Restarts, ExitCode, NodeList, ...)."""
         out = self.run("scontrol", "show", "job", "-o", str(job_id)).stdout
         return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
-
-    def _wait(self, cond, timeout: float, what: str) -> None:
-        end = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > end:
-                raise SlurmError(f"timed out after {timeout:.0f}s waiting for {what}; logs in {self.root}:\n"
-                                 + self.logs_tail())
-            time.sleep(0.2)
 
     def _tail(self, name: str, n: int = 15) -> str:
         try:
@@ -224,15 +383,18 @@ class SlurmCluster:
             return ""
 
     def logs_tail(self) -> str:
-        return "".join(f"--- {n}\n{self._tail(n)}" for n in ("slurmctld.log", "slurmd.log", "munge/munged.log"))
+        names = ["slurmctld.log", *(f"slurmd-{n}.log" for n in self.nodes), "munge/munged.log"]
+        return "".join(f"--- {n}\n{self._tail(n)}" for n in names)
 
 
 if __name__ == "__main__":
-    reason = unavailable_reason()
+    n = int(sys.argv[sys.argv.index("--nodes") + 1]) if "--nodes" in sys.argv else 0
+    reason = unavailable_reason(n)
     if reason:
         sys.exit(reason)
-    cluster = SlurmCluster().start()
-    print(f"SLURM is up; in another shell:  export SLURM_CONF={cluster.conf}; sinfo")
+    cluster = SlurmCluster(n).start()
+    enter = f"nsenter --target={cluster.hosts[CTL_NAME].holder.pid} --net --uts --mount  " if n else ""
+    print(f"SLURM is up; in another shell:  export SLURM_CONF={cluster.conf}; {enter}sinfo")
     try:
         input("press Enter to stop ")
     finally:

@@ -1,0 +1,210 @@
+"""Multi-node SLURM for real: slurm/train.sbatch on a two-host cluster, preempted, resumed on fewer nodes.
+
+    python -m pytest tests/test_slurm_multinode.py -q -rs     # as root, after `bash .ci/install-slurm.sh`
+
+The cluster (tests/slurm_cluster.py, nodes=2) is slurmctld and two slurmd, each in its own network, UTS and
+mount namespaces: hosts `node1` and `node2` with their own address (10.77.0.11/12 on a bridge) and their
+own /etc/hosts, where, as on a default Debian install, a host's own name resolves to 127.0.1.1. The batch
+script runs unchanged; the only "your cluster" value set is SOCKET_IFNAME=eth0, through sbatch's
+environment. Each job gets one worker per node (NPROC_PER_NODE=1), so the ranks talk across hosts.
+Skipped, with the reason, when not root, the packages are missing or namespaces cannot be created.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import sys
+import time
+
+import pytest
+
+from ckpt import latest_committed_step, step_dir, verify_checkpoint
+from conftest import FAST, ROOT, events, losses, run_train
+from finetune.metrics import read_metrics
+from slurm_cluster import SlurmCluster, unavailable_reason
+from test_preemption import metrics_so_far
+
+STEPS = ["train.max_steps=24", "ckpt.interval=8"]
+SLOW_STEPS = "sleep@after_step,secs=0.1"  # a signal sent after step 4 lands long before the last step
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+SCRIPT = os.path.join(ROOT, "slurm", "train.sbatch")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = unavailable_reason(nodes=2)
+    if reason:
+        print(f"skipping the multi-node SLURM tests: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+    c = SlurmCluster(nodes=2, slurmd_timeout=10, kill_wait=10).start()
+    yield c
+    c.stop()
+    c.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same steps without SLURM or interruption: one torchrun, 2 workers on one host."""
+    run = tmp_path_factory.mktemp("multinode") / "reference"
+    run_train(run, 2, STEPS)
+    return read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
+
+
+class Job:
+    """One sbatch submission of slurm/train.sbatch into `run_dir`; the job's log is `<run_dir>.out`."""
+
+    def __init__(self, cluster: SlurmCluster, run_dir, nodes: int, overrides: list[str] = (), fault: str = ""):
+        self.cluster, self.run_dir, self.out = cluster, run_dir, f"{run_dir}.out"
+        env = {"NPROC_PER_NODE": "1", "SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+               "CKPT_FAULT": fault,
+               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}  # torchrun of this python
+        self.id = cluster.sbatch(f"--nodes={nodes}", f"--chdir={ROOT}", f"--output={self.out}", SCRIPT,
+                                 "configs/tiny.yaml", *FAST, f"run.dir={run_dir}",
+                                 f"data.cache_dir={os.path.dirname(str(run_dir))}/.tok-cache", *STEPS, *overrides,
+                                 env=env)
+
+    def info(self) -> dict[str, str]:
+        return self.cluster.job(self.id)
+
+    def log(self) -> str:
+        return open(self.out).read() if os.path.exists(self.out) else ""
+
+    def explain(self) -> str:
+        return f"job {self.info()}\n--- job output\n{self.log()[-5000:]}\n{self.cluster.logs_tail()}"
+
+    def steps_done(self) -> int:
+        return max((r["step"] for r in metrics_so_far(self.run_dir) if "loss" in r), default=0)
+
+    def wait_for(self, what: str, cond, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > end:
+                raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{self.explain()}")
+            time.sleep(0.2)
+
+    def wait_running_step(self, step: int, timeout: float = 240) -> None:
+        self.wait_for(f"step {step}", lambda: self.steps_done() >= step or self.info()["JobState"] in FINAL_STATES,
+                      timeout)
+        assert self.info()["JobState"] == "RUNNING", self.explain()
+
+    def wait_end(self, timeout: float = 240) -> dict[str, str]:
+        self.wait_for("the job to end", lambda: self.info()["JobState"] in FINAL_STATES, timeout)
+        return self.info()
+
+
+# ---------------------------------------------------------------- where the workers run and whom they talk to
+
+def workers(cluster: SlurmCluster, node: str) -> dict[int, int]:
+    """RANK -> pid of train_fsdp.py workers running in `node`'s namespaces (torchrun sets RANK, SLURM does not)."""
+    found = {}
+    for pid in cluster.hosts[node].pids():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+            found[int(env[b"RANK"])] = pid
+    return found
+
+
+def tcp_peers(pid: int) -> set[str]:
+    """Remote IPv4 addresses of the established TCP connections that process `pid` holds."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    peers = set()
+    with open(f"/proc/{pid}/net/tcp") as f:  # this process's network namespace
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[3] == "01" and cols[9] in inodes:  # 01 = ESTABLISHED
+                peers.add(socket.inet_ntoa(struct.pack("<I", int(cols[2].split(":")[0], 16))))
+    return peers
+
+
+# ---------------------------------------------------------------- 1. two nodes, one worker each
+
+def test_two_nodes_train_across_hosts_with_the_losses_of_one_node(cluster, reference, tmp_path):
+    job = Job(cluster, tmp_path / "run", nodes=2, fault=SLOW_STEPS)
+    job.wait_running_step(2)
+    placement = {node: workers(cluster, node) for node in cluster.nodes}
+    assert sorted(r for ranks in placement.values() for r in ranks) == [0, 1], placement
+    assert all(len(ranks) == 1 for ranks in placement.values()), f"one worker per host: {placement}"
+    for node, ranks in placement.items():  # gloo's connections go to the other host's address on eth0
+        other = next(n for n in cluster.nodes if n != node)
+        (pid,) = ranks.values()
+        assert cluster.addr(other) in tcp_peers(pid), f"worker on {node} has no connection to {other}"
+    info = job.wait_end()
+    assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "node[1-2]"), job.explain()
+    log = job.log()
+    assert "2 node(s) x 1 worker(s), rendezvous node1:" in log and "interface eth0" in log, log[-3000:]
+    two = read_metrics(os.path.join(str(job.run_dir), "metrics.jsonl"))[0]
+    assert {r["world_size"] for r in two.values()} == {2}
+    assert {s: r["loss"] for s, r in two.items()} == {s: r["loss"] for s, r in reference.items()}
+
+
+# ---------------------------------------------------------------- 2. preempted, requeued, finished
+
+def test_preemption_saves_on_every_node_requeues_and_matches_uninterrupted(cluster, reference, tmp_path):
+    job = Job(cluster, tmp_path / "run", nodes=2, overrides=["ckpt.keep_last=0"], fault=SLOW_STEPS)
+    job.wait_running_step(4)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(job.id))
+
+    def ended_for_good() -> bool:  # after its requeue, or without the script having asked for one
+        info = job.info()
+        return info["JobState"] in FINAL_STATES and (info["Restarts"] != "0" or "requeueing" not in job.log())
+    job.wait_for("the job to be requeued and to end", ended_for_good, 300)
+    info, log = job.info(), job.log()
+    assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), job.explain()
+    for line in ("got SIGUSR1: forwarding SIGTERM", "requeueing", "start (restart 1): 2 node(s)", "training finished"):
+        assert line in log, f"{line!r} not in the job output:\n{log[-5000:]}"
+
+    (preempted,) = events(job.run_dir, "preempted")
+    p = preempted["step"]
+    assert 4 <= p < 24
+    ckpt_dir = os.path.join(str(job.run_dir), "checkpoints")
+    assert [e["mode"] for e in events(job.run_dir, "checkpoint") if e["step"] == p] == ["sync"]
+    shards = sorted(n for n in os.listdir(step_dir(ckpt_dir, p)) if n.endswith(".distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"], "each host's rank wrote its shard"
+    assert [e["step"] for e in events(job.run_dir, "resume")] == [p]
+    assert losses(job.run_dir) == {s: r["loss"] for s, r in reference.items()}  # bit for bit, all 24 steps
+    assert latest_committed_step(ckpt_dir) == 24
+    verify_checkpoint(step_dir(ckpt_dir, 24))
+
+
+# ---------------------------------------------------------------- 3. preempted on two nodes, resumed on one
+
+def test_preempted_on_two_nodes_resumes_on_one_with_the_same_data(cluster, reference, tmp_path):
+    run = tmp_path / "run"
+    two = Job(cluster, run, nodes=2, fault=SLOW_STEPS)
+    two.wait_running_step(4)
+    cluster.run("scancel", "--signal=USR1", "--batch", str(two.id))
+    # the script requeues the job; SLURM holds it ~11 s (cred_expire) before it may start again: cancel it
+    # then and submit on one node instead, as a user does when only one node is free
+    two.wait_for("the requeue", lambda: two.info()["Restarts"] == "1" or two.info()["JobState"] in FINAL_STATES, 120)
+    assert two.info()["JobState"] == "PENDING", two.explain()
+    cluster.run("scancel", str(two.id))
+    (preempted,) = events(run, "preempted")
+    p = preempted["step"]
+    assert latest_committed_step(os.path.join(str(run), "checkpoints")) == p
+
+    one = Job(cluster, run, nodes=1)
+    info = one.wait_end()
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), one.explain()
+    assert "1 node(s) x 1 worker(s)" in one.log()
+    (resumed,) = [e for e in events(run, "resume")]
+    assert (resumed["step"], resumed["world_size"], resumed["saved_world_size"]) == (p, 1, 2)
+    after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
+    assert sorted(after) == list(range(1, 25))
+    for s in range(p + 1, 25):
+        assert after[s]["world_size"] == 1
+        assert after[s]["sample_ids"] == reference[s]["sample_ids"], f"step {s}: a different global batch"
+        assert after[s]["loss"] == pytest.approx(reference[s]["loss"], abs=1e-4), f"step {s}"
