@@ -327,6 +327,31 @@ class SlurmCluster:
             f.write("\n".join(lines) + "\n")
         return path
 
+    # ------------------------------------------------------------ a host fails, and comes back
+
+    def freeze(self, name: str) -> None:
+        """Host `name` stops dead: every process in it stopped (SIGSTOP), its link down, so peers get no
+        answer at all, not even a reset connection. Files it holds locked stay locked, as a file server keeps
+        a vanished client's locks. slurmctld marks it DOWN after SlurmdTimeout and fails its jobs."""
+        host = self.hosts[name]
+        for _ in range(2):  # a process forked during the first pass
+            host.kill_all(signal.SIGSTOP)
+        self.hosts[CTL_NAME].sh("ip", "link", "set", name, "down")
+
+    def revive(self, name: str, timeout: float = 60) -> None:
+        """Host `name` reboots: whatever ran in it is killed, the link comes up, a fresh slurmd registers
+        (ReturnToService=2 puts the node back in service)."""
+        host = self.hosts[name]
+        host.kill_all(signal.SIGKILL)
+        _wait(lambda: not host.pids(), 20, f"the processes of {name} to die")
+        for entry in [e for e in self._procs if e[0] == f"slurmd-{name}"]:  # killed above: reap it
+            entry[1].wait(10)
+            self._procs.remove(entry)
+        self.hosts[CTL_NAME].sh("ip", "link", "set", name, "up")
+        self._start_daemon(f"slurmd-{name}", name, "-D")
+        _wait(lambda: self.run("sinfo", "-h", "-n", name, "-o", "%T", check=False).stdout.strip() == "idle",
+              timeout, f"{name} to be back in service", self.logs_tail)
+
     def stop(self) -> None:
         """Cancel every job, wait for them to end, stop the daemons by pid (newest first), then kill what
         is left in the simulated hosts (a job's orphans, a stopped process) and the hosts themselves."""

@@ -12,6 +12,8 @@ Skipped, with the reason, when not root, the packages are missing or namespaces 
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import socket
@@ -22,6 +24,7 @@ import time
 import pytest
 
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
+from ckpt.layout import LOCK_FILE
 from conftest import FAST, ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
 from slurm_cluster import SlurmCluster, unavailable_reason
@@ -54,11 +57,13 @@ def reference(tmp_path_factory):
 
 
 class Job:
-    """One sbatch submission of slurm/train.sbatch into `run_dir`; the job's log is `<run_dir>.out`."""
+    """One sbatch submission of slurm/train.sbatch into `run_dir`; its log is `<log_name>.out` beside it."""
 
-    def __init__(self, cluster: SlurmCluster, run_dir, nodes: int, overrides: list[str] = (), fault: str = ""):
-        self.cluster, self.run_dir, self.out = cluster, run_dir, f"{run_dir}.out"
-        env = {"NPROC_PER_NODE": "1", "SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+    def __init__(self, cluster: SlurmCluster, run_dir, nodes: int, overrides: list[str] = (), fault: str = "",
+                 nproc_per_node: int = 1, log_name: str = "job"):
+        self.cluster, self.run_dir, self.out = cluster, run_dir, os.path.join(os.path.dirname(str(run_dir)),
+                                                                              f"{log_name}.out")
+        env = {"NPROC_PER_NODE": str(nproc_per_node), "SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "CKPT_FAULT": fault,
                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}  # torchrun of this python
         self.id = cluster.sbatch(f"--nodes={nodes}", f"--chdir={ROOT}", f"--output={self.out}", SCRIPT,
@@ -97,18 +102,24 @@ class Job:
 
 # ---------------------------------------------------------------- where the workers run and whom they talk to
 
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 def workers(cluster: SlurmCluster, node: str) -> dict[int, int]:
-    """RANK -> pid of train_fsdp.py workers running in `node`'s namespaces (torchrun sets RANK, SLURM does not)."""
-    found = {}
+    """RANK -> pid of the train_fsdp.py workers in `node`'s namespaces: processes with torchrun's RANK
+    (SLURM sets none) whose parent has none (not a helper process a worker started)."""
+    ranked = {}
     for pid in cluster.hosts[node].pids():
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+                ranked[pid] = (int(env[b"RANK"]), parent(pid))
         except OSError:
-            continue
-        if b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
-            found[int(env[b"RANK"])] = pid
-    return found
+            continue  # gone meanwhile
+    return {rank: pid for pid, (rank, ppid) in ranked.items() if ppid not in ranked}
 
 
 def tcp_peers(pid: int) -> set[str]:
@@ -196,7 +207,7 @@ def test_preempted_on_two_nodes_resumes_on_one_with_the_same_data(cluster, refer
     p = preempted["step"]
     assert latest_committed_step(os.path.join(str(run), "checkpoints")) == p
 
-    one = Job(cluster, run, nodes=1)
+    one = Job(cluster, run, nodes=1, log_name="one-node")
     info = one.wait_end()
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), one.explain()
     assert "1 node(s) x 1 worker(s)" in one.log()
@@ -208,3 +219,148 @@ def test_preempted_on_two_nodes_resumes_on_one_with_the_same_data(cluster, refer
         assert after[s]["world_size"] == 1
         assert after[s]["sample_ids"] == reference[s]["sample_ids"], f"step {s}: a different global batch"
         assert after[s]["loss"] == pytest.approx(reference[s]["loss"], abs=1e-4), f"step {s}"
+
+
+# ---------------------------------------------------------------- 4. a host dies
+
+def committed_steps(ckpt_dir) -> list[int]:
+    """Every step whose folder verifies (commit marker, sizes, checksums)."""
+    found = []
+    for name in sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []:
+        if name.startswith("step-"):
+            try:
+                found.append(verify_checkpoint(os.path.join(ckpt_dir, name))["step"])
+            except Exception:  # noqa: BLE001 - uncommitted or being written: not a committed checkpoint
+                pass
+    return found
+
+
+def lock_record(ckpt_dir) -> dict:
+    """The ckpt.dir lock's record of its holder: host, pid, heartbeat time (ckpt/lock.py)."""
+    with open(os.path.join(ckpt_dir, LOCK_FILE)) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise AssertionError(f"the lock file holds no host/pid/heartbeat record: {text!r}") from None
+
+
+def test_host_failure_ends_the_job_keeps_checkpoints_and_the_next_job_resumes(cluster, reference, tmp_path):
+    """The host of rank 0 (the lock holder) stops dead mid-run. The job ends (NODE_FAIL), every committed
+    checkpoint survives, and a new job on the surviving node is refused by the dead job's lock with a message
+    that names it and says what to do; done that, the next submission resumes from the newest checkpoint."""
+    run = tmp_path / "run"
+    ckpt_dir = os.path.join(str(run), "checkpoints")
+    job = Job(cluster, run, nodes=2, overrides=["ckpt.interval=4", "ckpt.keep_last=0"], fault=SLOW_STEPS)
+    job.wait_for("two committed checkpoints", lambda: len(committed_steps(ckpt_dir)) >= 2 or
+                 job.info()["JobState"] in FINAL_STATES, 240)
+    assert job.info()["JobState"] == "RUNNING", job.explain()
+    holder = lock_record(ckpt_dir)
+    dead = holder["host"]
+    assert dead in cluster.nodes and workers(cluster, dead).get(0) == holder["pid"], (holder, dead)
+    alive_node = next(n for n in cluster.nodes if n != dead)
+    try:
+        before = committed_steps(ckpt_dir)
+        t0 = time.monotonic()
+        cluster.freeze(dead)
+        # over: failed, or requeued by SLURM (--requeue) and waiting for a second node that is down
+        job.wait_for("the job to end", lambda: job.info()["JobState"] in FINAL_STATES or
+                     (job.info()["JobState"] == "PENDING" and job.info()["Restarts"] != "0"), 180)
+        ended_s = time.monotonic() - t0
+        print(f"job ended {ended_s:.1f}s after its rank-0 host froze: {job.info()['JobState']}")
+        # SLURM's own detection: no answer for SlurmdTimeout (10 s here), then the job is failed or requeued
+        assert ended_s < 120, job.explain()
+        cluster.run("scancel", str(job.id))
+        assert set(before) <= set(committed_steps(ckpt_dir)), "a committed checkpoint was lost"
+        newest = latest_committed_step(ckpt_dir)
+
+        # the frozen host still holds the flock (as a file server keeps a dead client's locks), and its
+        # heartbeat stopped: let the record show the staleness a real outage would reach
+        from ckpt.lock import STALE_S  # the lock's record and rule (issue 11)
+        record = lock_record(ckpt_dir)
+        record["heartbeat"] -= STALE_S + 60
+        with open(os.path.join(ckpt_dir, LOCK_FILE), "r+") as f:
+            f.write(json.dumps(record) + "\n")
+        refused = Job(cluster, run, nodes=1, log_name="refused")
+        info = refused.wait_end()
+        # train_fsdp.py exits 2; torchrun reports any failed worker as 1, and the script passes that on
+        assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("FAILED", "1:0", alive_node), \
+            refused.explain()
+        lock_path = os.path.join(ckpt_dir, LOCK_FILE)
+        (line,) = [x for x in refused.log().splitlines() if x.startswith("error: ")]
+        for words in (f"pid {holder['pid']}", dead, f"delete {lock_path}"):
+            assert words in line, f"{words!r} not in {line!r}"
+
+        os.remove(lock_path)  # what the message says to do, the host being down
+        resumed = Job(cluster, run, nodes=1, log_name="resumed")
+        info = resumed.wait_end()
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), resumed.explain()
+        assert [e["step"] for e in events(run, "resume")] == [newest]
+        after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
+        for s in range(newest + 1, 25):
+            assert after[s]["sample_ids"] == reference[s]["sample_ids"], f"step {s}: a different global batch"
+            assert after[s]["loss"] == pytest.approx(reference[s]["loss"], abs=1e-4), f"step {s}"
+    finally:
+        cluster.run("scancel", str(job.id), check=False)
+        cluster.revive(dead)
+
+
+# ---------------------------------------------------------------- 5. a wedged rank
+
+def test_wedged_rank_ends_the_job_within_the_training_timeout(cluster, tmp_path):
+    """SIGSTOP on node2's worker: node1's rank waits in a collective for train.collective_timeout_minutes
+    (0.25 here), then the job ends with a line naming the cause, not after torch's default 30 minutes.
+    No periodic saves: this is the training timeout alone (a save in flight waits ckpt.timeout_minutes)."""
+    job = Job(cluster, tmp_path / "run", nodes=2, fault=SLOW_STEPS,
+              overrides=["ckpt.interval=0", "train.collective_timeout_minutes=0.25"])
+    job.wait_running_step(3)
+    (rank, pid), = workers(cluster, "node2").items()
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    info = job.wait_end(timeout=300)
+    ended_s = time.monotonic() - t0
+    print(f"job ended {ended_s:.1f}s after rank {rank} was stopped (timeout 15 s)")
+    assert info["JobState"] == "FAILED", job.explain()
+    assert 10 < ended_s < 15 + 60, job.explain()
+    assert (f"a training collective waited more than 0.25 min (train.collective_timeout_minutes) for another rank"
+            in job.log()), job.log()[-4000:]
+
+
+# ---------------------------------------------------------------- 6. the agent killed alone
+
+def alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_agent_killed_alone_takes_its_workers_with_it(cluster, tmp_path):
+    """SIGKILL to torchrun on a node (as the OOM killer does) with its two workers on the same node: nothing
+    else would stop them here (SLURM's proctrack/linuxproc finds a step's processes by parentage, and an
+    orphan has none), so only the workers' parent-death signal does."""
+    run = tmp_path / "run"
+    job = Job(cluster, run, nodes=1, nproc_per_node=2, fault=SLOW_STEPS,
+              overrides=["train.max_steps=1000", "data.epochs=1000"])
+    job.wait_running_step(3)
+    (node,) = [n for n in cluster.nodes if workers(cluster, n)]
+    ranks = workers(cluster, node)
+    assert sorted(ranks) == [0, 1], ranks
+    agent = {parent(pid) for pid in ranks.values()}
+    assert len(agent) == 1, agent
+    os.kill(agent.pop(), signal.SIGKILL)
+    t0 = time.monotonic()
+    while any(alive(p) for p in ranks.values()) and time.monotonic() - t0 < 15:
+        time.sleep(0.1)
+    gone_s = time.monotonic() - t0
+    steps = job.steps_done()
+    assert not any(alive(p) for p in ranks.values()), f"workers {ranks} outlived their agent by {gone_s:.0f}s"
+    print(f"workers gone {gone_s:.2f}s after their agent's SIGKILL")
+    time.sleep(2)
+    assert job.steps_done() == steps, "training went on after the agent died"
+    with open(os.path.join(str(run), "checkpoints", LOCK_FILE), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while an orphan holds it
+    info = job.wait_end(timeout=120)
+    assert info["JobState"] in ("FAILED", "CANCELLED", "COMPLETED") and info["ExitCode"] != "0:0", job.explain()
