@@ -13,6 +13,7 @@ Skipped, with the reason, when not root, the packages are missing or namespaces 
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import signal
@@ -200,7 +201,10 @@ def test_preempted_on_two_nodes_resumes_on_one_with_the_same_data(cluster, refer
     cluster.run("scancel", "--signal=USR1", "--batch", str(two.id))
     # the script requeues the job; SLURM holds it ~11 s (cred_expire) before it may start again: cancel it
     # then and submit on one node instead, as a user does when only one node is free
-    two.wait_for("the requeue", lambda: two.info()["Restarts"] == "1" or two.info()["JobState"] in FINAL_STATES, 120)
+    def requeued_or_over() -> bool:
+        info = two.info()
+        return (info["Restarts"], info["JobState"]) == ("1", "PENDING") or info["JobState"] in FINAL_STATES
+    two.wait_for("the requeue", requeued_or_over, 120)
     assert two.info()["JobState"] == "PENDING", two.explain()
     cluster.run("scancel", str(two.id))
     (preempted,) = events(run, "preempted")
@@ -245,6 +249,9 @@ def lock_record(ckpt_dir) -> dict:
         raise AssertionError(f"the lock file holds no host/pid/heartbeat record: {text!r}") from None
 
 
+@pytest.mark.xfail(importlib.util.find_spec("ckpt.lock") is None, strict=True,
+                   reason="needs the lock record of issue 11 (ckpt/lock.py: host, pid, heartbeat; a stale one says "
+                          "what to do); today's lock file holds a line of text and a refusal says only 'stop it'")
 def test_host_failure_ends_the_job_keeps_checkpoints_and_the_next_job_resumes(cluster, reference, tmp_path):
     """The host of rank 0 (the lock holder) stops dead mid-run. The job ends (NODE_FAIL), every committed
     checkpoint survives, and a new job on the surviving node is refused by the dead job's lock with a message
