@@ -352,15 +352,19 @@ class SlurmCluster:
         _wait(lambda: self.run("sinfo", "-h", "-n", name, "-o", "%T", check=False).stdout.strip() == "idle",
               timeout, f"{name} to be back in service", self.logs_tail)
 
+    def cancel_all(self, timeout: float = 30) -> None:
+        """Kill every running job and drop every pending one; return once none is left running."""
+        self.run("scancel", "--full", "--signal=KILL", "--state=RUNNING", check=False)
+        self.run("scancel", "--state=PENDING", check=False)
+        _wait(lambda: not self.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip(),
+              timeout, "jobs to end", self.logs_tail)
+
     def stop(self) -> None:
         """Cancel every job, wait for them to end, stop the daemons by pid (newest first), then kill what
         is left in the simulated hosts (a job's orphans, a stopped process) and the hosts themselves."""
         if any(name == "slurmctld" and p.poll() is None for name, p in self._procs):
-            self.run("scancel", "--full", "--signal=KILL", "--state=RUNNING", check=False)
-            self.run("scancel", "--state=PENDING", check=False)
             try:
-                _wait(lambda: not self.run("squeue", "-h", "-t", "RUNNING,COMPLETING", check=False).stdout.strip(),
-                      30, "jobs to end")
+                self.cancel_all()
             except SlurmError:
                 pass  # the daemons go anyway; the log says which job hung
         for _name, proc in reversed(self._procs):

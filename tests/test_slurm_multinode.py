@@ -49,6 +49,13 @@ def cluster():
     c.cleanup()
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(cluster):
+    """A test that fails mid-job leaves nothing running into the next one."""
+    yield
+    cluster.cancel_all()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The same steps without SLURM or interruption: one torchrun, 2 workers on one host."""
@@ -253,7 +260,7 @@ def lock_record(ckpt_dir) -> dict:
                    reason="needs the lock record of issue 11 (ckpt/lock.py: host, pid, heartbeat; a stale one says "
                           "what to do); today's lock file holds a line of text and a refusal says only 'stop it'")
 def test_host_failure_ends_the_job_keeps_checkpoints_and_the_next_job_resumes(cluster, reference, tmp_path):
-    """The host of rank 0 (the lock holder) stops dead mid-run. The job ends (NODE_FAIL), every committed
+    """The host of rank 0 (the lock holder) stops dead mid-run. SLURM ends the job (requeued), every committed
     checkpoint survives, and a new job on the surviving node is refused by the dead job's lock with a message
     that names it and says what to do; done that, the next submission resumes from the newest checkpoint."""
     run = tmp_path / "run"
@@ -266,10 +273,10 @@ def test_host_failure_ends_the_job_keeps_checkpoints_and_the_next_job_resumes(cl
     dead = holder["host"]
     assert dead in cluster.nodes and workers(cluster, dead).get(0) == holder["pid"], (holder, dead)
     alive_node = next(n for n in cluster.nodes if n != dead)
+    before = committed_steps(ckpt_dir)
+    t0 = time.monotonic()
+    cluster.freeze(dead)
     try:
-        before = committed_steps(ckpt_dir)
-        t0 = time.monotonic()
-        cluster.freeze(dead)
         # over: failed, or requeued by SLURM (--requeue) and waiting for a second node that is down
         job.wait_for("the job to end", lambda: job.info()["JobState"] in FINAL_STATES or
                      (job.info()["JobState"] == "PENDING" and job.info()["Restarts"] != "0"), 180)
@@ -309,7 +316,7 @@ def test_host_failure_ends_the_job_keeps_checkpoints_and_the_next_job_resumes(cl
             assert after[s]["loss"] == pytest.approx(reference[s]["loss"], abs=1e-4), f"step {s}"
     finally:
         cluster.run("scancel", str(job.id), check=False)
-        cluster.revive(dead)
+        cluster.revive(dead)  # for the tests after this one
 
 
 # ---------------------------------------------------------------- 5. a wedged rank
