@@ -13,7 +13,6 @@ Skipped, with the reason, when not root, the packages are missing or namespaces 
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import os
 import signal
@@ -26,6 +25,7 @@ import pytest
 
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
 from ckpt.layout import LOCK_FILE
+from ckpt.lock import STALE_S
 from conftest import FAST, ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
 from slurm_cluster import SlurmCluster, unavailable_reason
@@ -256,9 +256,6 @@ def lock_record(ckpt_dir) -> dict:
         raise AssertionError(f"the lock file holds no host/pid/heartbeat record: {text!r}") from None
 
 
-@pytest.mark.xfail(importlib.util.find_spec("ckpt.lock") is None, strict=True,
-                   reason="needs the lock record of issue 11 (ckpt/lock.py: host, pid, heartbeat; a stale one says "
-                          "what to do); today's lock file holds a line of text and a refusal says only 'stop it'")
 def test_host_failure_ends_the_job_keeps_checkpoints_and_the_next_job_resumes(cluster, reference, tmp_path):
     """The host of rank 0 (the lock holder) stops dead mid-run. SLURM ends the job (requeued), every committed
     checkpoint survives, and a new job on the surviving node is refused by the dead job's lock with a message
@@ -290,11 +287,11 @@ def test_host_failure_ends_the_job_keeps_checkpoints_and_the_next_job_resumes(cl
 
         # the frozen host still holds the flock (as a file server keeps a dead client's locks), and its
         # heartbeat stopped: let the record show the staleness a real outage would reach
-        from ckpt.lock import STALE_S  # the lock's record and rule (issue 11)
         record = lock_record(ckpt_dir)
         record["heartbeat"] -= STALE_S + 60
-        with open(os.path.join(ckpt_dir, LOCK_FILE), "r+") as f:
+        with open(os.path.join(ckpt_dir, LOCK_FILE), "r+") as f:  # in place: the frozen holder keeps its flock
             f.write(json.dumps(record) + "\n")
+            f.truncate()
         refused = Job(cluster, run, nodes=1, log_name="refused")
         info = refused.wait_end()
         # train_fsdp.py exits 2; torchrun reports any failed worker as 1, and the script passes that on
