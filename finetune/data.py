@@ -195,20 +195,36 @@ def _plain(messages) -> bool:
                for m in messages)
 
 
-def _render(tokenizer, conversations, add_generation_prompt: bool) -> list[str]:
+def _render(tokenizer, conversations, add_generation_prompt: bool, plain: bool) -> list[str]:
     """The chat template applied as `apply_chat_template(..., tokenize=False)` does. Plain conversations go
     straight to the compiled template (the per-call input copying is the identity for them, and costs more
     than the rendering); anything else takes transformers' full path."""
     from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
     special = tokenizer.special_tokens_map
-    if all(_plain(c) for c in conversations):
-        template = _compile_jinja_template(tokenizer.chat_template)
-        return [template.render(messages=c, tools=None, documents=None, add_generation_prompt=add_generation_prompt,
-                                **special) for c in conversations]
+    if plain:
+        render = _fast_render(_compile_jinja_template(tokenizer.chat_template),
+                              {"tools": None, "documents": None, "add_generation_prompt": add_generation_prompt,
+                               **special})
+        return [render(c) for c in conversations]
     rendered, _ = render_jinja_template(conversations=conversations, chat_template=tokenizer.chat_template,
                                         add_generation_prompt=add_generation_prompt, **special)
     return rendered
+
+
+def _fast_render(template, constants: dict):
+    """messages -> template.render(messages=messages, **constants), with the variables that do not change
+    merged once. jinja's render() builds each call's context by copying the template's globals (a ChainMap,
+    read key by key) and the keywords: profiled, that was 70% of the rendering time (docs/data.md)."""
+    env, base = template.environment, {**template.globals, **constants}
+
+    def render(messages) -> str:
+        ctx = env.context_class(env, {**base, "messages": messages}, template.name, template.blocks)
+        try:
+            return env.concat(template.root_render_func(ctx))
+        except Exception:  # noqa: BLE001 - what Template.render does: jinja's rewritten traceback
+            return env.handle_exception()
+    return render
 
 
 def _first_token_at(encoding, char: int, text_len: int, where: str) -> int:
@@ -240,8 +256,9 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
     Prefix consistency is checked on the strings: both must be prefixes of the full rendering, and the
     turn's edges must fall between tokens of the full tokenization.
     """
-    for msgs, w in zip(conversations, where):
-        _check_conversation(msgs, w)
+    for k, msgs in enumerate(conversations):
+        _check_conversation(msgs, where[k])
+    plain = all(_plain(c) for c in conversations)  # then so are the prompts and prefixes cut from them
     owners, prompts, prefixes = [], [], []
     for k, msgs in enumerate(conversations):
         for j, m in enumerate(msgs):
@@ -249,9 +266,9 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
                 owners.append(k)
                 prompts.append(msgs[:j])
                 prefixes.append(msgs[: j + 1] if j + 1 < len(msgs) else None)  # None: the full conversation
-    full = _render(tokenizer, conversations, False)
-    starts = _render(tokenizer, prompts, True)
-    rendered = iter(_render(tokenizer, [p for p in prefixes if p is not None], False))
+    full = _render(tokenizer, conversations, False, plain)
+    starts = _render(tokenizer, prompts, True, plain)
+    rendered = iter(_render(tokenizer, [p for p in prefixes if p is not None], False, plain))
     ends = [full[k] if p is None else next(rendered) for k, p in zip(owners, prefixes)]
     spans = [[] for _ in conversations]
     for k, s, e in zip(owners, starts, ends):
