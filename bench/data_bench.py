@@ -1,14 +1,18 @@
 """Tokenizing throughput and peak memory: the old one-process loop vs the datasets pipeline (docs/data.md).
 
     python bench/data_bench.py --conversations 200000 --lines 1000000 --repeats 3 --num-proc 2
+    python bench/data_bench.py --old-rows 40000 --repeats 2 --md bench/results/data_bench.md --json ...
 
 Generates a chat jsonl (conversations of 1-4 turns) and a text file, then tokenizes each with the tiny
 tokenizer, alternating old and new, each run in a fresh process. "old" is finetune/data.py as of commit
-7e96d2e (read with `git show`, so it is the exact code this replaced); "new" is build_cache. Reports
-rows/s (median and min-max over repeats), memory, and the size of the result. Memory: the process's peak
-RSS (ru_maxrss), its growth over the RSS after every import, and the peak, sampled every 0.2 s, of the
-process's RSS plus its worker processes' private memory (USS: forked workers share the parent's pages,
-so their RSS would count those twice).
+7e96d2e (read with `git show`, so it is the exact code this replaced); "new" is build_cache. --old-rows N
+runs the old loop on the file's first N rows only (its rows/s is flat in the size: one row at a time),
+the new pipeline always on the whole file. Reports rows/s (median and min-max over repeats), the load
+average before each run, memory, and the size of the result. Memory: the process's peak RSS (ru_maxrss),
+and the peak, sampled every 0.2 s, of the whole pipeline: the process's RSS plus its worker processes'
+private memory (USS: forked workers share the parent's pages, so their RSS would count those twice).
+Both are given absolute and as growth over the RSS after every import (torch, transformers, datasets:
+the same for both methods), and divided by the size of the finished cache.
 """
 
 from __future__ import annotations
@@ -126,7 +130,16 @@ def _load_old_module():
     return mod
 
 
+def head(path: str, rows: int, out: str) -> str:
+    """The first `rows` lines of a file, for the old loop's subset."""
+    with open(path) as f, open(out, "w") as g:
+        for _, line in zip(range(rows), f):
+            g.write(line)
+    return out
+
+
 def measure(method: str, path: str, rows: int, num_proc: int, seq_len: int, work: str) -> dict:
+    load = os.getloadavg()[0]
     cache_dir = os.path.join(work, f"cache-{method}")
     shutil.rmtree(cache_dir, ignore_errors=True)
     env = {**os.environ, "HF_DATASETS_CACHE": os.path.join(work, "hf"), "OMP_NUM_THREADS": "1"}
@@ -137,17 +150,25 @@ def measure(method: str, path: str, rows: int, num_proc: int, seq_len: int, work
     res = json.loads(out.stdout.strip().splitlines()[-1])
     shutil.rmtree(cache_dir, ignore_errors=True)
     shutil.rmtree(os.path.join(work, "hf"), ignore_errors=True)  # old: load_dataset's arrow copy
-    return {**res, "rows_per_s": rows / res["seconds"]}
+    return {**res, "rows": rows, "rows_per_s": rows / res["seconds"], "load_before": load,
+            "load_after": os.getloadavg()[0]}
 
 
 def summarize(name: str, runs: list[dict]) -> str:
     rps = [r["rows_per_s"] for r in runs]
-    mib = lambda kib: kib / 1024  # noqa: E731
-    return (f"| {name} | {statistics.median(rps):,.0f} ({min(rps):,.0f}-{max(rps):,.0f}) | "
-            f"{mib(statistics.median(r['peak_rss_kib'] for r in runs)):,.0f} | "
-            f"{mib(statistics.median(r['peak_rss_kib'] - r['rss_before_kib'] for r in runs)):,.0f} | "
-            f"{mib(statistics.median(r['peak_tree_kib'] for r in runs)):,.0f} | "
-            f"{runs[0]['cache_bytes'] / 2**20:,.1f} |")
+    med = lambda key: statistics.median(key(r) for r in runs)  # noqa: E731
+    cache_kib = runs[0]["cache_bytes"] / 1024
+    tree, growth = med(lambda r: r["peak_tree_kib"]), med(lambda r: r["peak_tree_kib"] - r["rss_before_kib"])
+    loads = [r["load_before"] for r in runs]
+    return (f"| {name} | {runs[0]['rows']:,} | {statistics.median(rps):,.0f} ({min(rps):,.0f}-{max(rps):,.0f}) | "
+            f"{min(loads):.1f}-{max(loads):.1f} | {med(lambda r: r['peak_rss_kib']) / 1024:,.0f} | "
+            f"{tree / 1024:,.0f} | {growth / 1024:,.0f} | {cache_kib / 1024:,.1f} | "
+            f"{tree / cache_kib:.1f}x / {growth / cache_kib:.1f}x |")
+
+
+HEADER = ("| data/method | rows | rows/s median (min-max) | load avg | peak RSS MiB | peak RSS + workers' USS MiB | "
+          "same, growth over imports MiB | cache MiB | pipeline peak / cache (absolute / growth) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
@@ -157,6 +178,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--num-proc", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--old-rows", type=int, default=0, help="old loop on the first N rows only (0: all)")
+    p.add_argument("--md", default=None, help="also write the table here")
     p.add_argument("--work", default=None, help="scratch folder (default: a temp dir, removed at the end)")
     p.add_argument("--json", default=None, help="also write every measurement here")
     args = p.parse_args()
@@ -169,27 +192,32 @@ def main() -> None:
         if n <= 0:
             continue
         make(path, n)
+        old_n = min(n, args.old_rows or n)
+        inputs = {"old": (head(path, old_n, os.path.join(work, f"head-{old_n}-" + os.path.basename(path))) if old_n < n else path, old_n), "new": (path, n)}
         for rep in range(args.repeats):  # interleaved: old, new, old, new, ... so machine noise hits both
             for method in ("old", "new"):
-                r = measure(method, path, n, args.num_proc, args.seq_len, work)
+                r = measure(method, *inputs[method], args.num_proc, args.seq_len, work)
                 results.setdefault(f"{kind}/{method}", []).append(r)
                 print(f"{kind} {method} rep {rep}: {r['rows_per_s']:,.0f} rows/s, peak RSS "
-                      f"{r['peak_rss_kib'] / 1024:,.0f} MiB", file=sys.stderr, flush=True)
-    print(f"\n{args.conversations:,} conversations, {args.lines:,} text lines, {args.repeats} repeats, "
-          f"new with num_proc={args.num_proc}, {len(os.sched_getaffinity(0))} cores available\n")
-    print("| data/method | rows/s median (min-max) | peak RSS MiB | peak RSS - RSS at start MiB | "
-          "peak RSS + workers' USS MiB | result MiB |")
-    print("|---|---|---|---|---|---|")
-    for name, runs in results.items():
-        print(summarize(name, runs))
+                      f"{r['peak_rss_kib'] / 1024:,.0f} MiB, load {r['load_before']:.1f}", file=sys.stderr, flush=True)
+    lines = [f"{args.conversations:,} conversations, {args.lines:,} text lines (old loop on the first "
+             f"{f'{args.old_rows:,}' if args.old_rows else 'all'} rows), {args.repeats} repeats interleaved, new with num_proc={args.num_proc}, "
+             f"{len(os.sched_getaffinity(0))} cores available", "", HEADER]
+    lines += [summarize(name, runs) for name, runs in results.items()]
     for kind in files:
         if f"{kind}/old" in results:
-            old = statistics.median(r["rows_per_s"] for r in results[f"{kind}/old"])
-            new = statistics.median(r["rows_per_s"] for r in results[f"{kind}/new"])
-            print(f"\n{kind}: new / old = {new / old:.2f}x rows/s")
+            old = [r["rows_per_s"] for r in results[f"{kind}/old"]]
+            new = [r["rows_per_s"] for r in results[f"{kind}/new"]]
+            pairs = ", ".join(f"{b / a:.2f}x" for a, b in zip(old, new))
+            lines.append(f"\n{kind}: new / old = {statistics.median(new) / statistics.median(old):.2f}x rows/s "
+                         f"(medians; per interleaved pair: {pairs})")
+    print("\n" + "\n".join(lines))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write("\n".join(lines) + "\n")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"args": vars(args), "cores": len(os.sched_getaffinity(0)), "runs": results}, f, indent=1)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 
