@@ -151,7 +151,7 @@ def manager_save(mgr, model, optim, step: int, events: list) -> dict:
     mgr.wait()  # the blocking part, then the time until committed
     e = events[-1]
     return {"blocking_s": blocking, "upload_s": e["upload_s"], "committed_s": e["committed_s"],
-            "bytes": dir_bytes(e["path"])}
+            "retention_s": e["retention_s"], "bytes": dir_bytes(e["path"])}
 
 
 def sha256_everything_on_rank0(path: str) -> float:
@@ -305,6 +305,8 @@ def summarize(save: dict, load: dict, every: int) -> dict:
         for key in ("blocking_s", "upload_s", "committed_s"):
             row[key] = spread([x[key] for x in steady])
         row["commit_overhead_s"] = spread([x["committed_s"] - x["upload_s"] for x in steady])
+        # ours only: deleting the checkpoint keep_last pushed out, after the marker (in sync mode, still blocking)
+        row["retention_s"] = spread([x.get("retention_s", 0.0) for x in steady])
         row["write_GBps"] = row["checkpoint_GB"] / row["committed_s"]["median"]
         rows[name] = row
     med = {name: {k: rows[name][k]["median"] for k in ("blocking_s", "upload_s", "committed_s", "commit_overhead_s")}
@@ -349,17 +351,20 @@ def to_markdown(r: dict, machine: str) -> str:
         return f"{x['median']:.2f} ({x['min']:.2f}-{x['max']:.2f})"
     lines = [f"{r['params'] / 1e6:.0f}M params, {r['world_size']} ranks, {r['rank_state_GB']:.2f} GB of model + "
              f"AdamW state per rank; {machine}. Median (min-max) over {r['methods']['dcp_sync']['rounds'] - 1} "
-             "steady-state rounds after the first, methods interleaved.", "",
+             "steady-state rounds after the first, methods interleaved. 1-min load average "
+             f"{r['load_average_1min']['start']:.1f} at the start, {r['load_average_1min']['end']:.1f} at the end. "
+             f"`{r['command']}`", "",
              "| method | first blocking (s) | blocking (s) | upload (s) | commit overhead (s) | until committed (s) | "
-             "write GB/s |", "|---|---|---|---|---|---|---|"]
+             "then retention (s) | write GB/s |", "|---|---|---|---|---|---|---|---|"]
     for name, m in r["methods"].items():
         lines.append(f"| {name} | {m['first_blocking_s']:.2f} | {ms(m['blocking_s'])} | {ms(m['upload_s'])} | "
-                     f"{ms(m['commit_overhead_s'])} | {ms(m['committed_s'])} | {m['write_GBps']:.2f} |")
+                     f"{ms(m['commit_overhead_s'])} | {ms(m['committed_s'])} | {ms(m['retention_s'])} | "
+                     f"{m['write_GBps']:.2f} |")
     if r.get("memcpy_pageable_s") is None:
-        lines.append(f"| memcpy floor (rank's state bytes) | | {r['memcpy_floor_s']:.2f} | | | | |")
+        lines.append(f"| memcpy floor (rank's state bytes) | | {r['memcpy_floor_s']:.2f} | | | | | |")
     else:  # CUDA: device-to-host into pinned buffers (what the stager uses) and into pageable ones
-        lines.append(f"| D2H floor, pinned host buffers | | {r['memcpy_floor_s']:.2f} | | | | |")
-        lines.append(f"| D2H floor, pageable host buffers | | {r['memcpy_pageable_s']:.2f} | | | | |")
+        lines.append(f"| D2H floor, pinned host buffers | | {r['memcpy_floor_s']:.2f} | | | | | |")
+        lines.append(f"| D2H floor, pageable host buffers | | {r['memcpy_pageable_s']:.2f} | | | | | |")
     ra = r["ratios"]
     lines += ["", "| resume verification | parallel, XXH3-128 (s) | old: rank 0 SHA-256 of all (s) |", "|---|---|---|"]
     for w, v in sorted(r["verify_s"].items()):
@@ -384,6 +389,7 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     work = args.work_dir or tempfile.mkdtemp(prefix="ckpt-bench-")
+    load_before = os.getloadavg()[0]  # the machine is shared: say how loaded it was
     try:
         save = launch(args, "save", args.nproc, work)
         load = launch(args, "load", 1, work)
@@ -397,6 +403,8 @@ def main(argv=None):
               f", torch {torch.__version__}"
     result = summarize(save, load, args.every)
     result["machine"] = machine
+    result["load_average_1min"] = {"start": load_before, "end": os.getloadavg()[0]}
+    result["command"] = "python bench/ckpt_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ckpt_bench.json"), "w") as f:
         json.dump(result, f, indent=1)

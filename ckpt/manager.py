@@ -314,13 +314,13 @@ class CheckpointManager:
                 metadata = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=_planner())
                 upload_s = time.perf_counter() - t0
                 fault_point("before_commit", step)
-                self._on_rank0_then_share(lambda: self._commit(path, step, metadata, list(files)))
+                retention_s = self._on_rank0_then_share(lambda: self._commit(path, step, metadata, list(files)))
             except SAVE_ERRORS as e:
                 raise save_failure(e, self.dir, f"checkpoint {path}") from e
             blocking_s = time.perf_counter() - t0
             self.last_saved_step = step
-            self.on_event("checkpoint", step=step, path=path, mode="sync", blocking_s=blocking_s,
-                          upload_s=upload_s, committed_s=blocking_s)
+            self.on_event("checkpoint", step=step, path=path, mode="sync", blocking_s=blocking_s, upload_s=upload_s,
+                          committed_s=blocking_s - retention_s, retention_s=retention_s)
             return blocking_s
         try:
             with _preemption_signals_blocked():
@@ -366,16 +366,15 @@ class CheckpointManager:
             metadata = upload.result()
             upload_s = time.perf_counter() - t0
             fault_point("before_commit", step)
-            if self.rank == 0:
-                self._commit(path, step, metadata, own_files)
+            retention_s = self._commit(path, step, metadata, own_files) if self.rank == 0 else 0.0
         except SAVE_ERRORS as e:
             raise save_failure(e, self.dir, f"checkpoint {path} (in the background)") from e
-        committed_s = time.perf_counter() - t0
+        committed_s = time.perf_counter() - t0 - retention_s
         # The upload is done, so staging is too: the training thread's wait, if not yet recorded, returns at
         # once when it comes. Bounded, so a job that exits without wait_for_staging() never hangs here.
         staged.done.wait(timeout=5.0)
         self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s + staged.wait_s,
-                      upload_s=upload_s, committed_s=committed_s, staging_wait_s=staged.wait_s)
+                      upload_s=upload_s, committed_s=committed_s, staging_wait_s=staged.wait_s, retention_s=retention_s)
 
     def _clear_stale(self, path: str) -> None:
         """Remove a folder (or anything else) in the way of this step's save. It is not a checkpoint this job
@@ -387,7 +386,10 @@ class CheckpointManager:
             os.replace(path, aside)
             self.on_log(f"checkpoint: moved damaged {path} aside to {aside}")
 
-    def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> None:
+    def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> float:
+        """Write the marker, then apply retention; returns the seconds retention took. The checkpoint is
+        committed once the marker is durable, so committed_s stops there: deleting old checkpoints (rmtree of
+        GBs, 0.3 s per GB here) comes after and is reported apart as retention_s."""
         try:
             marker = commit_checkpoint(path, self.world_size, metadata.file_digests, metadata, own_files)
         except OSError as e:
@@ -395,7 +397,9 @@ class CheckpointManager:
         fault_point("after_commit", step)
         size = sum(f["size"] for f in marker["files"].values())
         self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
+        t0 = time.perf_counter()
         self._apply_retention(step)
+        return time.perf_counter() - t0
 
     def _apply_retention(self, newest: int) -> None:
         """Delete committed checkpoints beyond keep_last (oldest first) and dead partial folders older
