@@ -17,7 +17,6 @@ import json
 import math
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -26,15 +25,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ckpt import CheckpointError, CheckpointManager, DiskFullError, ModelOptimizer, RNGState, collective_timed_out, \
-    on_rank0_then_share, read_meta, read_saved_config, reseed_all, rng_key, staging_need, step_dir
+from ckpt import CheckpointError, CheckpointManager, CheckpointSchema, ModelOptimizer, RNGState, TrainingCheckpoints, \
+    collective_timed_out, read_meta, read_saved_config, reseed_all, rng_key, staging_need, step_dir
 from ckpt.adapter import check_same_base
 from ckpt.faults import fault_point
-from ckpt.policy import SavePolicy
+from ckpt.state import DERIVED_SEED, derived_seed
 from finetune.config import Config, ConfigError, config_hash, load_config, resume_changes, to_yaml
-from finetune.data import COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
+from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
     check_loss_tokens, open_samples
-from finetune.dist import rank0_builds_others_wait
+from finetune.dist import free_port, on_rank0_then_share, rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
@@ -83,10 +82,8 @@ def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
     `timeout`: how long a training collective waits for the slowest rank before the job ends (gloo raises;
     NCCL's watchdog aborts the process)."""
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -192,6 +189,16 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
 
 # ---------------------------------------------------------------- checkpoint plumbing
 
+def checkpoint_schema(cfg: Config) -> CheckpointSchema:
+    """What checkpoint_state saves, under which keys, for ckpt/'s readers (inspect, reshard, export); in meta.json."""
+    model = cfg.model.name_or_path or cfg.model.config_path
+    return CheckpointSchema(model_prefix="app.model.", optim_prefix="app.optim.", step_key="progress.step",
+                            train_state_keys=("progress.", "data.", "scheduler.last_epoch", "scheduler._last_lr"),
+                            position_key="data.position", divides={BATCH_KEY: cfg.data.global_batch_size},
+                            model_dir=model, tokenizer_dir=cfg.model.tokenizer_path or model,
+                            pretrained=bool(cfg.model.name_or_path))
+
+
 def checkpoint_state(model, optimizer, scheduler, progress, stream, rank: int, with_rng: bool) -> dict:
     state = {"app": ModelOptimizer(model, optimizer), "scheduler": scheduler, "progress": progress, "data": stream}
     if with_rng:
@@ -204,7 +211,7 @@ def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float |
     meta = {"step": step, "world_size": world_size, "torch": torch.__version__,
             "transformers": transformers.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config_hash": config_hash(cfg), "model": cfg.model.name_or_path or cfg.model.config_path,
-            "seed": cfg.train.seed}
+            "seed": cfg.train.seed, "schema": checkpoint_schema(cfg).to_meta()}
     if eval_loss is not None:
         meta["score"] = eval_loss  # lower is better: ckpt.keep_best keeps the lowest (the eval loss of this step)
     if cfg.model.lora.r:
@@ -218,11 +225,11 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
 
     RNG rule: if the checkpoint holds per-rank RNG of exactly this many ranks (meta.json `rng_world_size`,
     default `world_size`; `python -m ckpt reshard` keeps the original's), rank r restores `rng_rank<r>`.
-    Otherwise every rank reseeds python/numpy/torch with seed*1000 + rank + 7919*step, and one line says so.
+    Otherwise every rank reseeds python/numpy/torch with ckpt.state.derived_seed, and one line says so.
     """
     path = mgr.find_resume(cfg.ckpt.resume)
     if path is None:
-        reseed_all(cfg.train.seed * 1000 + rank)
+        reseed_all(derived_seed(cfg.train.seed, rank))
         return
     check_same_base(path, lora_meta(cfg.model) if cfg.model.lora.r else None)
     check_resume_config(mgr, path, cfg, log)
@@ -230,12 +237,12 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     saved_world = meta["world_size"]
     rng_world = meta.get("rng_world_size", saved_world)
     state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=rng_world == world_size)
-    mgr.load(path, state, model_state=state["app"].state_dict()["model"])
+    mgr.load(path, state, model_state=state["app"].state_dict()["model"], prefix=checkpoint_schema(cfg).model_prefix)
     follow_config_schedule(optimizer, scheduler, cfg.train, log)
     if rng_world != world_size:
-        reseed_all(cfg.train.seed * 1000 + rank + 7919 * progress.step)
-        log.info(f"resume: RNG saved by {rng_world} ranks, now {world_size}: re-derived as "
-                 f"seed*1000 + rank + 7919*step (step {progress.step})")
+        reseed_all(derived_seed(cfg.train.seed, rank, progress.step))
+        log.info(f"resume: RNG saved by {rng_world} ranks, now {world_size}: re-derived as {DERIVED_SEED} "
+                 f"(step {progress.step})")
     log.info(f"resume: loaded {path} at step {progress.step} (saved by {saved_world} ranks, now {world_size})")
     log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
 
@@ -243,7 +250,7 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
 def check_resume_config(mgr, path: str, cfg: Config, log) -> None:
     """List every difference between the checkpoint's config and this one; refuse the ones that make the
     continuation meaningless (finetune/config.py RESUME_REFUSED, docs/resume-rules.md)."""
-    saved = on_rank0_then_share(lambda: read_saved_config(path), group=mgr.pg)
+    saved = on_rank0_then_share(lambda: read_saved_config(path), mgr.pg, CheckpointError)
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
         return
@@ -271,34 +278,6 @@ def follow_config_schedule(optimizer, scheduler, t, log) -> None:
     if optimizer.param_groups[0]["lr"] != old_lr:
         log.info(f"resume: LR at step {scheduler.last_epoch + 1} is {t.lr * factor:.4e} by the current config "
                  f"(the checkpoint's schedule had {old_lr:.4e})")
-
-
-def final_save(mgr, cfg, state, step: int, world_size: int, log, save_now: bool = True,
-               eval_loss: float | None = None) -> None:
-    """Drain the in-flight save, then save synchronously unless this step is already committed (or save_now
-    is False: the state is half a step and only the in-flight save, of an earlier step, is worth keeping)."""
-    pending_error = None
-    try:
-        mgr.wait()
-    except Exception as e:  # a failed background save must not stop the final one, but is re-raised
-        pending_error = e
-        log.info(f"error: in-flight checkpoint failed: {e}")
-    if save_now and (mgr.last_saved_step != step or pending_error is not None):
-        mgr.save(step, state, checkpoint_files(cfg, step, world_size, eval_loss), blocking=True)
-    if pending_error is not None and not cfg.ckpt.continue_on_save_error:
-        raise pending_error
-
-
-def tolerate_save_error(cfg, log, step: int, checkpoint_call) -> None:
-    """Run a periodic checkpoint call (poll, wait, save). With ckpt.continue_on_save_error a failure is a
-    logged line + event and training goes on: the failed folder has no commit marker, so no resume takes it."""
-    try:
-        checkpoint_call()
-    except CheckpointError as e:
-        if not cfg.ckpt.continue_on_save_error:
-            raise
-        log.info(f"warning: checkpoint failed, training continues (ckpt.continue_on_save_error=true): {e}")
-        log.event("checkpoint_failed", step=step, error=str(e))
 
 
 # ---------------------------------------------------------------- data and validation
@@ -380,25 +359,28 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
+def open_run(cfg: Config, rank: int):
+    """The ckpt.dir lock first (a second job on this ckpt.dir stops here, before it writes anything), then the
+    run folder, its logger and its config.yaml."""
     mgr = CheckpointManager(cfg.ckpt.dir, cfg.ckpt.async_mode, cfg.ckpt.keep_last,
                             timeout=collective_timeout(cfg.ckpt.timeout_minutes), keep_best=cfg.ckpt.keep_best)
-    mgr.acquire_lock()  # first: a second job on this ckpt.dir stops here, before it writes anything
+    mgr.acquire_lock()
     os.makedirs(cfg.run.dir, exist_ok=True)
     log = RankZeroLog(rank, cfg.run.dir, open_loggers(cfg, rank))  # + TensorBoard / W&B when asked
     mgr.on_event, mgr.on_log = log.event, log.info
     if rank == 0:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
-
     if cfg.train.deterministic:  # cuBLAS reads its workspace setting at first use, which is still to come
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
+    return mgr, log
 
-    # ---- model: meta -> fully_shard -> to_empty -> init
+
+def build_model(cfg: Config, device, world_size: int):
+    """meta -> fully_shard -> to_empty -> init (random, or the HF weights; LoRA adapters on top)."""
     tokenizer = load_tokenizer(cfg.model)
-    mesh = build_mesh(device, world_size, cfg.model.replicas)
-    model = build_sharded_model(cfg.model, mesh, device)
+    model = build_sharded_model(cfg.model, build_mesh(device, world_size, cfg.model.replicas), device)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise DataError(f"data.seq_len={cfg.data.seq_len} is larger than the model allows "
@@ -410,10 +392,11 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
             init_adapters(model, cfg.train.seed)
     else:
         init_random(model, cfg.train.seed, cfg.model.init_std)
-    optimizer, scheduler = build_optimizer(model, cfg)
-    mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return tokenizer, model
 
-    # ---- data: tokenized once on rank 0, global order independent of world size
+
+def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
+    """Tokenized once on rank 0; the global order does not depend on the world size."""
     plan = BatchPlan.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
     samples = shared_samples(cfg, tokenizer, model)
     eval_set = shared_samples(cfg, tokenizer, model, eval_set=True) if cfg.train.eval_interval else None
@@ -424,106 +407,107 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     if not stream.has_next():
         raise DataError(f"data set {cfg.data.path} has {len(samples)} samples x {cfg.data.epochs} epoch(s), "
                         f"fewer than one global batch (data.global_batch_size={plan.global_batch})")
-    progress = TrainProgress()
+    return plan, samples, eval_set, stream
 
-    # ---- resume (after the data stream exists, so restored RNG is not consumed by its creation)
-    resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size)
-    log.info(f"world {world_size} | device {device.type} | {param_summary(model)} | "
-             f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
-             f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
 
-    # ---- loop
-    preempt = Preemption()
-    policy = SavePolicy(cfg.ckpt.interval, cfg.ckpt.interval_minutes, cfg.ckpt.mtbf_hours, on_log=log.info)
-    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
-    bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, progress.step)
-    t_start, start_step, exit_code = time.perf_counter(), progress.step, 0
-    mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
-    eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)
-    model.train()
-    try:
-        while progress.step < cfg.train.max_steps and stream.has_next():
-            rows = stream.global_rows()
-            mid_step = True
-            micro = stream.next_global_batch()
-            fault_point("mid_step", progress.step + 1)
-            loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
-                                            cfg.train.reduce_every_micro_batch, mgr.wait_for_staging)
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            progress.step += 1
-            progress.tokens += plan.global_batch * cfg.data.seq_len
-            progress.loss_tokens += n_tok
-            mid_step = False
-            elapsed = time.perf_counter() - t_start
-            log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
-                       loss_tokens=progress.loss_tokens, samples=stream.position, world_size=world_size,
-                       time=time.time(), sample_ids=rows)
-            if progress.step % cfg.run.log_interval == 0 or progress.step == cfg.train.max_steps:
-                tps = (progress.tokens - start_step * plan.global_batch * cfg.data.seq_len) / max(elapsed, 1e-9)
-                log.info(step_line(progress.step, cfg.train.max_steps, loss, lr, gnorm, tps, elapsed,
-                                   progress.step - start_step))
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
-            if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
-                eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size, progress.step, log)
-            fault_point("after_step", progress.step)
-            tolerate_save_error(cfg, log, progress.step, mgr.poll)
-            if progress.step < cfg.train.max_steps and preempt.agreed(device):  # a signal at the last step: just finish
-                log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
-                log.event("preempted", step=progress.step)
-                exit_code = EXIT_PREEMPTED
-                break
-            if progress.step < cfg.train.max_steps and policy.should_save(progress.step):  # same answer on all ranks
-                tolerate_save_error(cfg, log, progress.step, mgr.wait)  # a failed previous save must not skip this one
-                tolerate_save_error(cfg, log, progress.step, lambda: policy.saved(progress.step, mgr.save(
-                    progress.step, state, checkpoint_files(cfg, progress.step, world_size,
-                                                    eval_loss.get(progress.step)))))
-    except BaseException as e:
-        if isinstance(e, KeyboardInterrupt) or not cfg.ckpt.save_at_end:
-            raise
-        if collective_timed_out(e):  # a save needs every rank, and one of them is stuck or gone
-            log.info(f"error at step {progress.step}: a collective timed out; no emergency checkpoint without "
-                     "all ranks")
-            raise
-        if isinstance(e, DiskFullError):  # another save on that filesystem cannot succeed
-            log.info(f"error at step {progress.step}: {e}; no emergency checkpoint on a full disk")
-            raise
-        if mid_step:  # saving now would record a batch as consumed that was never (fully) trained on
-            log.info(f"error inside step {progress.step + 1}: {type(e).__name__}: {e}; no checkpoint of a "
-                     "half-done step: finishing the in-flight one, if any, before exiting")
-        else:
-            log.info(f"error at step {progress.step}: {type(e).__name__}: {e}; saving the last state before exiting")
-        try:
-            final_save(mgr, cfg, state, progress.step, world_size, log, save_now=not mid_step)
-        except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
-            log.info(f"error: emergency save failed too: {save_err}")
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
+class StepLog:
+    """Per step: one record (metrics.jsonl + loggers), a console line every run.log_interval, the progress bar."""
 
-    if not stream.has_next() and progress.step < cfg.train.max_steps:
-        log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
-    if eval_set is not None and exit_code == 0 and progress.step not in eval_loss:  # eval at the end too
-        eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size, progress.step, log)
-    if (cfg.ckpt.save_at_end or exit_code == EXIT_PREEMPTED) and progress.step > 0:  # 75 promises a checkpoint
-        final_save(mgr, cfg, state, progress.step, world_size, log, eval_loss=eval_loss.get(progress.step))
-    mgr.close()
-    if exit_code == 0 and cfg.train.sample_at_end:
+    def __init__(self, cfg: Config, log, rank: int, world_size: int, plan: BatchPlan, start_step: int):
+        self.cfg, self.log, self.world_size, self.start_step = cfg, log, world_size, start_step
+        self.tokens_per_step = plan.global_batch * cfg.data.seq_len
+        self.bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, start_step)
+        self.t_start = time.perf_counter()
+
+    def step(self, progress: TrainProgress, stream, rows, loss: float, lr: float, gnorm: float) -> None:
+        elapsed, max_steps = time.perf_counter() - self.t_start, self.cfg.train.max_steps
+        self.log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
+                        loss_tokens=progress.loss_tokens, samples=stream.position, world_size=self.world_size,
+                        time=time.time(), sample_ids=rows)
+        if progress.step % self.cfg.run.log_interval == 0 or progress.step == max_steps:
+            tps = (progress.tokens - self.start_step * self.tokens_per_step) / max(elapsed, 1e-9)
+            self.log.info(step_line(progress.step, max_steps, loss, lr, gnorm, tps, elapsed,
+                                    progress.step - self.start_step))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def after_training(cfg: Config, model, tokenizer, mgr, progress: TrainProgress, device, log) -> None:
+    """A completed run (exit 0): sample a few prompts, export the final checkpoint as a HF folder if asked."""
+    if cfg.train.sample_at_end:
         model.eval()
         prompts = cfg.train.sample_prompts.split("|") if cfg.train.sample_prompts else []
         for prompt, out in zip(prompts, sample(model, tokenizer, prompts, device)):
             log.info(f"sample: {prompt!r} -> {out!r}")
-    if exit_code == 0 and cfg.export.at_end:  # every rank writes its share of the tensors
+    if cfg.export.at_end:  # every rank writes its share of the tensors
         from ckpt.hf import export_final
         if mgr.last_saved_step != progress.step:
             raise CheckpointError(f"export.at_end: no checkpoint of the final step {progress.step} "
                                   "(ckpt.save_at_end=false?)")
         log.info(export_final(step_dir(cfg.ckpt.dir, progress.step), os.path.join(cfg.run.dir, "hf"),
                               cfg.export.dtype))
-    log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - t_start:.1f}s")
+
+
+def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
+    mgr, log = open_run(cfg, rank)
+    tokenizer, model = build_model(cfg, device, world_size)
+    optimizer, scheduler = build_optimizer(model, cfg)
+    mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    plan, samples, eval_set, stream = build_data(cfg, tokenizer, model, rank, world_size, log)
+    progress = TrainProgress()
+    # resume after the data stream exists, so restored RNG is not consumed by its creation
+    resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size)
+    log.info(f"world {world_size} | device {device.type} | {param_summary(model)} | "
+             f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
+             f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
+
+    # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
+    eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)
+    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
+    checkpoints = TrainingCheckpoints(mgr, cfg.ckpt, state, lambda step: checkpoint_files(
+        cfg, step, world_size, eval_loss.get(step)), cfg.train.max_steps, log.info, log.event)
+    preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, plan, progress.step), 0
+    model.train()
+    with checkpoints.emergency_save_on_error(lambda: progress.step):
+        try:
+            while progress.step < cfg.train.max_steps and stream.has_next():
+                rows = stream.global_rows()
+                with checkpoints.step_in_progress():
+                    micro = stream.next_global_batch()
+                    fault_point("mid_step", progress.step + 1)
+                    loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
+                                                    cfg.train.reduce_every_micro_batch,
+                                                    checkpoints.before_optimizer_step)
+                    lr = scheduler.get_last_lr()[0]
+                    scheduler.step()
+                    progress.step += 1
+                    progress.tokens += plan.global_batch * cfg.data.seq_len
+                    progress.loss_tokens += n_tok
+                steps_log.step(progress, stream, rows, loss, lr, gnorm)
+                if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
+                    eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size,
+                                                        progress.step, log)
+                if checkpoints.after_step(progress.step, lambda: preempt.agreed(device)):
+                    log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
+                    log.event("preempted", step=progress.step)
+                    exit_code = EXIT_PREEMPTED
+                    break
+        finally:
+            steps_log.close()
+
+    if not stream.has_next() and progress.step < cfg.train.max_steps:
+        log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
+    if eval_set is not None and exit_code == 0 and progress.step not in eval_loss:  # eval at the end too
+        eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size, progress.step, log)
+    checkpoints.finish(progress.step, save=cfg.ckpt.save_at_end or exit_code == EXIT_PREEMPTED)  # 75 promises one
+    if exit_code == 0:
+        after_training(cfg, model, tokenizer, mgr, progress, device, log)
+    log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - steps_log.t_start:.1f}s")
     log.close()
     return exit_code
 
@@ -531,5 +515,5 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 elif __name__ == "__mp_main__":  # this file, re-imported by DCP's spawned process-mode uploader
-    from ckpt.manager import quiet_uploader_logs
+    from ckpt.uploader import quiet_uploader_logs
     quiet_uploader_logs()

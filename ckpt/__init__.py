@@ -2,16 +2,20 @@
 
     python -m ckpt --help
 
-The training script imports CheckpointManager and the Statefuls; nothing here imports the training
-config, so the package drops into any FSDP2 training loop.
+The training loop calls TrainingCheckpoints (loop.py: when to save, what a failure means), which drives
+CheckpointManager (manager.py: how). Nothing here imports the training config: the trainer hands over
+plain objects, its options, and a CheckpointSchema (schema.py) naming what its checkpoints hold.
+docs/design.md draws the flow and says which file owns which rule.
 """
 
 from .commit import VerifyError, verify_checkpoint
-from .layout import step_dir
-from .manager import CheckpointError, CheckpointManager, DiskFullError, collective_timed_out, latest_committed_step, \
-    on_rank0_then_share, read_meta, read_saved_config
-from .state import ModelOnly, ModelOptimizer, RNGState, reseed_all, rng_key, staging_need
+from .errors import CheckpointError, DiskFullError, collective_timed_out
+from .layout import read_meta, read_saved_config, step_dir
+from .loop import TrainingCheckpoints
+from .manager import CheckpointManager, latest_committed_step
+from .schema import CheckpointSchema
+from .state import ModelOptimizer, RNGState, reseed_all, rng_key, staging_need
 
-__all__ = ["CheckpointError", "CheckpointManager", "DiskFullError", "ModelOnly", "ModelOptimizer", "RNGState",
-           "VerifyError", "collective_timed_out", "latest_committed_step", "on_rank0_then_share", "read_meta",
+__all__ = ["CheckpointError", "CheckpointManager", "CheckpointSchema", "DiskFullError", "ModelOptimizer", "RNGState",
+           "TrainingCheckpoints", "VerifyError", "collective_timed_out", "latest_committed_step", "read_meta",
            "read_saved_config", "reseed_all", "rng_key", "staging_need", "step_dir", "verify_checkpoint"]

@@ -25,15 +25,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from .hf import (_DTYPE_NAMES, EXPORT_DTYPES, MODEL_PREFIX, OutTensor, _replace_dir, check_safetensors_files, create_files,
+from .hf import (_DTYPE_NAMES, EXPORT_DTYPES, SAFETENSORS_DTYPES, OutTensor, _replace_dir, check_safetensors_files, create_files,
                  model_names, parse_size, plan_files, safetensors_header, source_dirs, source_dtype, write_index,
                  write_model_files)
-from .inspect import read_items, read_meta_or_empty
-from .manager import CheckpointError
+from .errors import CheckpointError
+from .inspect import read_items
+from .layout import read_meta
+from .schema import schema_of
 
 ADAPTER_SUFFIX = (".lora_A.default.weight", ".lora_B.default.weight")  # peft's names in the training model
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # safetensors header name -> torch
 _SAMPLED_TENSORS, _SAMPLED_BYTES = 8, 1 << 20
 
 
@@ -79,7 +80,7 @@ def base_fingerprint(hf_dir: str) -> dict:
 
 def lora_info(ckpt_path: str) -> dict | None:
     """meta.json's "lora" entry of a checkpoint, or None for a full fine-tuning checkpoint."""
-    return read_meta_or_empty(ckpt_path).get("lora")
+    return read_meta(ckpt_path, missing_ok=True).get("lora")
 
 
 def check_same_base(ckpt_path: str, expected: dict | None) -> None:
@@ -117,14 +118,15 @@ def read_adapters(ckpt_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]
     """{module name: (lora_A, lora_B)} in full, in this process. Adapters are small (r x (in + out) per module)."""
     from torch.distributed.checkpoint import FileSystemReader
 
+    prefix = schema_of(ckpt_path).model_prefix
     keys = [k for k in FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
-            if k.startswith(MODEL_PREFIX) and k.endswith(ADAPTER_SUFFIX)]
+            if k.startswith(prefix) and k.endswith(ADAPTER_SUFFIX)]
     items = read_items(ckpt_path, keys)
     out = {}
     for k in keys:
-        module = k[len(MODEL_PREFIX):-len(ADAPTER_SUFFIX[0])]
+        module = k[len(prefix):-len(ADAPTER_SUFFIX[0])]
         if k.endswith(ADAPTER_SUFFIX[0]):
-            out[module] = (items[k], items[MODEL_PREFIX + module + ADAPTER_SUFFIX[1]])
+            out[module] = (items[k], items[prefix + module + ADAPTER_SUFFIX[1]])
     if not out:
         raise CheckpointError(f"{ckpt_path}: meta.json says LoRA but the checkpoint holds no adapter weights")
     return out
@@ -179,8 +181,8 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
     unknown = [m for m in adapters if m + ".weight" not in headers]
     if unknown:
         raise CheckpointError(f"{ckpt_path}: adapters for {unknown[:4]}, which base {model_dir} does not have")
-    shapes = {MODEL_PREFIX + n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
-                                                      torch.Size(headers[n]["shape"]), []) for n in names}
+    shapes = {n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
+                                       torch.Size(headers[n]["shape"]), []) for n in names}
     out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else EXPORT_DTYPES[dtype]  # auto: the base's
     files = plan_files(shapes, names, out_dtype, parse_size(max_shard_size))
     written = create_files(tmp, files)

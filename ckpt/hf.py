@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -35,13 +34,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.futures import Future
 
 from .commit import VerifyError, verify_checkpoint
-from .layout import CONFIG_FILE, step_of
-from .manager import SAVE_ERRORS, CheckpointError, read_meta, save_failure
+from .layout import step_of
+from finetune.dist import on_rank0_then_share
+from .errors import SAVE_ERRORS, CheckpointError, save_failure
+from .schema import schema_of
 
-MODEL_PREFIX = "app.model."  # where CheckpointManager's ModelOptimizer puts the model's state dict
 EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # or "auto": source_dtype
 _DTYPE_NAMES = {v: k for k, v in EXPORT_DTYPES.items()}
-_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 _PIECE = 4 << 20  # elements converted and written at a time (16 MiB of fp32)
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,18 +144,14 @@ def _existing_dir(path: str) -> str | None:
 
 
 def source_dirs(ckpt_path: str) -> tuple[str, str]:
-    """(model dir with config.json, tokenizer dir) the checkpoint was trained from, read from its
-    config.yaml (model.name_or_path / config_path / tokenizer_path), else meta.json's "model"."""
-    model_cfg = {}
-    if os.path.isfile(os.path.join(ckpt_path, CONFIG_FILE)):
-        with open(os.path.join(ckpt_path, CONFIG_FILE)) as f:
-            model_cfg = (yaml.safe_load(f) or {}).get("model") or {}
-    named = model_cfg.get("name_or_path") or model_cfg.get("config_path") or read_meta(ckpt_path).get("model", "")
+    """(model dir with config.json, tokenizer dir) the checkpoint was trained from (its schema, schema.py)."""
+    schema = schema_of(ckpt_path)
+    named = schema.model_dir
     model_dir = _existing_dir(named)
     if model_dir is None or not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise CheckpointError(f"the model folder this checkpoint was trained from ({named!r}, from its config.yaml) "
                               "has no config.json here; run the export from the directory training ran in")
-    tok_named = model_cfg.get("tokenizer_path") or named
+    tok_named = schema.tokenizer_dir or named
     tok_dir = _existing_dir(tok_named)
     if tok_dir is None:
         raise CheckpointError(f"tokenizer folder {tok_named!r} (from the checkpoint's config.yaml) not found")
@@ -185,13 +181,15 @@ class OutTensor:
     written: int = 0
 
 
-def plan_files(saved: dict, names: list[str], dtype: torch.dtype, max_bytes: int) -> list[list[OutTensor]]:
+def plan_files(saved: dict, names: list[str], dtype: torch.dtype, max_bytes: int,
+               prefix: str = "") -> list[list[OutTensor]]:
     """Assign tensors to files in state-dict order, a new file when the next tensor would pass max_bytes
-    (a tensor larger than that gets a file of its own), as save_pretrained shards."""
+    (a tensor larger than that gets a file of its own), as save_pretrained shards. `saved[prefix + name]`
+    is each tensor's metadata."""
     files: list[list[OutTensor]] = [[]]
     used = 0
     for name in names:
-        md = saved[MODEL_PREFIX + name]
+        md = saved[prefix + name]
         out_dtype = dtype if md.properties.dtype.is_floating_point else md.properties.dtype
         nbytes = math.prod(md.size) * out_dtype.itemsize
         if files[-1] and used + nbytes > max_bytes:
@@ -210,7 +208,7 @@ def safetensors_header(tensors: list[OutTensor]) -> bytes:
     """The 8-byte length and JSON header of a safetensors file holding `tensors`; data follows it."""
     header = {"__metadata__": {"format": "pt"}}
     for t in tensors:
-        header[t.name] = {"dtype": _SAFETENSORS_DTYPE[t.dtype], "shape": list(t.shape),
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                           "data_offsets": [t.begin, t.begin + t.nbytes]}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
@@ -251,8 +249,8 @@ class ChunkToFilePlanner(LoadPlanner):
     """A DCP load planner with no state dict: it asks for every saved chunk of the exported tensors and
     writes each one, converted a piece at a time, to its place in the output files as soon as it is read."""
 
-    def __init__(self, tensors: dict[str, OutTensor], fds: list[tuple[int, int]]):
-        self.tensors, self.fds = tensors, fds
+    def __init__(self, tensors: dict[str, OutTensor], fds: list[tuple[int, int]], prefix: str):
+        self.tensors, self.fds, self.prefix = tensors, fds, prefix
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -260,8 +258,8 @@ class ChunkToFilePlanner(LoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         items = []
         for name in self.tensors:
-            for chunk in self.metadata.state_dict_metadata[MODEL_PREFIX + name].chunks:
-                index = MetadataIndex(MODEL_PREFIX + name, chunk.offsets)
+            for chunk in self.metadata.state_dict_metadata[self.prefix + name].chunks:
+                index = MetadataIndex(self.prefix + name, chunk.offsets)
                 items.append(ReadItem(LoadItemType.TENSOR, index, chunk.offsets, index,
                                       torch.Size([0] * len(chunk.sizes)), chunk.sizes))
         return LoadPlan(items)
@@ -281,7 +279,7 @@ class ChunkToFilePlanner(LoadPlanner):
         return torch.empty(read_item.lengths, dtype=saved)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        out = self.tensors[read_item.dest_index.fqn[len(MODEL_PREFIX):]]
+        out = self.tensors[read_item.dest_index.fqn[len(self.prefix):]]
         fd, data_start = self.fds[out.file]
         flat, size = tensor.contiguous().reshape(-1), out.dtype.itemsize
         starts, run = chunk_runs(read_item.dest_offsets, read_item.lengths, out.shape)
@@ -335,7 +333,7 @@ def write_share(ckpt_path: str, out_dir: str, files: list[list[OutTensor]], shar
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
-            dcp.load({}, storage_reader=SingleCopyReader(ckpt_path), planner=ChunkToFilePlanner(tensors, fds),
+            dcp.load({}, storage_reader=SingleCopyReader(ckpt_path), planner=ChunkToFilePlanner(tensors, fds, schema_of(ckpt_path).model_prefix),
                      no_dist=True)
         for fd, _ in fds:
             os.fsync(fd)
@@ -426,9 +424,7 @@ class ExportPlan:
 def source_dtype(ckpt_path: str, config) -> torch.dtype:
     """The export dtype `auto` means: the source model's torch_dtype when training started from weights
     (model.name_or_path), fp32 for a random init (nothing to follow) or a non-float / unknown dtype."""
-    with open(os.path.join(ckpt_path, CONFIG_FILE)) if os.path.isfile(os.path.join(ckpt_path, CONFIG_FILE)) else \
-            io.StringIO("") as f:
-        pretrained = ((yaml.safe_load(f) or {}).get("model") or {}).get("name_or_path")
+    pretrained = schema_of(ckpt_path).pretrained
     found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(found, str):
         found = getattr(torch, found, None)
@@ -446,13 +442,14 @@ def plan_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_siz
     cls_name, names, aliases = model_names(config)
     saved = FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
     names = [n for n in names if n not in aliases]  # save_pretrained writes the tied source only
-    in_ckpt = {k[len(MODEL_PREFIX):] for k in saved if k.startswith(MODEL_PREFIX)}
+    prefix = schema_of(ckpt_path).model_prefix
+    in_ckpt = {k[len(prefix):] for k in saved if k.startswith(prefix)}
     missing, extra = [n for n in names if n not in in_ckpt], sorted(in_ckpt - set(names) - set(aliases))
     if missing or extra:
         raise CheckpointError(f"{ckpt_path} is not a checkpoint of {cls_name} from {model_dir}: "
                               f"missing {_few(missing)}, extra {_few(extra)}")
     out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else EXPORT_DTYPES[dtype]
-    files = plan_files(saved, names, out_dtype, parse_size(max_shard_size))
+    files = plan_files(saved, names, out_dtype, parse_size(max_shard_size), prefix)
     return ExportPlan(ckpt_path, os.path.normpath(out_dir), model_dir, tok_dir, config, cls_name, names, files,
                       out_dtype)
 
@@ -509,13 +506,12 @@ def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=Non
     import torch.distributed as dist
 
     from .adapter import export_lora, lora_info
-    from .manager import on_rank0_then_share
 
     if lora_info(ckpt_path) is not None:  # merged LoRA: one streaming writer (the base is read once, in order)
-        return on_rank0_then_share(lambda: export_lora(ckpt_path, out_dir, dtype), group)
+        return on_rank0_then_share(lambda: export_lora(ckpt_path, out_dir, dtype), group, CheckpointError)
     plan = plan_export(ckpt_path, out_dir, dtype)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    on_rank0_then_share(lambda: start_export(plan), group)
+    on_rank0_then_share(lambda: start_export(plan), group, CheckpointError)
     problem = None
     try:
         write_share(plan.ckpt_path, plan.tmp, plan.files, tensor_shares(plan.files, world)[rank])
@@ -524,9 +520,9 @@ def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=Non
     problems = [None] * world
     dist.all_gather_object(problems, problem, group=group)
     if any(problems):
-        on_rank0_then_share(lambda: shutil.rmtree(plan.tmp, ignore_errors=True), group)
+        on_rank0_then_share(lambda: shutil.rmtree(plan.tmp, ignore_errors=True), group, CheckpointError)
         raise CheckpointError(next(p for p in problems if p))
-    on_rank0_then_share(lambda: finish_export(plan), group)
+    on_rank0_then_share(lambda: finish_export(plan), group, CheckpointError)
     return plan.summary()
 
 

@@ -13,7 +13,6 @@ resume would fail; 0 otherwise (a listing is 0 even when it shows bad checkpoint
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -22,52 +21,31 @@ from collections import defaultdict
 
 import torch
 import torch.distributed.checkpoint as dcp
-import yaml
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from finetune.dist import divisibility_problem
 from .commit import VerifyError, verify_checkpoint
-from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, step_of
-from .state import rng_key
+from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, step_of
+from .schema import schema_of
+from .state import DERIVED_SEED, rng_key
 
-# Small bytes items worth showing as "train state" (what train_fsdp.py stores besides model and optimizer).
-TRAIN_STATE_KEYS = ("progress.", "data.", "scheduler.last_epoch", "scheduler._last_lr")
 
 
 # ---------------------------------------------------------------- reading one checkpoint
-
-def read_meta_or_empty(path: str) -> dict:
-    try:
-        with open(os.path.join(path, META_FILE)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
-
 
 def rng_world_size(meta: dict) -> int | None:
     """How many ranks' RNG blobs (rng_rank<r>) the checkpoint holds: a reshard keeps the original's."""
     return meta.get("rng_world_size", meta.get("world_size"))
 
 
-def global_batch_size(path: str) -> int | None:
-    """data.global_batch_size from the checkpoint's config.yaml (None when there is none)."""
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            return int(yaml.safe_load(f)["data"]["global_batch_size"])
-    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
-        return None
-
-
 def world_size_problem(path: str, world_size: int) -> str | None:
-    """Why `path` cannot resume at `world_size` ranks, or None. The same rule as finetune.data.BatchPlan."""
+    """Why `path` cannot resume at `world_size` ranks, or None: a value its schema says the world size
+    must divide (the trainer's batch rule, finetune.dist.divisibility_problem) that it does not."""
     if world_size < 1:
         return f"world size must be >= 1, got {world_size}"
-    g = global_batch_size(path)
-    if g is not None and g % world_size:
-        ok = [w for w in range(1, g + 1) if g % w == 0]
-        return (f"data.global_batch_size={g} is not divisible by world size {world_size}; "
-                f"world sizes that work: {ok}")
-    return None
+    problems = [divisibility_problem(k, v, world_size) for k, v in schema_of(path).divides.items()]
+    return next((p for p in problems if p), None)
 
 
 def checkpoint_status(path: str) -> tuple[bool, str]:
@@ -141,7 +119,7 @@ def list_checkpoints(ckpt_dir: str) -> int:
         return 1
     print(f"{'step':>8}  {'world':>5}  {'size':>10}  {'score':>9}  status")
     for step, path in dirs:
-        meta = read_meta_or_empty(path)
+        meta = read_meta(path, missing_ok=True)
         world = meta.get("world_size", "?")
         if meta.get("rng_world_size", world) != world:
             world = f"{world}*"  # resharded: RNG blobs still from the original world size
@@ -151,7 +129,7 @@ def list_checkpoints(ckpt_dir: str) -> int:
 
 
 def show_checkpoint(path: str, tensors_too: bool = False) -> int:
-    meta = read_meta_or_empty(path)
+    meta = read_meta(path, missing_ok=True)
     ok, status = checkpoint_status(path)
     print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
     if "score" in meta:
@@ -168,7 +146,8 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
         print(f"error: {path}: cannot read DCP metadata: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     md = metadata.state_dict_metadata
-    wanted = [k for k in md if k.startswith(TRAIN_STATE_KEYS) and isinstance(md[k], BytesStorageMetadata)]
+    train_state = schema_of(path).train_state_keys
+    wanted = [k for k in md if k.startswith(train_state) and isinstance(md[k], BytesStorageMetadata)]
     if ok and wanted:
         print("train state:")
         for k, v in sorted(read_items(path, wanted).items()):
@@ -176,7 +155,10 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
     print(f"{len(tensors)} tensors ({_mib(sum(_nbytes(v) for v in tensors.values()))}), "
           f"{len(md) - len(tensors)} bytes items")
-    (_print_all_keys if tensors_too else _print_key_groups)(md)
+    if tensors_too:
+        _print_all_keys(md)
+    else:
+        _print_key_groups(md, schema_of(path).optim_prefix)
     return 0 if ok else 1
 
 
@@ -184,14 +166,14 @@ def _nbytes(md: TensorStorageMetadata) -> int:
     return math.prod(md.size) * md.properties.dtype.itemsize
 
 
-def key_group(key: str) -> str:
-    """app.model.model.layers.7.mlp.up_proj.weight -> app.model.model.layers.*; the optimizer's state per
-    kind (app.optim.state.*.exp_avg): a few lines for any model size."""
+def key_group(key: str, optim_prefix: str) -> str:
+    """<model prefix>model.layers.7.mlp.up_proj.weight -> <model prefix>model.layers.*; the optimizer's state
+    per kind (<optim prefix>state.*.exp_avg): a few lines for any model size."""
     parts = key.split(".")
     if parts[0].startswith(rng_key(0)[:-1]):
         return rng_key(0)[:-1] + "*"
-    if parts[:3] == ["app", "optim", "state"]:
-        return f"app.optim.state.*.{parts[-1]}"
+    if key.startswith(optim_prefix + "state."):
+        return f"{optim_prefix}state.*.{parts[-1]}"
     head = []
     for part in parts[:-1]:
         head.append("*" if part.isdigit() else part)
@@ -200,10 +182,10 @@ def key_group(key: str) -> str:
     return ".".join(head) or key
 
 
-def _print_key_groups(md: dict) -> None:
+def _print_key_groups(md: dict, optim_prefix: str) -> None:
     groups: dict[str, list] = defaultdict(lambda: [0, 0, set()])  # tensors, bytes, dtypes
     for k, v in md.items():
-        g = groups[key_group(k)]
+        g = groups[key_group(k, optim_prefix)]
         g[0] += 1
         if isinstance(v, TensorStorageMetadata):
             g[1] += _nbytes(v)
@@ -227,7 +209,7 @@ def _print_all_keys(md: dict) -> None:
 
 def dry_run(path: str, world_size: int) -> int:
     """Would `train_fsdp.py` resume `path` at `world_size` ranks, and what moves? Mirrors train_fsdp.resume."""
-    meta = read_meta_or_empty(path)
+    meta = read_meta(path, missing_ok=True)
     saved = meta.get("world_size", "?")
     print(f"dry run: resume {path} (step {meta.get('step', step_of(path))}, saved by {saved} ranks) "
           f"at {world_size} ranks")
@@ -237,21 +219,21 @@ def dry_run(path: str, world_size: int) -> int:
     if problem:
         print(f"  NO: {problem}")
         return 1
-    g = global_batch_size(path)
-    if g is not None:
-        print(f"  global batch {g} = {world_size} ranks x {g // world_size} samples (micro batches adapt)")
-    state = read_items(path, [k for k in ("data.position", "progress.step")
+    schema = schema_of(path)
+    for key, value in schema.divides.items():
+        print(f"  {key} {value} = {world_size} ranks x {value // world_size} (micro batches adapt)")
+    state = read_items(path, [k for k in (schema.position_key, schema.step_key)
                               if k in FileSystemReader(path).read_metadata().state_dict_metadata])
-    if "data.position" in state:
-        print(f"  data: continues at global sample {state['data.position']}: the same samples in the same "
+    if schema.position_key in state:
+        print(f"  data: continues at global sample {state[schema.position_key]}: the same samples in the same "
               "order as a run that never stopped")
     _print_remap(path, saved if isinstance(saved, int) else 1, world_size)
     rng_world = rng_world_size(meta)
     if rng_world == world_size:
         print(f"  RNG: restored per rank from rng_rank0..{world_size - 1}")
     else:
-        step = state.get("progress.step", meta.get("step"))
-        print(f"  RNG: saved by {rng_world} ranks, so re-derived on each rank as seed*1000 + rank + 7919*step "
+        step = state.get(schema.step_key, meta.get("step"))
+        print(f"  RNG: saved by {rng_world} ranks, so re-derived on each rank as {DERIVED_SEED} "
               f"(seed {meta.get('seed', '?')}, step {step}); dropout-free training follows the same trajectory")
     print(f"  OK: resume with {world_size} ranks and ckpt.resume={path}")
     return 0
@@ -261,7 +243,7 @@ def _print_remap(path: str, saved_world: int, world_size: int) -> None:
     metadata = FileSystemReader(path).read_metadata()
     md = metadata.state_dict_metadata
     sharded = [k for k, v in md.items() if isinstance(v, TensorStorageMetadata) and is_dim0_sharded(v, saved_world)]
-    whole = [k for k, v in md.items() if k not in sharded and not k.startswith("rng_rank")]
+    whole = [k for k, v in md.items() if k not in sharded and not k.startswith(rng_key(0)[:-1])]
     verb = ("keep their layout" if saved_world == world_size
             else f"go from {saved_world} to {world_size} shards (DCP reshards on load)")
     print(f"  model + optimizer: {len(sharded)} tensors sharded on dim 0 {verb}:")

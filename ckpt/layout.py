@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -44,3 +45,23 @@ def list_step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
 def is_marked_committed(path: str) -> bool:
     """Cheap check: the marker exists. `commit.verify_checkpoint` is the full check."""
     return os.path.isfile(os.path.join(path, COMMIT_FILE))
+
+
+def read_meta(path: str, missing_ok: bool = False) -> dict:
+    """The checkpoint's meta.json; with missing_ok, {} for a missing or unreadable one (listings, retention)."""
+    try:
+        with open(os.path.join(path, META_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        if missing_ok:
+            return {}
+        raise
+
+
+def read_saved_config(path: str) -> str | None:
+    """The training config saved beside the shards (text), or None for a checkpoint without one."""
+    try:
+        with open(os.path.join(path, CONFIG_FILE)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None

@@ -1,14 +1,14 @@
-"""CheckpointManager: the training script says *when* (save / load / finish); this decides *how*.
+"""CheckpointManager: saves, commits and resumes for one ckpt.dir; loop.py says when, this says how.
 
     python -m pytest tests/test_ckpt_resume.py
 
-- save(): sync (`dcp.save`) or async (`dcp.async_save` with a reused `DefaultStager`, thread or
-  process uploader). Training blocks only while the state is staged; at most one save is in flight.
+- save(): sync (`dcp.save`) or async (`dcp.async_save` with a reused stager, thread or process uploader,
+  uploader.py). Training blocks only while the state is staged; at most one save is in flight.
 - commit: each rank checksums the files it writes as it writes them; DCP's finish gathers the digests
-  to rank 0, which writes the marker from them (commit.py), then applies retention. Errors in the
-  background are kept and raised by the next poll()/wait()/save().
-- load(): verified checkpoints only, each rank checking its share of the files (O(bytes / W)) and all
-  agreeing on the verdict; resume="auto" walks back from the newest, logging what it skips.
+  to rank 0, which writes the marker from them (commit.py) on the committer thread, then applies
+  retention (retention.py). Errors in the background are kept and raised by the next poll()/wait()/save(),
+  on every rank at the same step (the agreement all-reduce).
+- resume: find_resume / verify / load (resume.py).
 - lock: rank 0 holds <ckpt.dir>/.lock for the life of the job (lock.py).
 Checkpoint collectives run on a dedicated gloo group, so they never queue behind training collectives
 and async save has the CPU backend it needs even when training runs on NCCL.
@@ -16,15 +16,7 @@ and async save has the CPU backend it needs even when training runs on NCCL.
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import errno
-import json
-import logging
 import os
-import shutil
-import signal
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -33,181 +25,23 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
-from .checksum import ChecksummingWriter
-from .commit import VerifyError, check_files, check_manifest, commit_checkpoint, shares
+from finetune.dist import on_rank0_then_share
+from . import resume as _resume
+from .commit import commit_checkpoint
+from .errors import SAVE_ERRORS, CheckpointError, DiskFullError, collective_timed_out, save_failure
+from .faults import fault_point
+from .layout import is_marked_committed, list_step_dirs, step_dir, step_of
 from .lock import DirLock, LockError
-from .faults import TornWriteFileSystem, fault_point, wants
 from .preflight import process_staging_shortfall
-from .inspect import read_meta_or_empty
-from .layout import COMMIT_FILE, CONFIG_FILE, list_step_dirs, is_marked_committed, step_dir, step_of
-
-
-class CheckpointError(RuntimeError):
-    """A save, load or lock problem; the message names the checkpoint and the cause."""
-
-
-class DiskFullError(CheckpointError):
-    """A save failed because its filesystem is full: another save there (an emergency one) cannot succeed."""
-
-
-# DCP's CheckpointException derives from BaseException, so `except Exception` misses it
-SAVE_ERRORS = (Exception, CheckpointException)
-
-
-def _errors_in(error: BaseException):
-    """`error`, its causes, and the per-rank failures inside a DCP CheckpointException."""
-    seen, todo = set(), [error]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [e.__cause__, e.__context__]
-        if isinstance(e, CheckpointException):
-            todo += [exc for exc, _ in e.failures.values()]
-
-
-def _disk_full(error: BaseException, path: str) -> bool:
-    """ENOSPC/EDQUOT anywhere in the error, or (torch.save's zip writer reports "unexpected pos" instead of
-    the errno) less than 1 MiB left on the filesystem of `path` right after the failure."""
-    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _errors_in(error)):
-        return True
-    try:
-        return shutil.disk_usage(path).free < 2**20
-    except OSError:
-        return False
-
-
-def _cause(error: BaseException) -> str:
-    """One line: the first rank's own exception of a CheckpointException (its str() is a traceback wall)."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (exc, _) = next(iter(sorted(error.failures.items(), key=lambda kv: kv[0])))
-        return f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    return f"{type(error).__name__}: {error}"
-
-
-def save_failure(error: BaseException, ckpt_dir: str, what: str) -> CheckpointError:
-    """The one-line error of a failed write under `ckpt_dir`; DiskFullError when its filesystem is full."""
-    if isinstance(error, CheckpointError):
-        return error
-    if collective_timed_out(error):
-        return CheckpointError(f"writing {what}: a checkpoint collective timed out waiting for another rank, which "
-                               "is stuck or dead")
-    if _disk_full(error, ckpt_dir):
-        return DiskFullError(f"no space left on {ckpt_dir} while writing {what}")
-    return CheckpointError(f"writing {what} failed: {_cause(error)}")
-
-
-class _Writer(ChecksummingWriter):
-    """The checkpoint writer (fsync + checksums, checksum.py) with the `write` fault point for the tests.
-
-    per_thread_copy_ahead=0: the staged state is already in host memory, and DCP's default (10 MB) sends
-    the upload through its CUDA-stream loader, which opens a CUDA context on GPU 0 from every rank's
-    uploader thread or process."""
-
-    def __init__(self, path: str, step: int):
-        torn = TornWriteFileSystem(step) if wants("partial_write") else None  # tests: files that tear early
-        super().__init__(path, torn, per_thread_copy_ahead=0)
-        self.step = step
-
-    def write_data(self, plan, planner):
-        fault_point("write", self.step)
-        return super().write_data(plan, planner)
-
-
-class _StagingWait:
-    """What the training thread waited for one save's background staging, and when it has (see wait_for_staging)."""
-
-    def __init__(self):
-        self.wait_s = 0.0
-        self.done = threading.Event()
+from .retention import apply_retention, clear_stale
+from .uploader import _planner, _preemption_signals_blocked, _StagingWait, _Writer, make_stager, stop_uploader_process
 
 
 def _noop(*_args, **_kwargs) -> None:
     pass
-
-
-def _planner() -> DefaultSavePlanner:
-    """Save-plan caching: from the second save on, a rank whose local plan is unchanged (same keys,
-    shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan."""
-    return DefaultSavePlanner(enable_plan_caching=True)
-
-
-@contextlib.contextmanager
-def _preemption_signals_blocked():
-    """Block SIGTERM/SIGUSR1 while DCP starts its upload thread (and, in process mode, the uploader
-    process): both inherit the mask, so a preemption signal sent to every process of the job (SLURM
-    does) reaches only the training process, which finishes the in-flight upload before its emergency
-    save, instead of killing the uploader mid-write. A signal arriving meanwhile stays pending and is
-    delivered to the training process when the mask is restored."""
-    from multiprocessing import resource_tracker
-    resource_tracker.ensure_running()  # started lazily later, it would SIG_UNBLOCK SIGTERM in the spawning thread
-    atexit.register(stop_uploader_process)  # the uploader ignores SIGTERM, so multiprocessing's exit hook can't stop it
-    sigs = {signal.SIGTERM, signal.SIGUSR1}
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def stop_uploader_process() -> None:
-    """Stop DCP's process-mode uploader: ask it to exit, SIGKILL it if it doesn't within 30 s.
-
-    It has SIGTERM blocked (above), so `Process.terminate()` in multiprocessing's own exit hook would
-    wait forever. DCP keeps it in a private module global; this is the one place that touches it."""
-    from torch.distributed.checkpoint import _async_process_executor as uploader
-    proc = getattr(uploader, "_CHECKPOINT_PROCESS", None)
-    if proc is None:
-        return
-    uploader._CHECKPOINT_PROCESS = None
-    try:
-        if proc._save_process.is_alive():
-            proc._send(uploader._CheckpointSaveProcessControlOpts.TERMINATE)
-            proc._save_process.join(timeout=30)
-    except (OSError, EOFError):  # pipe already gone: the process is dead or dying
-        pass
-    finally:
-        if proc._save_process.is_alive():
-            proc._save_process.kill()
-            proc._save_process.join()
-
-
-def collective_timed_out(error: BaseException) -> bool:
-    """Whether `error` is a collective that gave up waiting for a rank (gloo's "Timed out waiting ...", as
-    such, as a cause, or inside a DCP CheckpointException). NCCL's watchdog aborts the process instead."""
-    return any(isinstance(e, RuntimeError) and "Timed out waiting" in str(e) for e in _errors_in(error))
-
-
-def quiet_uploader_logs() -> None:
-    """Call in DCP's process-mode uploader while it starts (spawn re-imports the training script there, as
-    `__mp_main__`): DCP sets the root logger to INFO in that process and prints about 3 lines per rank per
-    save. Warnings and errors still print."""
-    logging.disable(logging.INFO)
-
-
-def on_rank0_then_share(fn: Callable[[], object], group=None, error_type=None) -> object:
-    """Run fn on rank 0 only and hand every rank its result or its error, so all ranks fail together
-    with the same message instead of the others hanging in the next collective."""
-    error_type = error_type or CheckpointError
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    out = [None, None]
-    if rank == 0:
-        try:
-            out[0] = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            out[1] = f"{e}" if isinstance(e, error_type) else f"{type(e).__name__}: {e}"
-    if dist.is_initialized():
-        dist.broadcast_object_list(out, src=0, group=group)
-    if out[1] is not None:
-        raise error_type(out[1])
-    return out[0]
 
 
 class CheckpointManager:
@@ -237,7 +71,7 @@ class CheckpointManager:
     # ------------------------------------------------------------ agreement helpers
 
     def _on_rank0_then_share(self, fn: Callable[[], object]) -> object:
-        return on_rank0_then_share(fn, self.pg)
+        return on_rank0_then_share(fn, self.pg, CheckpointError)
 
     def _any_rank(self, *flags: bool) -> list[bool]:
         """Each flag, OR-ed over all ranks. A save that fails on one rank only (its uploader died, rank 0's
@@ -279,12 +113,7 @@ class CheckpointManager:
 
     def _stager_for_mode(self) -> DefaultStager:
         if self._stager is None:
-            cuda = torch.cuda.is_available()
-            # Reused across saves: StateDictStager caches its CPU buffers per source storage, so only
-            # the first save allocates. Shared memory lets the uploader process read them with no copy.
-            self._stager = DefaultStager(StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=self.async_mode == "process",
-                use_async_staging=cuda, use_non_blocking_copy=cuda))
+            self._stager = make_stager(self.async_mode)
         return self._stager
 
     def save(self, step: int, state: dict, files: dict[str, str], blocking: bool = False) -> float:
@@ -299,7 +128,7 @@ class CheckpointManager:
 
         def prepare():
             if os.path.lexists(path):
-                self._clear_stale(path)  # leftover of a crashed save of this same step, never committed data we keep
+                clear_stale(path, self.on_log)  # leftover of a crashed save of this same step, never committed data we keep
             try:
                 os.makedirs(path)
                 for name, text in files.items():
@@ -376,16 +205,6 @@ class CheckpointManager:
         self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s + staged.wait_s,
                       upload_s=upload_s, committed_s=committed_s, staging_wait_s=staged.wait_s, retention_s=retention_s)
 
-    def _clear_stale(self, path: str) -> None:
-        """Remove a folder (or anything else) in the way of this step's save. It is not a checkpoint this job
-        trusts: resume verified newer ones and skipped it, or it is this job's own failed attempt. If it
-        cannot be removed (a damaged tree), it is moved aside so the save goes on."""
-        _remove_checkpoint(path)
-        if os.path.lexists(path):
-            aside = f"{path}.damaged-{os.getpid()}-{int(time.time())}"
-            os.replace(path, aside)
-            self.on_log(f"checkpoint: moved damaged {path} aside to {aside}")
-
     def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> float:
         """Write the marker, then apply retention; returns the seconds retention took. The checkpoint is
         committed once the marker is durable, so committed_s stops there: deleting old checkpoints (rmtree of
@@ -402,19 +221,7 @@ class CheckpointManager:
         return time.perf_counter() - t0
 
     def _apply_retention(self, newest: int) -> None:
-        """Delete committed checkpoints beyond keep_last (oldest first) and dead partial folders older
-        than `newest`, the step just committed. Folders of later steps are left alone: they are from an
-        earlier run (e.g. skipped as corrupt on resume) and must not push out the checkpoint just made.
-        Runs right after a commit, when no other save can be in flight."""
-        dirs = [(s, p) for s, p in list_step_dirs(self.dir) if s <= newest]
-        committed = [(s, p) for s, p in dirs if is_marked_committed(p)]
-        doomed = committed[:-self.keep_last] if self.keep_last else []
-        best = best_scored(committed, self.keep_best)
-        doomed = [(s, p) for s, p in doomed if s not in best]
-        doomed += [(s, p) for s, p in dirs if s < newest and not is_marked_committed(p)]
-        for s, p in doomed:
-            _remove_checkpoint(p)
-            self.on_log(f"retention: deleted {p}")
+        apply_retention(self.dir, newest, self.keep_last, self.keep_best, self.on_log)
 
     def poll(self) -> None:
         """Raise the error of a finished background save, on every rank at once. Call it every step:
@@ -460,116 +267,17 @@ class CheckpointManager:
     # ------------------------------------------------------------ resume
 
     def find_resume(self, resume: str) -> str | None:
-        """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one.
-        Every rank takes part: rank 0 lists the folders, each rank checks its share of each one's files."""
-        if resume == "none":
-            return None
-        if resume != "auto":
-            try:
-                self.verify(resume)
-            except VerifyError as e:
-                raise CheckpointError(f"cannot resume from {resume}: {e}") from None
-            return resume
-        for step, path in reversed(self._on_rank0_then_share(lambda: list_step_dirs(self.dir))):
-            try:
-                self.verify(path)
-                return path
-            except VerifyError as e:
-                self.on_log(f"resume: skipping {path}: {e}")
-                self.on_event("resume_skip", step=step, path=path, reason=str(e))
-        return None
+        """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
+        return _resume.find_resume(self.dir, resume, self.pg, self.on_log, self.on_event)
 
     def verify(self, path: str) -> dict:
-        """verify_checkpoint split over the ranks: rank 0 checks the manifest (no data read), each rank the
-        sizes and checksums of its share of the files (O(bytes / W)), and all agree on one verdict.
-        Returns the marker; raises VerifyError, with the same message, on every rank."""
-        marker = on_rank0_then_share(lambda: check_manifest(path), self.pg, VerifyError)
-        mine = shares(marker["files"], self.world_size)[self.rank]
-        problem = check_files(path, marker, mine)
-        if self.pg is not None:
-            flag = torch.tensor([float(problem is not None)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pg)
-            if flag.item():  # only on failure: every rank learns the first problem found
-                problems = [None] * self.world_size
-                dist.all_gather_object(problems, problem, group=self.pg)
-                problem = next(p for p in problems if p is not None)
-        if problem:
-            raise VerifyError(problem)
-        return marker
+        return _resume.verify(path, self.pg)
 
-    def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "app.model.") -> None:
-        """Load `state` in place from a verified checkpoint; `model_state` (the current model's state
-        dict) is checked against the saved shapes first, for an error that names the mismatch."""
-        if model_state is not None:
-            check_model_matches(path, model_state, prefix)
-        try:
-            dcp.load(state, checkpoint_id=path, process_group=self.pg)
-        except SAVE_ERRORS as e:
-            raise CheckpointError(f"loading {path} failed: {_cause(e)}") from e
+    def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:
+        """Load `state` in place (resume.py); `model_state` is checked against the keys under `prefix` first."""
+        _resume.load(path, state, self.pg, model_state, prefix)
         if os.path.realpath(os.path.dirname(os.path.normpath(path))) == os.path.realpath(self.dir):
             self.last_saved_step = step_of(path)  # a final save of this same step must not rewrite (and risk) it
-
-
-def _remove_checkpoint(path: str) -> None:
-    """Marker first: a crash halfway through leaves an uncommitted folder, never a marked partial one.
-    Anything may stand where a file or folder belongs (a folder named commit.json, a file named step-N)."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-        return
-    marker = os.path.join(path, COMMIT_FILE)
-    if os.path.isdir(marker) and not os.path.islink(marker):
-        shutil.rmtree(marker, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(marker)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def best_scored(checkpoints: list[tuple[int, str]], k: int) -> set[int]:
-    """Steps of the k checkpoints with the lowest meta.json `score` (the trainer's eval loss); unscored never count."""
-    scored = [(meta["score"], s) for s, p in checkpoints if k and "score" in (meta := read_meta_or_empty(p))]
-    return {s for _, s in sorted(scored)[:k]}
-
-
-def read_meta(path: str) -> dict:
-    with open(os.path.join(path, "meta.json")) as f:
-        return json.load(f)
-
-
-def read_saved_config(path: str) -> str | None:
-    """The training config saved beside the shards (text), or None for a checkpoint without one."""
-    try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            return f.read()
-    except FileNotFoundError:
-        return None
-
-
-def _few(names: list[str], shown: int = 3) -> str:
-    more = f" and {len(names) - shown} more" if len(names) > shown else ""
-    return ", ".join(f"'{n}'" for n in names[:shown]) + more
-
-
-def check_model_matches(path: str, model_state: dict, prefix: str = "app.model.") -> None:
-    """Same tensor names in both directions, and the same shapes: a checkpoint of a deeper model must not
-    load into a shallower one by leaving the extra layers behind."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
-    in_ckpt = {k[len(prefix):] for k in saved if k.startswith(prefix)}
-    lacking = sorted(set(model_state) - in_ckpt)
-    extra = sorted(in_ckpt - set(model_state))
-    if lacking:
-        raise CheckpointError(f"checkpoint {path} does not match the model: it has no {_few(lacking)} "
-                              "(a different model architecture?)")
-    if extra:
-        raise CheckpointError(f"checkpoint {path} does not match the model: the model has no {_few(extra)} "
-                              f"({len(extra)} saved tensors; a different model architecture?)")
-    for name, tensor in model_state.items():
-        key = prefix + name
-        saved_shape = tuple(getattr(saved[key], "size", ()))
-        if saved_shape != tuple(tensor.shape):
-            raise CheckpointError(f"checkpoint {path} does not match the model: '{name}' is {list(saved_shape)} "
-                                  f"in the checkpoint but {list(tensor.shape)} in the model")
 
 
 def latest_committed_step(ckpt_dir: str) -> int | None:
@@ -577,5 +285,4 @@ def latest_committed_step(ckpt_dir: str) -> int | None:
     return steps[-1] if steps else None
 
 
-__all__ = ["CheckpointManager", "CheckpointError", "DiskFullError", "best_scored", "collective_timed_out",
-           "on_rank0_then_share", "read_meta", "read_saved_config", "latest_committed_step", "step_of"]
+__all__ = ["CheckpointManager", "CheckpointError", "DiskFullError", "collective_timed_out", "latest_committed_step"]

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import time
 
@@ -36,8 +35,9 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from .checksum import ChecksummingWriter
 from .commit import VerifyError, commit_checkpoint, verify_checkpoint
-from .inspect import is_dim0_sharded, read_meta_or_empty, rng_world_size, world_size_problem
-from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, step_dir, step_of
+from finetune.dist import free_port
+from .inspect import is_dim0_sharded, rng_world_size, world_size_problem
+from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, read_meta, step_dir, step_of
 
 
 class ReshardError(RuntimeError):
@@ -108,7 +108,7 @@ def state_skeleton(metadata: Metadata, saved_world: int, mesh: DeviceMesh) -> di
 
 def write_files_and_commit(src: str, dst: str, world_size: int, metadata: Metadata) -> None:
     """Rank 0, after every rank's shards and .metadata are written: meta.json, config.yaml, then the marker."""
-    meta = read_meta_or_empty(src)
+    meta = read_meta(src, missing_ok=True)
     meta.update(world_size=world_size, rng_world_size=rng_world_size(meta), resharded_from=os.path.abspath(src),
                 resharded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     with open(os.path.join(dst, META_FILE), "w") as f:
@@ -127,7 +127,7 @@ def _reshard_rank(rank: int, world_size: int, port: int, src: str, dst: str) -> 
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         metadata = FileSystemReader(src).read_metadata()
-        saved_world = int(read_meta_or_empty(src).get("world_size", 1))
+        saved_world = int(read_meta(src, missing_ok=True).get("world_size", 1))
         state = state_skeleton(metadata, saved_world, mesh)
         dcp.load(state, storage_reader=FileSystemReader(src))
         saved = dcp.save(state, storage_writer=ChecksummingWriter(dst))
@@ -136,12 +136,6 @@ def _reshard_rank(rank: int, world_size: int, port: int, src: str, dst: str) -> 
         dist.barrier()  # nobody exits (and tears down the group) before the commit
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reshard(src: str, dst: str, world_size: int) -> int:
@@ -153,12 +147,12 @@ def reshard(src: str, dst: str, world_size: int) -> int:
         return 1
     t0 = time.perf_counter()
     try:
-        mp.start_processes(_reshard_rank, args=(world_size, _free_port(), src, dst), nprocs=world_size,
+        mp.start_processes(_reshard_rank, args=(world_size, free_port(), src, dst), nprocs=world_size,
                            start_method="spawn")
     except mp.ProcessException as e:
         print(f"error: reshard to {dst} failed (left uncommitted, so never resumed from): {e}", file=sys.stderr)
         return 1
-    saved = read_meta_or_empty(src).get("world_size", "?")
+    saved = read_meta(src, missing_ok=True).get("world_size", "?")
     print(f"resharded {src} ({saved} ranks) -> {dst} ({world_size} ranks), committed in "
           f"{time.perf_counter() - t0:.1f}s")
     return 0

@@ -38,20 +38,6 @@ class ModelOptimizer:
                        options=StateDictOptions(strict=not self.has_frozen, ignore_frozen_params=True))
 
 
-class ModelOnly:
-    """The model alone (e.g. to export, or to load weights without optimizer state)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-
-    def state_dict(self) -> dict:
-        model_sd, _ = get_state_dict(self.model, [])
-        return model_sd
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, [], model_state_dict=state, optim_state_dict={})
-
-
 def staging_need(model: torch.nn.Module) -> tuple[int, int]:
     """(tensors, bytes) this rank stages per checkpoint with AdamW: each local parameter shard, two
     moments of its size and dtype, and a step scalar: 12 bytes x params / W for fp32 masters. Frozen
@@ -89,6 +75,15 @@ class RNGState:
                 cuda = cuda[torch.cuda.current_device()] if torch.cuda.current_device() < len(cuda) else None
             if cuda is not None:
                 torch.cuda.set_rng_state(cuda)
+
+
+DERIVED_SEED = "seed*1000 + rank + 7919*step"  # in words, for the logs of train_fsdp.py and `python -m ckpt inspect`
+
+
+def derived_seed(seed: int, rank: int, step: int = 0) -> int:
+    """Each rank's RNG seed at a fresh start (step 0), or after a resume that cannot restore the saved
+    per-rank RNG (another world size): DERIVED_SEED."""
+    return seed * 1000 + rank + 7919 * step
 
 
 def reseed_all(seed: int) -> None:

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from finetune.dist import all_ranks_reduce
+from finetune.dist import all_ranks_reduce, divisibility_problem
 
 IGNORE = -100  # label value that carries no loss (prompt and padding tokens)
 CACHE_VERSION = 2  # bump when the cache layout or the tokenization rule changes
 COMMIT_FILE = "COMMIT"
+BATCH_KEY = "data.global_batch_size"  # the config key BatchPlan splits over the ranks (named in its errors)
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
                   ".text": "text"}
 _MAP_BATCH = 1000  # rows per tokenizer call inside a worker
@@ -610,10 +611,9 @@ class BatchPlan:
     def make(global_batch: int, micro_batch: int, world_size: int) -> "BatchPlan":
         """The global batch is fixed; micro_batch is an upper bound (memory), lowered to the largest divisor
         of the per-rank batch, so any world size that divides the global batch works, e.g. on a resume."""
-        if global_batch % world_size:
-            ok = [w for w in range(1, global_batch + 1) if global_batch % w == 0]
-            raise DataError(f"data.global_batch_size={global_batch} is not divisible by world size {world_size}; "
-                            f"world sizes that work: {ok}")
+        problem = divisibility_problem(BATCH_KEY, global_batch, world_size)
+        if problem:
+            raise DataError(problem)
         per_rank = global_batch // world_size
         micro = max(m for m in range(1, min(micro_batch, per_rank) + 1) if per_rank % m == 0)
         return BatchPlan(global_batch, world_size, micro, per_rank // micro)

@@ -1,5 +1,6 @@
-"""Rank-0 work that other ranks wait for through the filesystem, with no collective deadline; a small integer
-all-reduce for work every rank shares.
+"""Rank-0 helpers shared by data loading and ckpt/: rank-0 work that other ranks wait for through the filesystem
+(no collective deadline), rank-0 work whose result or error every rank receives, a small integer all-reduce,
+a free local port for a one-process group, and the world-size divisibility rule.
 
     python -m pytest tests/test_data.py -q -k wait
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import socket
 import time
 from typing import Callable
 
@@ -80,3 +82,35 @@ def all_ranks_reduce(value: int, op: str) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN}[op])
     return int(t.item())
+
+
+def on_rank0_then_share(fn: Callable[[], object], group, error_type: type[Exception]) -> object:
+    """Run fn on rank 0 only and hand every rank its result or its error (as `error_type`), so all ranks fail
+    together with the same message instead of the others hanging in the next collective."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = [None, None]
+    if rank == 0:
+        try:
+            out[0] = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            out[1] = f"{e}" if isinstance(e, error_type) else f"{type(e).__name__}: {e}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(out, src=0, group=group)
+    if out[1] is not None:
+        raise error_type(out[1])
+    return out[0]
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a process group of this machine only."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def divisibility_problem(name: str, value: int, world_size: int) -> str | None:
+    """Why `value` (the config key `name`) cannot be split evenly over `world_size` ranks, or None."""
+    if value % world_size == 0:
+        return None
+    ok = [w for w in range(1, value + 1) if value % w == 0]
+    return f"{name}={value} is not divisible by world size {world_size}; world sizes that work: {ok}"

@@ -17,7 +17,8 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from ckpt.hf import EXPORT_DTYPES as DTYPES  # one name -> dtype map (model.param_dtype, reduce_dtype, export.dtype)
+
 
 
 class ModelError(ValueError):

@@ -239,12 +239,12 @@ def test_model_check_refuses_saved_tensors_the_model_lacks(tmp_path):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from ckpt.manager import check_model_matches
+    from ckpt.resume import check_model_matches
     t = torch.zeros(2, 3)
     saved = {f"model.layers.{i}.w": t for i in range(3)}
     dcp.save({f"app.model.{k}": v for k, v in saved.items()}, checkpoint_id=str(tmp_path), no_dist=True)
-    check_model_matches(str(tmp_path), saved)
+    check_model_matches(str(tmp_path), saved, "app.model.")
     with pytest.raises(CheckpointError, match=r"the model has no 'model\.layers\.2\.w' \(1 saved tensors"):
-        check_model_matches(str(tmp_path), {k: v for k, v in saved.items() if "layers.2" not in k})
+        check_model_matches(str(tmp_path), {k: v for k, v in saved.items() if "layers.2" not in k}, "app.model.")
     with pytest.raises(CheckpointError, match=r"it has no 'model\.layers\.3\.w'"):
-        check_model_matches(str(tmp_path), {**saved, "model.layers.3.w": t})
+        check_model_matches(str(tmp_path), {**saved, "model.layers.3.w": t}, "app.model.")

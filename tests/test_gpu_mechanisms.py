@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt.manager import _Writer
+from ckpt.uploader import _Writer
 from ckpt.state import RNGState
 
 

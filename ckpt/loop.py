@@ -1,0 +1,125 @@
+"""The checkpoint API a training loop calls: it says which step it is at; this decides whether to save and
+what a failure means.
+
+    python -m pytest tests/test_save_errors.py tests/test_faults.py -q
+
+    checkpoints = TrainingCheckpoints(mgr, options, state, files_for, max_steps, log, event)
+    with checkpoints.emergency_save_on_error(lambda: progress.step):
+        while ...:
+            with checkpoints.step_in_progress():     # a failure in here is never checkpointed
+                train_step(..., before_optimizer_step=checkpoints.before_optimizer_step)
+            if checkpoints.after_step(step, stop_requested):   # True: stop now (preempted)
+                break
+    checkpoints.finish(step, save=True)
+
+- interval rules (steps, minutes, auto) live in policy.py; `after_step` asks them at every step.
+- a failed periodic save stops training unless `continue_on_save_error`; the failed folder has no commit
+  marker, so no resume takes it.
+- on an exception: no emergency save after a collective timed out (a save needs every rank), on a full
+  disk, or in the middle of a step (the batch would be recorded as trained on); otherwise the last
+  finished step is saved synchronously, after the in-flight save is drained.
+`options` is any object with the attributes interval, interval_minutes, mtbf_hours, save_at_end,
+continue_on_save_error (the trainer's checkpoint config); nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+from .errors import CheckpointError, DiskFullError, collective_timed_out
+from .faults import fault_point
+from .policy import SavePolicy
+
+
+class TrainingCheckpoints:
+    def __init__(self, mgr, options, state: dict, files_for: Callable[[int], dict[str, str]], max_steps: int,
+                 log: Callable[[str], None], event: Callable[..., None]):
+        """`state`: the Statefuls to save; `files_for(step)`: the small files written beside the shards."""
+        self.mgr, self.options, self.state, self.files_for = mgr, options, state, files_for
+        self.max_steps, self.log, self.event = max_steps, log, event
+        self.policy = SavePolicy(options.interval, options.interval_minutes, options.mtbf_hours, on_log=log)
+        self.mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
+
+    def before_optimizer_step(self) -> None:
+        """After the last backward: the staged copy must be complete before the optimizer changes parameters."""
+        self.mgr.wait_for_staging()
+
+    @contextlib.contextmanager
+    def step_in_progress(self):
+        self.mid_step = True
+        yield
+        self.mid_step = False
+
+    def after_step(self, step: int, stop_requested: Callable[[], bool]) -> bool:
+        """Raise a finished background save's error; save if an interval rule says so. Returns True when
+        `stop_requested()` (collective: every rank gets the same answer) asks to stop at this step: the
+        caller leaves the loop and `finish` saves it. A request at the last step just finishes."""
+        fault_point("after_step", step)
+        self._tolerated(step, self.mgr.poll)
+        if step < self.max_steps and stop_requested():
+            return True
+        if step < self.max_steps and self.policy.should_save(step):  # the same answer on all ranks
+            self._tolerated(step, self.mgr.wait)  # a failed previous save must not skip this one
+            self._tolerated(step, lambda: self.policy.saved(step, self.mgr.save(step, self.state,
+                                                                                self.files_for(step))))
+        return False
+
+    def _tolerated(self, step: int, checkpoint_call: Callable[[], object]) -> None:
+        try:
+            checkpoint_call()
+        except CheckpointError as e:
+            if not self.options.continue_on_save_error:
+                raise
+            self.log(f"warning: checkpoint failed, training continues (ckpt.continue_on_save_error=true): {e}")
+            self.event("checkpoint_failed", step=step, error=str(e))
+
+    def finish(self, step: int, save: bool) -> None:
+        """The end of training: a synchronous save of `step` (unless already committed) when `save` and a step
+        was taken, then release everything (the lock last)."""
+        try:
+            if save and step > 0:
+                self.final_save(step)
+        finally:
+            self.mgr.close()
+
+    def final_save(self, step: int, save_now: bool = True) -> None:
+        """Drain the in-flight save, then save synchronously unless this step is already committed (or save_now
+        is False: the state is half a step and only the in-flight save, of an earlier step, is worth keeping)."""
+        pending_error = None
+        try:
+            self.mgr.wait()
+        except Exception as e:  # a failed background save must not stop the final one, but is re-raised
+            pending_error = e
+            self.log(f"error: in-flight checkpoint failed: {e}")
+        if save_now and (self.mgr.last_saved_step != step or pending_error is not None):
+            self.mgr.save(step, self.state, self.files_for(step), blocking=True)
+        if pending_error is not None and not self.options.continue_on_save_error:
+            raise pending_error
+
+    @contextlib.contextmanager
+    def emergency_save_on_error(self, current_step: Callable[[], int]):
+        """On an exception inside, save the last finished step before it propagates, where that is safe."""
+        try:
+            yield
+        except BaseException as e:
+            if not isinstance(e, KeyboardInterrupt) and self.options.save_at_end:
+                self._emergency_save(e, current_step())
+            raise
+
+    def _emergency_save(self, e: BaseException, step: int) -> None:
+        if collective_timed_out(e):  # a save needs every rank, and one of them is stuck or gone
+            self.log(f"error at step {step}: a collective timed out; no emergency checkpoint without all ranks")
+            return
+        if isinstance(e, DiskFullError):  # another save on that filesystem cannot succeed
+            self.log(f"error at step {step}: {e}; no emergency checkpoint on a full disk")
+            return
+        if self.mid_step:  # saving now would record a batch as consumed that was never (fully) trained on
+            self.log(f"error inside step {step + 1}: {type(e).__name__}: {e}; no checkpoint of a half-done step: "
+                     "finishing the in-flight one, if any, before exiting")
+        else:
+            self.log(f"error at step {step}: {type(e).__name__}: {e}; saving the last state before exiting")
+        try:
+            self.final_save(step, save_now=not self.mid_step)
+        except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
+            self.log(f"error: emergency save failed too: {save_err}")

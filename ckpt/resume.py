@@ -1,0 +1,103 @@
+"""Resume choice: which checkpoint to load (newest verified, or the one named), verified by all ranks
+together, and a load that names a model mismatch instead of failing inside DCP.
+
+    python -m pytest tests/test_ckpt_unit.py tests/test_ckpt_resume.py -q
+
+Every rank takes part in each call: rank 0 lists the folders and checks the manifest, each rank checks the
+sizes and checksums of its share of the files (O(bytes / W)), and all agree on one verdict.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from finetune.dist import on_rank0_then_share
+from .commit import VerifyError, check_files, check_manifest, shares
+from .errors import SAVE_ERRORS, CheckpointError, cause_line
+from .layout import is_marked_committed, list_step_dirs
+
+
+def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None]) -> str | None:
+    """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
+    if resume == "none":
+        return None
+    if resume != "auto":
+        try:
+            verify(resume, pg)
+        except VerifyError as e:
+            raise CheckpointError(f"cannot resume from {resume}: {e}") from None
+        return resume
+    for step, path in reversed(on_rank0_then_share(lambda: list_step_dirs(ckpt_dir), pg, CheckpointError)):
+        try:
+            verify(path, pg)
+            return path
+        except VerifyError as e:
+            on_log(f"resume: skipping {path}: {e}")
+            on_event("resume_skip", step=step, path=path, reason=str(e))
+    return None
+
+
+def verify(path: str, pg) -> dict:
+    """verify_checkpoint split over the ranks of `pg`. Returns the marker; raises VerifyError, with the same
+    message, on every rank."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if pg is not None else (0, 1)
+    marker = on_rank0_then_share(lambda: check_manifest(path), pg, VerifyError)
+    problem = check_files(path, marker, shares(marker["files"], world_size)[rank])
+    if pg is not None:
+        flag = torch.tensor([float(problem is not None)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
+        if flag.item():  # only on failure: every rank learns the first problem found
+            problems = [None] * world_size
+            dist.all_gather_object(problems, problem, group=pg)
+            problem = next(p for p in problems if p is not None)
+    if problem:
+        raise VerifyError(problem)
+    return marker
+
+
+def load(path: str, state: dict, pg, model_state: dict | None = None, prefix: str = "") -> None:
+    """Load `state` in place from a verified checkpoint; `model_state` (the current model's state dict, saved
+    under the key prefix `prefix`) is checked against the saved shapes first, for an error that names the mismatch."""
+    if model_state is not None:
+        check_model_matches(path, model_state, prefix)
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=pg)
+    except SAVE_ERRORS as e:
+        raise CheckpointError(f"loading {path} failed: {cause_line(e)}") from e
+
+
+def _few(names: list[str], shown: int = 3) -> str:
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(f"'{n}'" for n in names[:shown]) + more
+
+
+def check_model_matches(path: str, model_state: dict, prefix: str) -> None:
+    """Same tensor names in both directions, and the same shapes: a checkpoint of a deeper model must not
+    load into a shallower one by leaving the extra layers behind."""
+    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    in_ckpt = {k[len(prefix):] for k in saved if k.startswith(prefix)}
+    lacking = sorted(set(model_state) - in_ckpt)
+    extra = sorted(in_ckpt - set(model_state))
+    if lacking:
+        raise CheckpointError(f"checkpoint {path} does not match the model: it has no {_few(lacking)} "
+                              "(a different model architecture?)")
+    if extra:
+        raise CheckpointError(f"checkpoint {path} does not match the model: the model has no {_few(extra)} "
+                              f"({len(extra)} saved tensors; a different model architecture?)")
+    for name, tensor in model_state.items():
+        key = prefix + name
+        saved_shape = tuple(getattr(saved[key], "size", ()))
+        if saved_shape != tuple(tensor.shape):
+            raise CheckpointError(f"checkpoint {path} does not match the model: '{name}' is {list(saved_shape)} "
+                                  f"in the checkpoint but {list(tensor.shape)} in the model")
+
+
+def latest_committed_step(ckpt_dir: str) -> int | None:
+    steps = [s for s, p in list_step_dirs(ckpt_dir) if is_marked_committed(p)]
+    return steps[-1] if steps else None
+

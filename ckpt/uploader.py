@@ -1,0 +1,108 @@
+"""DCP's uploader, as the manager uses it: the checksumming writer, the save planner, the stager, and the
+signal mask and shutdown of the process-mode uploader.
+
+    python -m pytest tests/test_staging_wait.py tests/test_preemption.py -q
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import signal
+import threading
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from .checksum import ChecksummingWriter
+from .faults import TornWriteFileSystem, fault_point, wants
+
+
+class _Writer(ChecksummingWriter):
+    """The checkpoint writer (fsync + checksums, checksum.py) with the `write` fault point for the tests.
+
+    per_thread_copy_ahead=0: the staged state is already in host memory, and DCP's default (10 MB) sends
+    the upload through its CUDA-stream loader, which opens a CUDA context on GPU 0 from every rank's
+    uploader thread or process."""
+
+    def __init__(self, path: str, step: int):
+        torn = TornWriteFileSystem(step) if wants("partial_write") else None  # tests: files that tear early
+        super().__init__(path, torn, per_thread_copy_ahead=0)
+        self.step = step
+
+    def write_data(self, plan, planner):
+        fault_point("write", self.step)
+        return super().write_data(plan, planner)
+
+
+class _StagingWait:
+    """What the training thread waited for one save's background staging, and when it has (see wait_for_staging)."""
+
+    def __init__(self):
+        self.wait_s = 0.0
+        self.done = threading.Event()
+
+
+
+def _planner() -> DefaultSavePlanner:
+    """Save-plan caching: from the second save on, a rank whose local plan is unchanged (same keys,
+    shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan."""
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
+@contextlib.contextmanager
+def _preemption_signals_blocked():
+    """Block SIGTERM/SIGUSR1 while DCP starts its upload thread (and, in process mode, the uploader
+    process): both inherit the mask, so a preemption signal sent to every process of the job (SLURM
+    does) reaches only the training process, which finishes the in-flight upload before its emergency
+    save, instead of killing the uploader mid-write. A signal arriving meanwhile stays pending and is
+    delivered to the training process when the mask is restored."""
+    from multiprocessing import resource_tracker
+    resource_tracker.ensure_running()  # started lazily later, it would SIG_UNBLOCK SIGTERM in the spawning thread
+    atexit.register(stop_uploader_process)  # the uploader ignores SIGTERM, so multiprocessing's exit hook can't stop it
+    sigs = {signal.SIGTERM, signal.SIGUSR1}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def stop_uploader_process() -> None:
+    """Stop DCP's process-mode uploader: ask it to exit, SIGKILL it if it doesn't within 30 s.
+
+    It has SIGTERM blocked (above), so `Process.terminate()` in multiprocessing's own exit hook would
+    wait forever. DCP keeps it in a private module global; this is the one place that touches it."""
+    from torch.distributed.checkpoint import _async_process_executor as uploader
+    proc = getattr(uploader, "_CHECKPOINT_PROCESS", None)
+    if proc is None:
+        return
+    uploader._CHECKPOINT_PROCESS = None
+    try:
+        if proc._save_process.is_alive():
+            proc._send(uploader._CheckpointSaveProcessControlOpts.TERMINATE)
+            proc._save_process.join(timeout=30)
+    except (OSError, EOFError):  # pipe already gone: the process is dead or dying
+        pass
+    finally:
+        if proc._save_process.is_alive():
+            proc._save_process.kill()
+            proc._save_process.join()
+
+
+def quiet_uploader_logs() -> None:
+    """Call in DCP's process-mode uploader while it starts (spawn re-imports the training script there, as
+    `__mp_main__`): DCP sets the root logger to INFO in that process and prints about 3 lines per rank per
+    save. Warnings and errors still print."""
+    logging.disable(logging.INFO)
+
+
+
+def make_stager(async_mode: str) -> DefaultStager:
+    """Reused across saves: StateDictStager caches its CPU buffers per source storage, so only the first save
+    allocates. Shared memory lets the uploader process read them with no copy."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=async_mode == "process",
+                                        use_async_staging=cuda, use_non_blocking_copy=cuda))
