@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointError, CheckpointManager, CheckpointSchema, ModelOptimizer, RNGState, TrainingCheckpoints, \
-    collective_timed_out, read_meta, read_saved_config, reseed_all, rng_key, staging_need, step_dir
+    collective_timed_out, read_meta, reseed_all, rng_key, staging_need, step_dir
 from ckpt.adapter import check_same_base
 from ckpt.faults import fault_point
 from ckpt.state import DERIVED_SEED, derived_seed
 from finetune.config import Config, ConfigError, config_hash, load_config, resume_changes, to_yaml
 from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
     check_loss_tokens, open_samples
-from finetune.dist import free_port, on_rank0_then_share, rank0_builds_others_wait
+from finetune.dist import free_port, rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
@@ -250,7 +250,7 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
 def check_resume_config(mgr, path: str, cfg: Config, log) -> None:
     """List every difference between the checkpoint's config and this one; refuse the ones that make the
     continuation meaningless (finetune/config.py RESUME_REFUSED, docs/resume-rules.md)."""
-    saved = on_rank0_then_share(lambda: read_saved_config(path), mgr.pg, CheckpointError)
+    saved = mgr.saved_config(path)
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
         return
@@ -406,7 +406,7 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
         log.info(loss_warning)
     if not stream.has_next():
         raise DataError(f"data set {cfg.data.path} has {len(samples)} samples x {cfg.data.epochs} epoch(s), "
-                        f"fewer than one global batch (data.global_batch_size={plan.global_batch})")
+                        f"fewer than one global batch ({BATCH_KEY}={plan.global_batch})")
     return plan, samples, eval_set, stream
 
 

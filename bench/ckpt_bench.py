@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from finetune.dist import free_port  # noqa: E402 - after the path insert
 
 
 def parse_args(argv=None):
@@ -278,9 +278,7 @@ def worker(args):
 # ---------------------------------------------------------------- driver side
 
 def launch(args, worker_kind, nproc, work):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(port), os.path.abspath(__file__), "--worker", worker_kind,
            "--work-dir", work, "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab",

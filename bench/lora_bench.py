@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from finetune.dist import free_port  # noqa: E402 - after the path insert
 
 
 def parse_args(argv=None):
@@ -136,9 +136,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     work = args.work_dir or tempfile.mkdtemp(prefix="lora_bench_")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
            "127.0.0.1", "--master_port", str(port), os.path.abspath(__file__), "--worker", "--work-dir", work,
            "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),

@@ -12,7 +12,7 @@ resume) or a complete one.
 
 Verification is two parts so it can be split: `check_manifest` (marker, .metadata's files all in
 the manifest, no stray data files, meta.json: metadata only, one rank) and `check_files` (sizes and
-checksums of any subset of the files). Resume gives each rank its share (`shares`, manager.py);
+checksums of any subset of the files). Resume gives each rank its share (`shares`, resume.py);
 `python -m ckpt verify` checks every file, on `--jobs` threads.
 """
 

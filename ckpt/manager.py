@@ -33,7 +33,7 @@ from . import resume as _resume
 from .commit import commit_checkpoint
 from .errors import SAVE_ERRORS, CheckpointError, DiskFullError, collective_timed_out, save_failure
 from .faults import fault_point
-from .layout import is_marked_committed, list_step_dirs, step_dir, step_of
+from .layout import is_marked_committed, list_step_dirs, read_saved_config, step_dir, step_of
 from .lock import DirLock, LockError
 from .preflight import process_staging_shortfall
 from .retention import apply_retention, clear_stale
@@ -269,6 +269,10 @@ class CheckpointManager:
     def find_resume(self, resume: str) -> str | None:
         """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
         return _resume.find_resume(self.dir, resume, self.pg, self.on_log, self.on_event)
+
+    def saved_config(self, path: str) -> str | None:
+        """The training config saved in `path` (rank 0 reads it, every rank receives it), None if it has none."""
+        return self._on_rank0_then_share(lambda: read_saved_config(path))
 
     def verify(self, path: str) -> dict:
         return _resume.verify(path, self.pg)
