@@ -1,0 +1,112 @@
+"""The loop's checkpoint API (ckpt/loop.py) and the checkpoint schema (ckpt/schema.py), without a process group.
+
+    python -m pytest tests/test_ckpt_loop.py -q
+
+A recording stand-in for CheckpointManager shows which calls each failure rule makes; the end-to-end
+versions of these rules run in tests/test_faults.py and tests/test_save_errors.py.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from ckpt import CheckpointError, CheckpointSchema, DiskFullError, TrainingCheckpoints
+from ckpt.inspect import world_size_problem
+from ckpt.schema import schema_of
+
+
+class RecordingManager:
+    def __init__(self, fail_save: Exception | None = None):
+        self.calls, self.fail_save, self.last_saved_step = [], fail_save, None
+
+    def wait_for_staging(self):
+        self.calls.append("wait_for_staging")
+
+    def poll(self):
+        self.calls.append("poll")
+
+    def wait(self):
+        self.calls.append("wait")
+
+    def save(self, step, state, files, blocking=False):
+        self.calls.append(("save", step, blocking))
+        if self.fail_save:
+            raise self.fail_save
+        self.last_saved_step = step
+        return 0.01
+
+    def close(self):
+        self.calls.append("close")
+
+
+def checkpoints(mgr, continue_on_save_error=False, save_at_end=True, interval="2", lines=None):
+    options = SimpleNamespace(interval=interval, interval_minutes=0.0, mtbf_hours=24.0, save_at_end=save_at_end,
+                              continue_on_save_error=continue_on_save_error)
+    lines = [] if lines is None else lines
+    return TrainingCheckpoints(mgr, options, {}, lambda step: {"meta.json": "{}"}, 10, lines.append,
+                               lambda *a, **k: None)
+
+
+def test_interval_and_stop_request():
+    mgr = RecordingManager()
+    ck = checkpoints(mgr)
+    assert not ck.after_step(1, lambda: False) and ("save", 1, False) not in mgr.calls
+    assert not ck.after_step(2, lambda: False) and ("save", 2, False) in mgr.calls
+    assert ck.after_step(3, lambda: True)  # a stop request: no periodic save, the caller's finish saves
+    assert ("save", 3, False) not in mgr.calls
+    assert not ck.after_step(10, lambda: True)  # at the last step a request just finishes
+
+
+def test_failed_periodic_save_stops_or_is_tolerated():
+    with pytest.raises(CheckpointError):
+        checkpoints(RecordingManager(CheckpointError("boom"))).after_step(2, lambda: False)
+    lines = []
+    checkpoints(RecordingManager(CheckpointError("boom")), continue_on_save_error=True, lines=lines).after_step(
+        2, lambda: False)
+    assert any(line.startswith("warning: checkpoint failed, training continues") for line in lines)
+
+
+@pytest.mark.parametrize("where, error, saved", [
+    ("between steps", RuntimeError("x"), True),
+    ("mid step", RuntimeError("x"), False),     # a half-done step is never checkpointed
+    ("between steps", DiskFullError("full"), False),
+    ("between steps", KeyboardInterrupt(), False),
+])
+def test_emergency_save_rules(where, error, saved):
+    mgr = RecordingManager()
+    ck = checkpoints(mgr)
+    with pytest.raises(type(error)):
+        with ck.emergency_save_on_error(lambda: 4):
+            if where == "mid step":
+                with ck.step_in_progress():
+                    raise error
+            raise error
+    assert (("save", 4, True) in mgr.calls) == saved
+    assert ("wait" in mgr.calls) == (not isinstance(error, (DiskFullError, KeyboardInterrupt)))
+
+
+def test_finish_saves_once_and_closes():
+    mgr = RecordingManager()
+    ck = checkpoints(mgr)
+    ck.finish(5, save=True)
+    ck.finish(5, save=True)  # already committed: not rewritten
+    assert [c for c in mgr.calls if c[0] == "save"] == [("save", 5, True)] and mgr.calls[-1] == "close"
+
+
+def test_schema_round_trip_and_batch_rule(tmp_path):
+    schema = CheckpointSchema(model_prefix="m.", divides={"data.global_batch_size": 6}, model_dir="x")
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "schema": schema.to_meta()}))
+    assert schema_of(str(tmp_path)) == schema
+    assert world_size_problem(str(tmp_path), 3) is None
+    assert "data.global_batch_size=6 is not divisible by world size 4; world sizes that work: [1, 2, 3, 6]" == \
+        world_size_problem(str(tmp_path), 4)
+
+
+def test_schema_of_an_older_checkpoint_comes_from_config_yaml(tmp_path):
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 1}))
+    (tmp_path / "config.yaml").write_text("model:\n  name_or_path: base\ndata:\n  global_batch_size: 8\n")
+    schema = schema_of(str(tmp_path))
+    assert schema.divides == {"data.global_batch_size": 8} and schema.model_dir == "base" and schema.pretrained
