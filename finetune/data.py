@@ -16,6 +16,8 @@ set of samples for any W, and resuming at another world size continues the exact
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -400,6 +402,19 @@ def _first_non_utf8_line(path: str) -> tuple[int, str] | None:
     return None
 
 
+@contextlib.contextmanager
+def _gc_frozen():
+    """Keep the parent's objects out of the garbage collector while `map` forks its workers: a collection in a
+    worker writes to the header of every object it walks, so each worker would privately copy the pages of
+    the ~430 MiB parent it inherited. Measured at 200k conversations, 2 workers: 831 -> 621 MiB pipeline
+    peak, and 20% faster (docs/data.md)."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | None = None,
                 progress: bool = False) -> str:
     """Tokenize the data set (or the eval set) into its cache folder unless it is already committed.
@@ -422,11 +437,12 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
         if not procs:  # automatic: every core, but forking workers for a few thousand rows costs more than it saves
             procs = max(1, min(default_num_proc(), len(ds) // _ROWS_PER_PROC))
         procs = min(procs, len(ds))
-        mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
-                        num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
-                        fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label},
-                        features=_tokenized_features(), cache_file_name=os.path.join(tmp, "tokenized.arrow"),
-                        desc="tokenize")
+        with _gc_frozen() if procs > 1 else contextlib.nullcontext():
+            mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
+                            num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
+                            fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label},
+                            features=_tokenized_features(), cache_file_name=os.path.join(tmp, "tokenized.arrow"),
+                            desc="tokenize")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         meta = _write_cache(mapped, tmp, {"version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad})
         del mapped, ds

@@ -193,6 +193,29 @@ def test_parallel_cache_equals_serial_and_the_old_per_prefix_masking(tmp_path, t
         assert ids[i, :n].tolist() == ref_ids and labels[i, :n].tolist() == ref_labels, f"row {i} differs"
 
 
+def test_map_workers_fork_from_a_frozen_heap_and_the_gc_is_restored(tmp_path, tok, monkeypatch):
+    """gc.freeze() around the forking map keeps the workers from copying the parent's pages (docs/data.md);
+    the parent's collector must be back to normal afterwards, also when a row is bad."""
+    import gc
+
+    import datasets
+    frozen_at_map = []
+    real_map = datasets.Dataset.map
+    monkeypatch.setattr(datasets.Dataset, "map", lambda self, *a, **k: (
+        frozen_at_map.append((k.get("num_proc"), gc.get_freeze_count() > 0)), real_map(self, *a, **k))[1])
+    rows = _conversations(40)
+    good = _write_jsonl(tmp_path / "good.jsonl", rows)
+    rows[5]["messages"][1]["role"] = "user"
+    bad = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    for path, procs in ((good, 1), (good, 2), (bad, 2)):
+        try:
+            build_cache(DataConfig(path=path, cache_dir=str(tmp_path / f"cache-{procs}")), tok, num_proc=procs)
+        except DataError:
+            assert path == bad
+        assert gc.get_freeze_count() == 0, "build_cache left objects frozen out of the garbage collector"
+    assert frozen_at_map == [(None, False), (2, True), (2, True)], frozen_at_map
+
+
 @pytest.mark.parametrize("procs", [1, 2])
 def test_bad_conversation_names_file_row_and_field_and_leaves_no_cache(tmp_path, tok, procs):
     rows = _conversations(40)
