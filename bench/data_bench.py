@@ -12,7 +12,10 @@ average before each run, memory, and the size of the result. Memory: the process
 and the peak, sampled every 0.2 s, of the whole pipeline: the process's RSS plus its worker processes'
 private memory (USS: forked workers share the parent's pages, so their RSS would count those twice).
 Both are given absolute and as growth over the RSS after every import (torch, transformers, datasets:
-the same for both methods), and divided by the size of the finished cache.
+the same for both methods), and divided by the size of the finished cache. RSS also counts the pages of
+memory-mapped files (the arrow files datasets reads and writes), which are page cache the kernel can drop,
+so the last column gives the growth of anonymous memory alone: the process's `Anonymous` plus its
+workers' `Private_Dirty` (what they copied or allocated), over the process's `Anonymous` after imports.
 """
 
 from __future__ import annotations
@@ -74,24 +77,26 @@ def _children(pid: int) -> list[int]:
 
 
 class TreeMemory:
-    """Peak of (own RSS + children's USS), sampled in a thread."""
+    """Peaks of (own RSS + children's USS) and of (own anonymous + children's private dirty), sampled in a thread."""
 
     def __init__(self, period: float = 0.2):
-        self.peak, self._stop = 0, threading.Event()
+        self.peak, self.peak_anon, self._stop = 0, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
         self._thread.start()
 
     def _run(self, period: float) -> None:
         me = os.getpid()
         while not self._stop.is_set():
-            total = _kib(me, ("Rss",)) + sum(_kib(c, ("Private_Clean", "Private_Dirty")) for c in _children(me))
-            self.peak = max(self.peak, total)
+            kids = _children(me)
+            total = _kib(me, ("Rss",)) + sum(_kib(c, ("Private_Clean", "Private_Dirty")) for c in kids)
+            anon = _kib(me, ("Anonymous",)) + sum(_kib(c, ("Private_Dirty",)) for c in kids)
+            self.peak, self.peak_anon = max(self.peak, total), max(self.peak_anon, anon)
             self._stop.wait(period)
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, int]:
         self._stop.set()
         self._thread.join()
-        return self.peak
+        return self.peak, self.peak_anon
 
 
 def _worker(method: str, path: str, cache_dir: str, num_proc: int, seq_len: int) -> dict:
@@ -107,13 +112,16 @@ def _worker(method: str, path: str, cache_dir: str, num_proc: int, seq_len: int)
     cfg = DataConfig(path=path, seq_len=seq_len, cache_dir=cache_dir, num_proc=num_proc)
     old = _load_old_module() if method == "old" else None
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base_anon = _kib(os.getpid(), ("Anonymous",))
     tree = TreeMemory()
     t0 = time.perf_counter()
     cache = old.cache_samples(cfg, tok) if old else build_cache(cfg, tok, num_proc=num_proc)
     secs = time.perf_counter() - t0
     size = sum(os.path.getsize(os.path.join(cache, f)) for f in os.listdir(cache))
+    peak_tree, peak_anon = tree.stop()
     return {"seconds": secs, "cache_bytes": size, "rss_before_kib": base_rss,
-            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "peak_tree_kib": tree.stop()}
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "peak_tree_kib": peak_tree,
+            "anon_before_kib": base_anon, "peak_anon_kib": peak_anon}
 
 
 def _load_old_module():
@@ -159,16 +167,18 @@ def summarize(name: str, runs: list[dict]) -> str:
     med = lambda key: statistics.median(key(r) for r in runs)  # noqa: E731
     cache_kib = runs[0]["cache_bytes"] / 1024
     tree, growth = med(lambda r: r["peak_tree_kib"]), med(lambda r: r["peak_tree_kib"] - r["rss_before_kib"])
+    anon = med(lambda r: r["peak_anon_kib"] - r["anon_before_kib"])
     loads = [r["load_before"] for r in runs]
     return (f"| {name} | {runs[0]['rows']:,} | {statistics.median(rps):,.0f} ({min(rps):,.0f}-{max(rps):,.0f}) | "
             f"{min(loads):.1f}-{max(loads):.1f} | {med(lambda r: r['peak_rss_kib']) / 1024:,.0f} | "
             f"{tree / 1024:,.0f} | {growth / 1024:,.0f} | {cache_kib / 1024:,.1f} | "
-            f"{tree / cache_kib:.1f}x / {growth / cache_kib:.1f}x |")
+            f"{tree / cache_kib:.1f}x / {growth / cache_kib:.1f}x | {anon / 1024:,.0f} ({anon / cache_kib:.1f}x) |")
 
 
 HEADER = ("| data/method | rows | rows/s median (min-max) | load avg | peak RSS MiB | peak RSS + workers' USS MiB | "
-          "same, growth over imports MiB | cache MiB | pipeline peak / cache (absolute / growth) |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+          "same, growth over imports MiB | cache MiB | pipeline peak / cache (absolute / growth) | "
+          "anonymous growth MiB (/ cache) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> None:
