@@ -1,4 +1,5 @@
-"""Checkpoint benchmark: rank-0 torch.save, plain dcp.save, our DCP sync / async (thread, process), memcpy floor.
+"""Checkpoint benchmark: rank-0 torch.save, plain dcp.save (old folder deleted before or after), our DCP sync /
+async (thread, process), memcpy floor.
 
     python bench/ckpt_bench.py                          # ~190M params, 2 ranks, CPU here (CUDA where present)
     python bench/ckpt_bench.py --hidden 768 --layers 6 --saves 4 --train-steps 0   # ~90M, what docs/ reports
@@ -143,6 +144,18 @@ def plain_dcp_save(model, optim, path) -> dict:
     return {"blocking_s": secs, "upload_s": secs, "committed_s": secs, "bytes": dir_bytes(path)}
 
 
+def plain_dcp_save_keeping_old(model, optim, work, r: int) -> dict:
+    """plain_dcp_save, but like the manager: the previous folder is deleted only after the new one is written
+    (its deletion is not timed). Isolates what keeping the last checkpoint during a save costs here."""
+    import torch.distributed as dist
+    path = os.path.join(work, f"round-{r}")
+    rec = plain_dcp_save(model, optim, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(os.path.join(work, f"round-{r - 1}"), ignore_errors=True)
+    return rec
+
+
 def manager_save(mgr, model, optim, step: int, events: list) -> dict:
     """Our path: CheckpointManager (DCP + checksums as written + commit marker), one save measured alone."""
     from ckpt import ModelOptimizer
@@ -210,7 +223,7 @@ def throughput(model, optim, device, args, ckpt_dir, mode):
     return args.train_steps / secs
 
 
-METHODS = ("rank0_torch_save", "dcp_plain", "dcp_sync", "dcp_async_thread", "dcp_async_process")
+METHODS = ("rank0_torch_save", "dcp_plain", "dcp_plain_keep_old", "dcp_sync", "dcp_async_thread", "dcp_async_process")
 
 
 def interleaved_saves(model, optim, work, rounds: int) -> dict:
@@ -229,6 +242,8 @@ def interleaved_saves(model, optim, work, rounds: int) -> dict:
                 rec = rank0_torch_save(model, optim, os.path.join(work, name))
             elif name == "dcp_plain":
                 rec = plain_dcp_save(model, optim, os.path.join(work, name, "plain"))
+            elif name == "dcp_plain_keep_old":
+                rec = plain_dcp_save_keeping_old(model, optim, os.path.join(work, name), r)
             else:
                 rec = manager_save(managers[name], model, optim, r + 1, events)
             out[name].append(rec)
@@ -317,6 +332,9 @@ def summarize(save: dict, load: dict, every: int) -> dict:
         "async_committed_over_plain_dcp": min(med[m]["committed_s"] for m in ours[1:]) / med["dcp_plain"]["committed_s"],
         "async_blocking_over_memcpy": min(med[m]["blocking_s"] for m in ours[1:]) / save["memcpy_floor_s"],
         "async_blocking_over_sync": min(med[m]["blocking_s"] for m in ours[1:]) / med["dcp_sync"]["blocking_s"],
+        # what keeping the previous checkpoint during a save costs a plain dcp.save, and our sync upload against that
+        "plain_keep_old_over_plain": med["dcp_plain_keep_old"]["upload_s"] / med["dcp_plain"]["upload_s"],
+        "sync_upload_over_plain_keep_old": med["dcp_sync"]["upload_s"] / med["dcp_plain_keep_old"]["upload_s"],
         "verify_rank0_sha256_over_parallel_w2": save["verify"]["rank0_sha256_s"] / save["verify"]["parallel_xxh3_s"],
     }
     for m in ours:
@@ -373,7 +391,10 @@ def to_markdown(r: dict, machine: str) -> str:
               f"- DCP sync vs rank-0 torch.save: {speed_words(ra['rank0_torch_save_over_dcp_sync'])} (target >= 3x faster)",
               f"- async committed / plain dcp.save: {ra['async_committed_over_plain_dcp']:.2f}x (target <= 1.2x)",
               f"- async blocking / memcpy floor: {ra['async_blocking_over_memcpy']:.2f}x; / sync DCP save: "
-              f"{ra['async_blocking_over_sync']:.1%}"]
+              f"{ra['async_blocking_over_sync']:.1%}",
+              f"- plain dcp.save keeping the old folder until written / deleting it first: "
+              f"{ra['plain_keep_old_over_plain']:.2f}x; our sync upload / the former: "
+              f"{ra['sync_upload_over_plain_keep_old']:.2f}x"]
     if "throughput_steps_per_s" in r:
         tp = r["throughput_steps_per_s"]
         lines.append(f"- training: {tp['none']:.3f} steps/s without saves, {tp['thread']:.3f} with a thread-mode save "
