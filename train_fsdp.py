@@ -189,21 +189,28 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
 
 # ---------------------------------------------------------------- checkpoint plumbing
 
-def checkpoint_schema(cfg: Config) -> CheckpointSchema:
-    """What checkpoint_state saves, under which keys, for ckpt/'s readers (inspect, reshard, export); in meta.json."""
-    model = cfg.model.name_or_path or cfg.model.config_path
-    return CheckpointSchema(model_prefix="app.model.", optim_prefix="app.optim.", step_key="progress.step",
-                            train_state_keys=("progress.", "data.", "scheduler.last_epoch", "scheduler._last_lr"),
-                            position_key="data.position", divides={BATCH_KEY: cfg.data.global_batch_size},
-                            model_dir=model, tokenizer_dir=cfg.model.tokenizer_path or model,
-                            pretrained=bool(cfg.model.name_or_path))
+# checkpoint_state's keys. checkpoint_schema derives from them every key ckpt/'s readers need (recorded in meta.json);
+# "app" and "progress" are the names existing checkpoints were saved under.
+MODEL_OPTIM, SCHEDULER, PROGRESS, DATA = "app", "scheduler", "progress", "data"
 
 
 def checkpoint_state(model, optimizer, scheduler, progress, stream, rank: int, with_rng: bool) -> dict:
-    state = {"app": ModelOptimizer(model, optimizer), "scheduler": scheduler, "progress": progress, "data": stream}
+    state = {MODEL_OPTIM: ModelOptimizer(model, optimizer), SCHEDULER: scheduler, PROGRESS: progress, DATA: stream}
     if with_rng:
         state[rng_key(rank)] = RNGState()
     return state
+
+
+def checkpoint_schema(cfg: Config) -> CheckpointSchema:
+    """What checkpoint_state saves, under which keys, for ckpt/'s readers (inspect, reshard, export)."""
+    model = cfg.model.name_or_path or cfg.model.config_path
+    return CheckpointSchema(model_prefix=f"{MODEL_OPTIM}.{ModelOptimizer.MODEL}.",
+                            optim_prefix=f"{MODEL_OPTIM}.{ModelOptimizer.OPTIM}.",
+                            train_state_keys=(f"{PROGRESS}.", f"{DATA}.", f"{SCHEDULER}.last_epoch",
+                                              f"{SCHEDULER}._last_lr"),  # LambdaLR's state_dict keys
+                            step_key=f"{PROGRESS}.step", position_key=f"{DATA}.position",  # TrainProgress, BatchStream
+                            divides={BATCH_KEY: cfg.data.global_batch_size}, model_dir=model,
+                            tokenizer_dir=cfg.model.tokenizer_path or model, pretrained=bool(cfg.model.name_or_path))
 
 
 def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float | None = None) -> dict[str, str]:
@@ -237,7 +244,8 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     saved_world = meta["world_size"]
     rng_world = meta.get("rng_world_size", saved_world)
     state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=rng_world == world_size)
-    mgr.load(path, state, model_state=state["app"].state_dict()["model"], prefix=checkpoint_schema(cfg).model_prefix)
+    mgr.load(path, state, model_state=state[MODEL_OPTIM].state_dict()[ModelOptimizer.MODEL],
+             prefix=checkpoint_schema(cfg).model_prefix)
     follow_config_schedule(optimizer, scheduler, cfg.train, log)
     if rng_world != world_size:
         reseed_all(derived_seed(cfg.train.seed, rank, progress.step))

@@ -2,18 +2,18 @@
 world size must divide, and where the model came from. Recorded in meta.json, so `inspect`, `reshard` and
 `export` read it from the checkpoint instead of knowing the trainer's strings.
 
-    python -m pytest tests/test_world_size.py tests/test_hf.py -q
+    python -m pytest tests/test_ckpt_loop.py tests/test_world_size.py tests/test_hf.py -q
 
-train_fsdp.py builds one (`checkpoint_schema`) and writes `schema.to_meta()` into every meta.json.
-`schema_of(path)` reads it back; for a checkpoint without one (written before meta.json carried it, or
-assembled by hand) it derives the same fields from config.yaml and meta.json: the one place that knows
-that older layout.
+train_fsdp.py builds one (`checkpoint_schema`, from the same keys as its `checkpoint_state`) and writes
+`schema.to_meta()` into every meta.json; every field is the trainer's to give, none has a default here.
+`schema_of(path)` reads it back. A checkpoint written before meta.json carried a schema gets
+`schema_of_checkpoint_without_schema`: the one place that knows the old trainer's layout.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import yaml
 
@@ -22,15 +22,15 @@ from .layout import CONFIG_FILE, read_meta
 
 @dataclass(frozen=True)
 class CheckpointSchema:
-    model_prefix: str = "app.model."  # the model's state dict, under the Stateful key the trainer chose
-    optim_prefix: str = "app.optim."  # the optimizer's state dict
-    train_state_keys: tuple[str, ...] = ("progress.", "data.", "scheduler.last_epoch", "scheduler._last_lr")
-    step_key: str = "progress.step"  # finished optimizer steps
-    position_key: str = "data.position"  # the data stream's global sample index
-    divides: dict[str, int] = field(default_factory=dict)  # config key -> value the world size must divide
-    model_dir: str = ""  # the model folder trained from (config.json; weights when `pretrained`)
-    tokenizer_dir: str = ""
-    pretrained: bool = False  # training started from model_dir's weights (export dtype auto follows them)
+    model_prefix: str  # the model's state dict, under the Stateful key the trainer chose
+    optim_prefix: str  # the optimizer's state dict
+    train_state_keys: tuple[str, ...]  # prefixes of the small train-state items `inspect` prints
+    step_key: str  # finished optimizer steps
+    position_key: str  # the data stream's global sample index
+    divides: dict[str, int]  # config key -> value the world size must divide
+    model_dir: str  # the model folder trained from (config.json; weights when `pretrained`)
+    tokenizer_dir: str
+    pretrained: bool  # training started from model_dir's weights (export dtype auto follows them)
 
     def to_meta(self) -> dict:
         return asdict(self)
@@ -43,10 +43,18 @@ class CheckpointSchema:
 
 
 def schema_of(path: str) -> CheckpointSchema:
-    """The schema recorded in `path`'s meta.json, or one derived from its config.yaml for older checkpoints."""
+    """The schema recorded in `path`'s meta.json; for an older checkpoint, the layout it was written with."""
     meta = read_meta(path, missing_ok=True)
     if "schema" in meta:
         return CheckpointSchema.from_meta(meta["schema"])
+    return schema_of_checkpoint_without_schema(path, meta)
+
+
+def schema_of_checkpoint_without_schema(path: str, meta: dict) -> CheckpointSchema:
+    """Checkpoints written before meta.json carried a schema (or assembled by hand): train_fsdp.py's keys of
+    that time, frozen here, and the batch size and model folders read from the checkpoint's config.yaml.
+    Deliberately the only code in ckpt/ that knows a trainer's strings; it never follows the trainer's changes,
+    because every newer checkpoint carries its own schema."""
     try:
         with open(os.path.join(path, CONFIG_FILE)) as f:
             cfg = yaml.safe_load(f) or {}
@@ -55,6 +63,9 @@ def schema_of(path: str) -> CheckpointSchema:
     model = cfg.get("model") or {}
     batch = (cfg.get("data") or {}).get("global_batch_size")
     named = model.get("name_or_path") or model.get("config_path") or meta.get("model", "")
-    return CheckpointSchema(divides={"data.global_batch_size": int(batch)} if isinstance(batch, int) else {},
+    return CheckpointSchema(model_prefix="app.model.", optim_prefix="app.optim.",
+                            train_state_keys=("progress.", "data.", "scheduler.last_epoch", "scheduler._last_lr"),
+                            step_key="progress.step", position_key="data.position",
+                            divides={"data.global_batch_size": int(batch)} if isinstance(batch, int) else {},
                             model_dir=named, tokenizer_dir=model.get("tokenizer_path") or named,
                             pretrained=bool(model.get("name_or_path")))

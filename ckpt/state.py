@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 class ModelOptimizer:
     """Only what training changes: frozen parameters (a LoRA base) are left out of the saved state, and
     loading does not expect them (they come from the base model, which meta.json fingerprints)."""
+    MODEL, OPTIM = "model", "optim"  # its two sub-dicts: saved keys are "<its key>.model.<FQN>", "<its key>.optim...."
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
@@ -29,12 +30,12 @@ class ModelOptimizer:
     def state_dict(self) -> dict:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer,
                                             options=StateDictOptions(ignore_frozen_params=True))
-        return {"model": model_sd, "optim": optim_sd}
+        return {self.MODEL: model_sd, self.OPTIM: optim_sd}
 
     def load_state_dict(self, state: dict) -> None:
         # strict would demand the frozen weights too; the caller checks every trainable key is present
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"],
+        set_state_dict(self.model, self.optimizer, model_state_dict=state[self.MODEL],
+                       optim_state_dict=state[self.OPTIM],
                        options=StateDictOptions(strict=not self.has_frozen, ignore_frozen_params=True))
 
 

@@ -9,12 +9,17 @@ versions of these rules run in tests/test_faults.py and tests/test_save_errors.p
 from __future__ import annotations
 
 import json
+import warnings
 from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from ckpt import CheckpointError, CheckpointSchema, DiskFullError, TrainingCheckpoints
-from ckpt.inspect import world_size_problem
+from ckpt.checksum import ChecksummingWriter
+from ckpt.commit import commit_checkpoint
+from ckpt.inspect import inspect_path, world_size_problem
 from ckpt.schema import schema_of
 
 
@@ -97,7 +102,9 @@ def test_finish_saves_once_and_closes():
 
 
 def test_schema_round_trip_and_batch_rule(tmp_path):
-    schema = CheckpointSchema(model_prefix="m.", divides={"data.global_batch_size": 6}, model_dir="x")
+    schema = CheckpointSchema(model_prefix="m.", optim_prefix="o.", train_state_keys=("p.",), step_key="p.step",
+                              position_key="d.position", divides={"data.global_batch_size": 6}, model_dir="x",
+                              tokenizer_dir="x", pretrained=False)
     (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "schema": schema.to_meta()}))
     assert schema_of(str(tmp_path)) == schema
     assert world_size_problem(str(tmp_path), 3) is None
@@ -110,3 +117,24 @@ def test_schema_of_an_older_checkpoint_comes_from_config_yaml(tmp_path):
     (tmp_path / "config.yaml").write_text("model:\n  name_or_path: base\ndata:\n  global_batch_size: 8\n")
     schema = schema_of(str(tmp_path))
     assert schema.divides == {"data.global_batch_size": 8} and schema.model_dir == "base" and schema.pretrained
+
+
+def test_a_checkpoint_without_schema_still_inspects(tmp_path, capsys):
+    """The keys and config.yaml of a checkpoint written before meta.json carried a schema (the export of one
+    runs in tests/test_hf.py::test_import_w2_bit_exact_then_export_round_trip)."""
+    path = str(tmp_path / "step-000003")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: saving in a single process" is the intent
+        metadata = dcp.save({"app": {"model": {"w": torch.ones(4)}, "optim": {"state": {"w": {"exp_avg": torch.ones(4)}}}},
+                             "progress": {"step": 3}, "data": {"position": 12}}, no_dist=True,
+                            storage_writer=ChecksummingWriter(path))
+    (tmp_path / "step-000003" / "meta.json").write_text(json.dumps({"step": 3, "world_size": 2, "seed": 1}))
+    (tmp_path / "step-000003" / "config.yaml").write_text("data:\n  global_batch_size: 4\n")
+    commit_checkpoint(path, 1, metadata.file_digests, metadata, ["meta.json", "config.yaml"])
+    assert inspect_path(path) == 0
+    out = capsys.readouterr().out
+    assert "progress.step = 3" in out and "data.position = 12" in out and "app.optim.state.*.exp_avg" in out
+    assert inspect_path(path, world_size=3) == 1
+    assert "data.global_batch_size=4 is not divisible by world size 3" in capsys.readouterr().out
+    assert inspect_path(path, world_size=2) == 0
+    assert "data: continues at global sample 12" in capsys.readouterr().out
