@@ -25,9 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
-from .hf import (_DTYPE_NAMES, EXPORT_DTYPES, SAFETENSORS_DTYPES, OutTensor, _replace_dir, check_safetensors_files, create_files,
+from .hf import (SAFETENSORS_DTYPES, OutTensor, _replace_dir, check_safetensors_files, create_files,
                  model_names, parse_size, plan_files, safetensors_header, source_dirs, source_dtype, write_index,
                  write_model_files)
+from .dtypes import DTYPE_NAMES, DTYPES
 from .errors import CheckpointError
 from .inspect import read_items
 from .layout import read_meta
@@ -157,8 +158,8 @@ def write_adapter(ckpt_path: str, lora: dict, tmp: str, dtype: str) -> dict:
                inference_mode=True).save_pretrained(tmp)
     tensors = {}
     for module, (a, b) in adapters.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(EXPORT_DTYPES[dtype]).contiguous()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(EXPORT_DTYPES[dtype]).contiguous()
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.to(DTYPES[dtype]).contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.to(DTYPES[dtype]).contiguous()
     save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
     return {"class": f"PEFT LoRA adapter (r={lora['r']}) for {base}", "tensors": len(tensors), "files": 1,
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "dtype": dtype,
@@ -183,7 +184,7 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
         raise CheckpointError(f"{ckpt_path}: adapters for {unknown[:4]}, which base {model_dir} does not have")
     shapes = {n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
                                        torch.Size(headers[n]["shape"]), []) for n in names}
-    out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else EXPORT_DTYPES[dtype]  # auto: the base's
+    out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else DTYPES[dtype]  # auto: the base's
     files = plan_files(shapes, names, out_dtype, parse_size(max_shard_size))
     written = create_files(tmp, files)
     scaling = lora["alpha"] / lora["r"]
@@ -199,7 +200,7 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
     write_index(tmp, files, written)
     write_model_files(model_dir, tok_dir, tmp, config, cls_name, out_dtype)
     return {"class": f"{cls_name} (LoRA r={lora['r']} merged)", "tensors": len(names), "files": len(written),
-            "bytes": sum(t.nbytes for ts in files for t in ts), "dtype": _DTYPE_NAMES[out_dtype]}
+            "bytes": sum(t.nbytes for ts in files for t in ts), "dtype": DTYPE_NAMES[out_dtype]}
 
 
 def _write_one(fd: int, data_start: int, out: OutTensor, src_file: str, adapter, scaling: float) -> None:

@@ -34,13 +34,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.futures import Future
 
 from .commit import VerifyError, verify_checkpoint
+from .dtypes import DTYPE_NAMES, DTYPES
 from .layout import step_of
 from finetune.dist import on_rank0_then_share
 from .errors import SAVE_ERRORS, CheckpointError, save_failure
 from .schema import schema_of
 
-EXPORT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # or "auto": source_dtype
-_DTYPE_NAMES = {v: k for k, v in EXPORT_DTYPES.items()}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 _PIECE = 4 << 20  # elements converted and written at a time (16 MiB of fp32)
@@ -418,7 +417,7 @@ class ExportPlan:
 
     def summary(self) -> dict:
         return {"path": self.out_dir, "class": self.cls_name, "tensors": len(self.names), "files": len(self.files),
-                "bytes": sum(t.nbytes for ts in self.files for t in ts), "dtype": _DTYPE_NAMES[self.dtype]}
+                "bytes": sum(t.nbytes for ts in self.files for t in ts), "dtype": DTYPE_NAMES[self.dtype]}
 
 
 def source_dtype(ckpt_path: str, config) -> torch.dtype:
@@ -428,7 +427,7 @@ def source_dtype(ckpt_path: str, config) -> torch.dtype:
     found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(found, str):
         found = getattr(torch, found, None)
-    return found if pretrained and found in _DTYPE_NAMES else torch.float32
+    return found if pretrained and found in DTYPE_NAMES else torch.float32
 
 
 def plan_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB") -> ExportPlan:
@@ -448,7 +447,7 @@ def plan_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_siz
     if missing or extra:
         raise CheckpointError(f"{ckpt_path} is not a checkpoint of {cls_name} from {model_dir}: "
                               f"missing {_few(missing)}, extra {_few(extra)}")
-    out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else EXPORT_DTYPES[dtype]
+    out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else DTYPES[dtype]
     files = plan_files(saved, names, out_dtype, parse_size(max_shard_size), prefix)
     return ExportPlan(ckpt_path, os.path.normpath(out_dir), model_dir, tok_dir, config, cls_name, names, files,
                       out_dtype)
