@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointError, CheckpointManager, CheckpointSchema, ModelOptimizer, RNGState, TrainingCheckpoints, \
-    collective_timed_out, read_meta, reseed_all, rng_key, staging_need, step_dir
+    check_staging, collective_timed_out, read_meta, reseed_all, rng_key, step_dir
 from ckpt.adapter import check_same_base
 from ckpt.faults import fault_point
 from ckpt.state import DERIVED_SEED, derived_seed
@@ -465,7 +465,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     mgr, log = open_run(cfg, rank)
     tokenizer, model = build_model(cfg, device, world_size)
     optimizer, scheduler = build_optimizer(model, cfg)
-    mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    check_staging(mgr, model)
     plan, samples, eval_set, stream = build_data(cfg, tokenizer, model, rank, world_size, log)
     progress = TrainProgress()
     # resume after the data stream exists, so restored RNG is not consumed by its creation
@@ -512,7 +512,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
         log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
     if eval_set is not None and exit_code == 0 and progress.step not in eval_loss:  # eval at the end too
         eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size, progress.step, log)
-    checkpoints.finish(progress.step, save=cfg.ckpt.save_at_end or exit_code == EXIT_PREEMPTED)  # 75 promises one
+    checkpoints.finish(progress.step, preempted=exit_code == EXIT_PREEMPTED)
     if exit_code == 0:
         after_training(cfg, model, tokenizer, mgr, progress, device, log)
     log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - steps_log.t_start:.1f}s")

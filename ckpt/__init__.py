@@ -11,11 +11,11 @@ docs/design.md draws the flow and says which file owns which rule.
 from .commit import VerifyError, verify_checkpoint
 from .errors import CheckpointError, DiskFullError, collective_timed_out
 from .layout import read_meta, read_saved_config, step_dir
-from .loop import TrainingCheckpoints
+from .loop import TrainingCheckpoints, check_staging
 from .manager import CheckpointManager, latest_committed_step
 from .schema import CheckpointSchema
 from .state import ModelOptimizer, RNGState, reseed_all, rng_key, staging_need
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointSchema", "DiskFullError", "ModelOptimizer", "RNGState",
-           "TrainingCheckpoints", "VerifyError", "collective_timed_out", "latest_committed_step", "read_meta",
+           "TrainingCheckpoints", "VerifyError", "check_staging", "collective_timed_out", "latest_committed_step", "read_meta",
            "read_saved_config", "reseed_all", "rng_key", "staging_need", "step_dir", "verify_checkpoint"]

@@ -3,6 +3,7 @@ what a failure means.
 
     python -m pytest tests/test_save_errors.py tests/test_faults.py -q
 
+    check_staging(mgr, model)                        # once, before the data is built
     checkpoints = TrainingCheckpoints(mgr, options, state, files_for, max_steps, log, event)
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         while ...:
@@ -10,8 +11,10 @@ what a failure means.
                 train_step(..., before_optimizer_step=checkpoints.before_optimizer_step)
             if checkpoints.after_step(step, stop_requested):   # True: stop now (preempted)
                 break
-    checkpoints.finish(step, save=True)
+    checkpoints.finish(step, preempted=stopped)    # saves if options.save_at_end or preempted
 
+- at the end: the last step is saved when `save_at_end`, and always after a preemption (the requeued job
+  must resume at the step this one stopped at).
 - interval rules (steps, minutes, auto) live in policy.py; `after_step` asks them at every step.
 - a failed periodic save stops training unless `continue_on_save_error`; the failed folder has no commit
   marker, so no resume takes it.
@@ -25,11 +28,19 @@ continue_on_save_error (the trainer's checkpoint config); nothing here imports i
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable
 
 from .errors import CheckpointError, DiskFullError, collective_timed_out
 from .faults import fault_point
 from .policy import SavePolicy
+from .state import staging_need
+
+
+def check_staging(mgr, model) -> None:
+    """Process-mode async saves: fall back to thread mode (all ranks together) if this node cannot stage
+    every local rank's share of `model` + AdamW state in /dev/shm. Once, before the data takes memory."""
+    mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 class TrainingCheckpoints:
@@ -74,11 +85,11 @@ class TrainingCheckpoints:
             self.log(f"warning: checkpoint failed, training continues (ckpt.continue_on_save_error=true): {e}")
             self.event("checkpoint_failed", step=step, error=str(e))
 
-    def finish(self, step: int, save: bool) -> None:
-        """The end of training: a synchronous save of `step` (unless already committed) when `save` and a step
-        was taken, then release everything (the lock last)."""
+    def finish(self, step: int, preempted: bool = False) -> None:
+        """The end of training: a synchronous save of `step` (unless already committed) if a step was taken and
+        `save_at_end` is on or the run was `preempted`; then release everything (the lock last)."""
         try:
-            if save and step > 0:
+            if (self.options.save_at_end or preempted) and step > 0:
                 self.final_save(step)
         finally:
             self.mgr.close()

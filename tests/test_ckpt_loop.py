@@ -96,9 +96,17 @@ def test_emergency_save_rules(where, error, saved):
 def test_finish_saves_once_and_closes():
     mgr = RecordingManager()
     ck = checkpoints(mgr)
-    ck.finish(5, save=True)
-    ck.finish(5, save=True)  # already committed: not rewritten
+    ck.finish(5)
+    ck.finish(5)  # already committed: not rewritten
     assert [c for c in mgr.calls if c[0] == "save"] == [("save", 5, True)] and mgr.calls[-1] == "close"
+
+
+def test_finish_saves_without_save_at_end_only_after_a_preemption():
+    mgr = RecordingManager()
+    checkpoints(mgr, save_at_end=False).finish(5)
+    assert not [c for c in mgr.calls if c[0] == "save"] and mgr.calls[-1] == "close"
+    checkpoints(mgr, save_at_end=False).finish(5, preempted=True)  # the requeued job resumes at this step
+    assert [c for c in mgr.calls if c[0] == "save"] == [("save", 5, True)]
 
 
 def test_schema_round_trip_and_batch_rule(tmp_path):
