@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from typing import Callable
 
 from .errors import CheckpointError, DiskFullError, collective_timed_out
@@ -51,10 +52,16 @@ class TrainingCheckpoints:
         self.max_steps, self.log, self.event = max_steps, log, event
         self.policy = SavePolicy(options.interval, options.interval_minutes, options.mtbf_hours, on_log=log)
         self.mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
+        self.unmeasured: tuple[int, float] | None = None  # (step, blocking s) of a save whose staging wait is to come
 
     def before_optimizer_step(self) -> None:
-        """After the last backward: the staged copy must be complete before the optimizer changes parameters."""
+        """After the last backward: the staged copy must be complete before the optimizer changes parameters.
+        That wait (CUDA: staging runs beside forward and backward) is part of the last save's cost to training."""
+        t0 = time.perf_counter()
         self.mgr.wait_for_staging()
+        if self.unmeasured is not None:
+            (step, blocking_s), self.unmeasured = self.unmeasured, None
+            self.policy.measured(step, blocking_s + time.perf_counter() - t0)
 
     @contextlib.contextmanager
     def step_in_progress(self):
@@ -72,9 +79,13 @@ class TrainingCheckpoints:
             return True
         if step < self.max_steps and self.policy.should_save(step):  # the same answer on all ranks
             self._tolerated(step, self.mgr.wait)  # a failed previous save must not skip this one
-            self._tolerated(step, lambda: self.policy.saved(step, self.mgr.save(step, self.state,
-                                                                                self.files_for(step))))
+            self._tolerated(step, lambda: self._save(step))
         return False
+
+    def _save(self, step: int) -> None:
+        blocking_s = self.mgr.save(step, self.state, self.files_for(step))
+        self.policy.saved(step)
+        self.unmeasured = (step, blocking_s)  # its cost is known once before_optimizer_step has waited for staging
 
     def _tolerated(self, step: int, checkpoint_call: Callable[[], object]) -> None:
         try:

@@ -2,13 +2,14 @@
 
     python -m pytest tests/test_ckpt_policy.py -q
 
-The loop asks `should_save(step)` after every step, on every rank, and reports each save's
-training-blocking seconds with `saved(step, blocking_s)`.
+The loop asks `should_save(step)` after every step, on every rank, reports each save with `saved(step)`
+and its cost to training with `measured(step, seconds)` once known (ckpt/loop.py: blocking seconds plus the
+wait for the staged copy at the next step's `before_optimizer_step`; on CUDA staging runs in the background).
 - steps: `step % every_steps == 0`, the same on every rank with no communication.
 - minutes / auto: wall clock, so rank 0 decides and broadcasts one flag per step (clocks and step
   times differ between hosts; a save is collective, so every rank must start it at the same step).
-- auto: Young/Daly. With C the cost of a save to training (blocking seconds, the mean of the last
-  three saves) and M the job's mean time between failures, the expected time lost per failure
+- auto: Young/Daly. With C the cost of a save to training (blocking seconds + staging wait, the mean of
+  the last three saves) and M the job's mean time between failures, the expected time lost per failure
   (saves + recomputation) is smallest at an interval of sqrt(2 C M). Until a save is measured,
   auto saves after the first step to measure one. Each new interval is logged with its inputs.
 """
@@ -80,17 +81,24 @@ class SavePolicy:
             return self.auto_s is None or elapsed >= self.auto_s  # no measured cost yet: save to measure one
         return False
 
-    def saved(self, step: int, blocking_s: float) -> None:
-        """Record a save that just started (its blocking part is over): restarts the wall-clock interval
-        and, for auto, updates C and the interval."""
-        now = self.clock()
-        if self.auto and blocking_s is not None:
-            self.costs.append(blocking_s)
-            cost = sum(self.costs) / len(self.costs)
-            steps_run = max(1, step - (self.first_step or step) + 1)
-            per_step = (now - self.start_t) / steps_run
-            self.auto_s = young_daly_s(cost, self.mtbf_s)
-            self.on_log(f"checkpoint interval (auto, Young/Daly): sqrt(2 x C {cost:.3f}s x MTBF "
-                        f"{self.mtbf_s / 3600:g}h) = {self.auto_s:.1f}s, about {self.auto_s / max(per_step, 1e-9):.0f} "
-                        f"steps at {per_step:.3f} s/step (C: mean blocking of the last {len(self.costs)} save(s))")
-        self.last_save_t = now
+    def saved(self, step: int, cost_s: float | None = None) -> None:
+        """Record a save that just started (its blocking part is over): restarts the wall-clock interval.
+        With `cost_s`, also `measured(step, cost_s)`, for a save whose whole cost is known at once."""
+        self.last_save_t = self.clock()
+        if cost_s is not None:
+            self.measured(step, cost_s)
+
+    def measured(self, step: int, cost_s: float) -> None:
+        """For auto: the save of `step` cost training `cost_s` seconds (its blocking part plus the wait for its
+        staged copy, which on CUDA comes a step later); updates C and the interval."""
+        if not self.auto:
+            return
+        self.costs.append(cost_s)
+        cost = sum(self.costs) / len(self.costs)
+        steps_run = max(1, step - (self.first_step or step) + 1)
+        per_step = (self.clock() - self.start_t) / steps_run
+        self.auto_s = young_daly_s(cost, self.mtbf_s)
+        self.on_log(f"checkpoint interval (auto, Young/Daly): sqrt(2 x C {cost:.3f}s x MTBF "
+                    f"{self.mtbf_s / 3600:g}h) = {self.auto_s:.1f}s, about {self.auto_s / max(per_step, 1e-9):.0f} "
+                    f"steps at {per_step:.3f} s/step (C: mean blocking + staging wait of the last "
+                    f"{len(self.costs)} save(s))")

@@ -9,6 +9,8 @@ versions of these rules run in tests/test_faults.py and tests/test_save_errors.p
 from __future__ import annotations
 
 import json
+import re
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -47,6 +49,25 @@ class RecordingManager:
         self.calls.append("close")
 
 
+class StagingManager(RecordingManager):
+    """As on CUDA: save() returns after its blocking part; its copy to host memory is waited for in
+    wait_for_staging, which sleeps `staging_s` once after each save."""
+    def __init__(self, staging_s: float):
+        super().__init__()
+        self.staging_s, self.staging = staging_s, False
+
+    def save(self, step, state, files, blocking=False):
+        blocking_s = super().save(step, state, files, blocking)
+        self.staging = True
+        return blocking_s
+
+    def wait_for_staging(self):
+        super().wait_for_staging()
+        if self.staging:
+            time.sleep(self.staging_s)
+            self.staging = False
+
+
 def checkpoints(mgr, continue_on_save_error=False, save_at_end=True, interval="2", lines=None):
     options = SimpleNamespace(interval=interval, interval_minutes=0.0, mtbf_hours=24.0, save_at_end=save_at_end,
                               continue_on_save_error=continue_on_save_error)
@@ -63,6 +84,18 @@ def test_interval_and_stop_request():
     assert ck.after_step(3, lambda: True)  # a stop request: no periodic save, the caller's finish saves
     assert ("save", 3, False) not in mgr.calls
     assert not ck.after_step(10, lambda: True)  # at the last step a request just finishes
+
+
+def test_auto_interval_counts_the_staging_wait_of_the_last_save():
+    lines = []
+    mgr = StagingManager(staging_s=0.2)
+    ck = checkpoints(mgr, interval="auto", lines=lines)
+    assert not ck.after_step(1, lambda: False) and ("save", 1, False) in mgr.calls  # auto: a first save measures C
+    ck.before_optimizer_step()  # the next step waits for step 1's staged copy
+    costs = [float(c) for c in re.findall(r"sqrt\(2 x C (\d+\.\d+)s", "\n".join(lines))]
+    assert len(costs) == 1 and costs[0] >= 0.2  # save() alone reported 0.01 s
+    ck.before_optimizer_step()  # no save since: nothing more is measured
+    assert len(re.findall("Young/Daly", "\n".join(lines))) == 1
 
 
 def test_failed_periodic_save_stops_or_is_tolerated():
