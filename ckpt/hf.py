@@ -148,12 +148,13 @@ def source_dirs(ckpt_path: str) -> tuple[str, str]:
     named = schema.model_dir
     model_dir = _existing_dir(named)
     if model_dir is None or not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise CheckpointError(f"the model folder this checkpoint was trained from ({named!r}, from its config.yaml) "
-                              "has no config.json here; run the export from the directory training ran in")
+        raise CheckpointError(f"the model folder this checkpoint was trained from ({named!r}, as its meta.json schema "
+                              "records) has no config.json here; run the export from the directory training ran in")
     tok_named = schema.tokenizer_dir or named
     tok_dir = _existing_dir(tok_named)
     if tok_dir is None:
-        raise CheckpointError(f"tokenizer folder {tok_named!r} (from the checkpoint's config.yaml) not found")
+        raise CheckpointError(f"tokenizer folder {tok_named!r} (as the checkpoint's meta.json schema records) "
+                              "not found")
     return model_dir, tok_dir
 
 
@@ -421,8 +422,9 @@ class ExportPlan:
 
 
 def source_dtype(ckpt_path: str, config) -> torch.dtype:
-    """The export dtype `auto` means: the source model's torch_dtype when training started from weights
-    (model.name_or_path), fp32 for a random init (nothing to follow) or a non-float / unknown dtype."""
+    """The export dtype `auto` means: the source model's torch_dtype when training started from its weights
+    (the schema's `pretrained`, from meta.json), fp32 for a random init (nothing to follow) or a non-float /
+    unknown dtype."""
     pretrained = schema_of(ckpt_path).pretrained
     found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(found, str):
