@@ -13,31 +13,31 @@ Exit codes: 0 done, 1 error, 2 bad config/input or a checkpoint error (lock, mis
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ckpt import CheckpointError, CheckpointManager, CheckpointSchema, ModelOptimizer, RNGState, TrainingCheckpoints, \
-    check_staging, collective_timed_out, read_meta, reseed_all, rng_key, step_dir
+from ckpt import CheckpointError, CheckpointManager, TrainingCheckpoints, check_staging, collective_timed_out, read_meta, \
+    reseed_all, step_dir
 from ckpt.adapter import check_same_base
 from ckpt.faults import fault_point
 from ckpt.state import DERIVED_SEED, derived_seed
-from finetune.config import Config, ConfigError, config_hash, load_config, resume_changes, to_yaml
+from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_schema, checkpoint_state, \
+    model_state
+from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
 from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
     check_loss_tokens, open_samples
 from finetune.dist import free_port, rank0_builds_others_wait
-from finetune.evaluate import eval_rows, evaluate
+from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
-from finetune.metrics import RankZeroLog, progress_bar, step_line
+from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
 from finetune.plan import add_plan_arguments, print_plan
@@ -97,7 +97,7 @@ def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-# ---------------------------------------------------------------- optimizer, schedule, train state
+# ---------------------------------------------------------------- optimizer, schedule, preemption
 
 def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine to min_ratio at max_steps. `step` counts finished steps."""
@@ -116,20 +116,6 @@ def build_optimizer(model, cfg: Config):
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
     return optimizer, scheduler
-
-
-@dataclass
-class TrainProgress:
-    """The small explicit dict of training progress (the data position lives in BatchStream)."""
-    step: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "loss_tokens": self.loss_tokens}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens, self.loss_tokens = int(state["step"]), int(state["tokens"]), int(state["loss_tokens"])
 
 
 class Preemption:
@@ -187,44 +173,7 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
     return loss_sum.item() / n_global, int(n_global), float(grad_norm)
 
 
-# ---------------------------------------------------------------- checkpoint plumbing
-
-# checkpoint_state's keys. checkpoint_schema derives from them every key ckpt/'s readers need (recorded in meta.json);
-# "app" and "progress" are the names existing checkpoints were saved under.
-MODEL_OPTIM, SCHEDULER, PROGRESS, DATA = "app", "scheduler", "progress", "data"
-
-
-def checkpoint_state(model, optimizer, scheduler, progress, stream, rank: int, with_rng: bool) -> dict:
-    state = {MODEL_OPTIM: ModelOptimizer(model, optimizer), SCHEDULER: scheduler, PROGRESS: progress, DATA: stream}
-    if with_rng:
-        state[rng_key(rank)] = RNGState()
-    return state
-
-
-def checkpoint_schema(cfg: Config) -> CheckpointSchema:
-    """What checkpoint_state saves, under which keys, for ckpt/'s readers (inspect, reshard, export)."""
-    model = cfg.model.name_or_path or cfg.model.config_path
-    return CheckpointSchema(model_prefix=f"{MODEL_OPTIM}.{ModelOptimizer.MODEL}.",
-                            optim_prefix=f"{MODEL_OPTIM}.{ModelOptimizer.OPTIM}.",
-                            train_state_keys=(f"{PROGRESS}.", f"{DATA}.", f"{SCHEDULER}.last_epoch",
-                                              f"{SCHEDULER}._last_lr"),  # LambdaLR's state_dict keys
-                            step_key=f"{PROGRESS}.step", position_key=f"{DATA}.position",  # TrainProgress, BatchStream
-                            divides={BATCH_KEY: cfg.data.global_batch_size}, model_dir=model,
-                            tokenizer_dir=cfg.model.tokenizer_path or model, pretrained=bool(cfg.model.name_or_path))
-
-
-def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float | None = None) -> dict[str, str]:
-    import transformers
-    meta = {"step": step, "world_size": world_size, "torch": torch.__version__,
-            "transformers": transformers.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "config_hash": config_hash(cfg), "model": cfg.model.name_or_path or cfg.model.config_path,
-            "seed": cfg.train.seed, "schema": checkpoint_schema(cfg).to_meta()}
-    if eval_loss is not None:
-        meta["score"] = eval_loss  # lower is better: ckpt.keep_best keeps the lowest (the eval loss of this step)
-    if cfg.model.lora.r:
-        meta["lora"] = lora_meta(cfg.model)  # base folder + fingerprint: a resume on another base is refused
-    return {"meta.json": json.dumps(meta, indent=1) + "\n", "config.yaml": to_yaml(cfg)}
-
+# ---------------------------------------------------------------- resume
 
 def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size) -> None:
     """Load the newest committed checkpoint (or the one named). Model, optimizer, schedule and data position
@@ -244,8 +193,7 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     saved_world = meta["world_size"]
     rng_world = meta.get("rng_world_size", saved_world)
     state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=rng_world == world_size)
-    mgr.load(path, state, model_state=state[MODEL_OPTIM].state_dict()[ModelOptimizer.MODEL],
-             prefix=checkpoint_schema(cfg).model_prefix)
+    mgr.load(path, state, model_state=model_state(state), prefix=checkpoint_schema(cfg).model_prefix)
     follow_config_schedule(optimizer, scheduler, cfg.train, log)
     if rng_world != world_size:
         reseed_all(derived_seed(cfg.train.seed, rank, progress.step))
@@ -311,30 +259,6 @@ def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, s
              f"{time.perf_counter() - t0:.1f}s")
     log.event("eval", step=step, eval_loss=loss, eval_tokens=n_tok, eval_rows=rows)
     return loss
-
-
-# ---------------------------------------------------------------- sample at the end
-
-@torch.no_grad()
-def sample(model, tokenizer, prompts: list[str], device, max_new_tokens: int = 16) -> list[str]:
-    """Greedy decoding, one prompt at a time. Every rank runs it: FSDP forward needs all ranks."""
-    outs = []
-    for prompt in prompts:
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                 add_generation_prompt=True)
-        else:
-            text = prompt
-        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
-        new = []
-        for _ in range(max_new_tokens):  # fixed length: all ranks do the same number of forwards
-            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
-            ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
-            new.append(nxt)
-        if tokenizer.eos_token_id in new:
-            new = new[: new.index(tokenizer.eos_token_id)]
-        outs.append(tokenizer.decode(new, skip_special_tokens=True))
-    return outs
 
 
 # ---------------------------------------------------------------- main
@@ -416,33 +340,6 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
         raise DataError(f"data set {cfg.data.path} has {len(samples)} samples x {cfg.data.epochs} epoch(s), "
                         f"fewer than one global batch ({BATCH_KEY}={plan.global_batch})")
     return plan, samples, eval_set, stream
-
-
-class StepLog:
-    """Per step: one record (metrics.jsonl + loggers), a console line every run.log_interval, the progress bar."""
-
-    def __init__(self, cfg: Config, log, rank: int, world_size: int, plan: BatchPlan, start_step: int):
-        self.cfg, self.log, self.world_size, self.start_step = cfg, log, world_size, start_step
-        self.tokens_per_step = plan.global_batch * cfg.data.seq_len
-        self.bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, start_step)
-        self.t_start = time.perf_counter()
-
-    def step(self, progress: TrainProgress, stream, rows, loss: float, lr: float, gnorm: float) -> None:
-        elapsed, max_steps = time.perf_counter() - self.t_start, self.cfg.train.max_steps
-        self.log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
-                        loss_tokens=progress.loss_tokens, samples=stream.position, world_size=self.world_size,
-                        time=time.time(), sample_ids=rows)
-        if progress.step % self.cfg.run.log_interval == 0 or progress.step == max_steps:
-            tps = (progress.tokens - self.start_step * self.tokens_per_step) / max(elapsed, 1e-9)
-            self.log.info(step_line(progress.step, max_steps, loss, lr, gnorm, tps, elapsed,
-                                    progress.step - self.start_step))
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 def after_training(cfg: Config, model, tokenizer, mgr, progress: TrainProgress, device, log) -> None:

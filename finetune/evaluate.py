@@ -1,4 +1,5 @@
-"""Validation loss over an eval set: an exact token average, the same number at any world size.
+"""Validation loss over an eval set: an exact token average, the same number at any world size; and
+`sample`, greedy completions of a few prompts at the end of training (train.sample_at_end).
 
     python -m pytest tests/test_eval.py -q
 
@@ -59,3 +60,25 @@ def evaluate(model, samples, num_rows: int, chunk: int, device, rank: int, world
     if dist.is_initialized():
         dist.all_reduce(sums)  # integers: exact in any order
     return int(sums[0]) / FIXED_POINT / max(int(sums[1]), 1), int(sums[1])
+
+
+@torch.no_grad()
+def sample(model, tokenizer, prompts: list[str], device, max_new_tokens: int = 16) -> list[str]:
+    """Greedy decoding, one prompt at a time. Every rank runs it: FSDP forward needs all ranks."""
+    outs = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+        else:
+            text = prompt
+        ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
+        new = []
+        for _ in range(max_new_tokens):  # fixed length: all ranks do the same number of forwards
+            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+            ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
+            new.append(nxt)
+        if tokenizer.eos_token_id in new:
+            new = new[: new.index(tokenizer.eos_token_id)]
+        outs.append(tokenizer.decode(new, skip_special_tokens=True))
+    return outs

@@ -92,6 +92,34 @@ def progress_bar(enabled: bool, total: int, initial: int):
     return tqdm(total=total, initial=initial, dynamic_ncols=True, leave=False)
 
 
+class StepLog:
+    """Per step: one record (metrics.jsonl + loggers), a console line every run.log_interval, the progress bar.
+    `cfg`: the training Config; `plan`: its BatchPlan; `progress`: a TrainProgress; `stream`: the BatchStream."""
+
+    def __init__(self, cfg, log, rank: int, world_size: int, plan, start_step: int):
+        self.cfg, self.log, self.world_size, self.start_step = cfg, log, world_size, start_step
+        self.tokens_per_step = plan.global_batch * cfg.data.seq_len
+        self.bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, start_step)
+        self.t_start = time.perf_counter()
+
+    def step(self, progress, stream, rows, loss: float, lr: float, gnorm: float) -> None:
+        elapsed, max_steps = time.perf_counter() - self.t_start, self.cfg.train.max_steps
+        self.log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
+                        loss_tokens=progress.loss_tokens, samples=stream.position, world_size=self.world_size,
+                        time=time.time(), sample_ids=rows)
+        if progress.step % self.cfg.run.log_interval == 0 or progress.step == max_steps:
+            tps = (progress.tokens - self.start_step * self.tokens_per_step) / max(elapsed, 1e-9)
+            self.log.info(step_line(progress.step, max_steps, loss, lr, gnorm, tps, elapsed,
+                                    progress.step - self.start_step))
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def read_metrics(path: str) -> tuple[dict[int, dict], list[dict]]:
     """(step -> last record of that step, events in file order)."""
     steps, events = {}, []
