@@ -89,14 +89,17 @@ def test_each_rank_deletes_its_share_and_trash_ends_empty(tmp_path):
 def test_sync_save_returns_at_its_marker_and_retention_follows(tmp_path, monkeypatch):
     """The sweep after save 2 waits for a file the test creates: save(blocking=True) must return before it."""
     ck, release = tmp_path / "ck", tmp_path / "release"
-    monkeypatch.setenv("CKPT_FAULT", f"wait_for@sweep:2,file={release},secs=60")
+    monkeypatch.setenv("CKPT_FAULT", f"wait_for@sweep:2,file={release},secs=30")
     events, state = [], {"w": torch.arange(1000.0)}
     mgr = CheckpointManager(str(ck), "off", keep_last=1, on_event=lambda n, **kw: events.append((n, kw)))
     mgr.save(1, state, {"meta.json": "{}"}, blocking=True)
     mgr.wait()
     mgr.save(2, state, {"meta.json": "{}"}, blocking=True)
     assert is_marked_committed(step_dir(str(ck), 2))
-    assert not mgr._inflight.done()  # retention is still waiting for `release`: not in the save's blocking time
+    # step 1's files still exist (in place, or in .trash once moved, in that order: a rename is atomic), so the
+    # sweep, which waits for `release`, is not part of the save's blocking time
+    old, trash = step_dir(str(ck), 1), trash_dir(str(ck))
+    assert os.path.isdir(old) or any(n.startswith("step-000001.") for n in os.listdir(trash)), "swept already"
     release.touch()
     mgr.wait()
     assert [s for s, _ in list_step_dirs(str(ck))] == [2] and not os.path.lexists(trash_dir(str(ck)))
