@@ -41,15 +41,20 @@ def doomed(ckpt_dir: str, newest: int, keep_last: int, keep_best: int) -> list[s
 
 def apply_retention(ckpt_dir: str, newest: int, keep_last: int, keep_best: int,
                     on_log: Callable[[str], None]) -> list[str]:
-    """Move the `doomed` folders into .trash (rank 0, metadata only); returns their former paths. A folder that
-    cannot be renamed is deleted here instead, as before .trash existed: correct, but rank 0 alone pays for it."""
-    out = doomed(ckpt_dir, newest, keep_last, keep_best)
-    for path in out:
+    """Move the `doomed` folders into .trash (rank 0, metadata only); returns the paths it took away. A folder
+    that cannot be renamed is deleted here instead, as before .trash existed (correct, but rank 0 alone pays
+    for it), unless its marker could not be removed: a marked folder is never deleted file by file."""
+    out = []
+    for path in doomed(ckpt_dir, newest, keep_last, keep_best):
         try:
             move_to_trash(path)
         except OSError as e:
+            if is_marked_committed(path):
+                on_log(f"warning: retention: cannot remove the commit marker of {path} ({e.strerror}); kept")
+                continue
             on_log(f"retention: cannot move {path} into .trash ({e.strerror}); deleting it in place")
             shutil.rmtree(path, ignore_errors=True)
+        out.append(path)
     return out
 
 
@@ -102,15 +107,14 @@ def list_trash(ckpt_dir: str) -> list[str] | None:
     return sorted(files)
 
 
-def delete_share(ckpt_dir: str, files: list[str], rank: int, world_size: int) -> int:
-    """Delete this rank's share of `files` (every world_size-th, from `rank`); returns how many it deleted. Never
-    raises: a file already gone (an earlier sweep) is fine, one that cannot be deleted is left to rank 0's pass."""
-    root, n = trash_dir(ckpt_dir), 0
+def delete_share(ckpt_dir: str, files: list[str], rank: int, world_size: int) -> None:
+    """Delete this rank's share of `files`: every world_size-th, from `rank`. Never raises (the other ranks wait
+    in a barrier after it): a file already gone (an earlier sweep) is fine, one that cannot be deleted is left
+    to rank 0's last pass, which says so."""
+    root = trash_dir(ckpt_dir)
     for name in files[rank::world_size]:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(root, name))
-            n += 1
-    return n
 
 
 def remove_trash(ckpt_dir: str, on_log: Callable[[str], None]) -> None:

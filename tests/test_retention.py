@@ -160,3 +160,27 @@ def test_nothing_in_trash_looks_committed_or_is_listed(tmp_path, capsys):
     rows = capsys.readouterr().out.splitlines()[1:]
     assert len(rows) == 1 and rows[0].split()[0] == "4", rows
     assert CheckpointManager(str(ck), "off").find_resume("auto") == step_dir(str(ck), 4)
+
+
+def test_retention_without_a_rename_deletes_in_place_but_never_a_marked_folder(tmp_path, monkeypatch):
+    ck = tmp_path / "ck"
+    for s in (2, 4, 6):
+        folder_checkpoint(ck, s)
+    real_rename, real_remove = os.rename, os.remove
+
+    def rename(src, dst):  # e.g. a step folder that is a mount point of its own
+        if f"{os.sep}.trash{os.sep}" in dst:
+            raise OSError(18, "Invalid cross-device link")
+        return real_rename(src, dst)
+
+    def remove(path, *args, **kwargs):  # step 2's marker cannot be removed
+        if str(path).endswith(f"step-000002{os.sep}{COMMIT_FILE}"):
+            raise PermissionError(13, "Permission denied")
+        return real_remove(path, *args, **kwargs)
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "remove", remove)
+    logs = []
+    assert apply_retention(str(ck), 6, 1, 0, logs.append) == [step_dir(str(ck), 4)]
+    assert [s for s, _ in list_step_dirs(str(ck))] == [2, 6]
+    assert len(os.listdir(step_dir(str(ck), 2))) == SHARDS + 2  # kept whole, marker and all
+    assert "cannot remove the commit marker" in logs[0] and "deleting it in place" in logs[1], logs
