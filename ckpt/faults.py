@@ -17,6 +17,8 @@ order a step and its save reach them:
   partial_write  the first bytes of a shard file are on disk, the rest are not (a torn file)
   before_commit  every rank's data is durable, commit marker not written
   after_commit   marker written (rank 0 only), retention not run yet
+  sweep          retention moved the old folders into .trash, no file deleted yet (every rank, in the
+                 background after a commit; also before a save whose folder held a leftover)
 Unset in normal runs: `fault_point` is then one environment lookup, and the writer is the plain one.
 """
 

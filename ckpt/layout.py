@@ -6,6 +6,8 @@
         meta.json             human-readable: step, world size, versions, time, config hash
         config.yaml           the resolved training config
         commit.json           written last, atomically: manifest of every file with size + checksum
+      .trash/                 folders retention (or a save in their way) took out of the listing, unmarked,
+                              until every rank has deleted its share of their files (retention.py)
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 
 COMMIT_FILE = "commit.json"
 META_FILE = "meta.json"
 CONFIG_FILE = "config.yaml"
 LOCK_FILE = ".lock"
+TRASH_DIR = ".trash"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -30,8 +34,19 @@ def step_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def trash_dir(ckpt_dir: str) -> str:
+    return os.path.join(ckpt_dir, TRASH_DIR)
+
+
+def trash_slot(path: str) -> str:
+    """A fresh place in its ckpt.dir's .trash for `path`: not a step-NNNNNN name, and not taken (a rename onto
+    an empty folder would replace it silently)."""
+    parent, name = os.path.split(os.path.normpath(path))
+    return os.path.join(trash_dir(parent), f"{name}.{os.getpid()}-{time.time_ns()}")
+
+
 def list_step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every step-NNNNNN folder, committed or not, oldest first."""
+    """(step, path) of every step-NNNNNN folder, committed or not, oldest first (never what is in .trash)."""
     if not os.path.isdir(ckpt_dir):
         return []
     found = []

@@ -116,6 +116,7 @@ class TrainingCheckpoints:
             self.log(f"error: in-flight checkpoint failed: {e}")
         if save_now and (self.mgr.last_saved_step != step or pending_error is not None):
             self.mgr.save(step, self.state, self.files_for(step), blocking=True)
+            self.mgr.wait()  # its retention, in the background: done before an exception ends the process group
         if pending_error is not None and not self.options.continue_on_save_error:
             raise pending_error
 

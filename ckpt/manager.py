@@ -5,9 +5,12 @@
 - save(): sync (`dcp.save`) or async (`dcp.async_save` with a reused stager, thread or process uploader,
   uploader.py). Training blocks only while the state is staged; at most one save is in flight.
 - commit: each rank checksums the files it writes as it writes them; DCP's finish gathers the digests
-  to rank 0, which writes the marker from them (commit.py) on the committer thread, then applies
-  retention (retention.py). Errors in the background are kept and raised by the next poll()/wait()/save(),
-  on every rank at the same step (the agreement all-reduce).
+  to rank 0, which writes the marker from them (commit.py). A save is committed, and a sync save returns,
+  once the marker is durable.
+- retention, after every commit, sync or async, on the committer thread of every rank: rank 0 moves the
+  folders retention dooms into .trash, then each rank deletes its share of it (retention.py), so no rank
+  waits while one deletes a whole checkpoint. Errors in the background are kept and raised by the next
+  poll()/wait()/save(), on every rank at the same step (the agreement all-reduce).
 - resume: find_resume / verify / load (resume.py).
 - lock: rank 0 holds <ckpt.dir>/.lock for the life of the job (lock.py).
 Checkpoint collectives run on a dedicated gloo group, so they never queue behind training collectives
@@ -16,6 +19,7 @@ and async save has the CPU backend it needs even when training runs on NCCL.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +40,7 @@ from .faults import fault_point
 from .layout import is_marked_committed, list_step_dirs, read_saved_config, step_dir, step_of
 from .lock import DirLock, LockError
 from .preflight import process_staging_shortfall
-from .retention import apply_retention, clear_stale
+from .retention import apply_retention, clear_stale, delete_share, list_trash, remove_trash
 from .uploader import _planner, _preemption_signals_blocked, _StagingWait, _Writer, make_stager, stop_uploader_process
 
 
@@ -57,6 +61,9 @@ class CheckpointManager:
         self.on_event, self.on_log = on_event, on_log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # One user at a time: the in-flight save's background chain (DCP's upload thread, then the sweep on the
+        # committer thread), or the main thread when nothing is in flight (save() and resume() calls come
+        # after wait() or before any save), so the two never interleave collectives on it.
         self.pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         # main thread only: rank agreement on save outcomes while the upload thread may be busy on self.pg
         self._agree_pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
@@ -126,30 +133,33 @@ class CheckpointManager:
         self.wait()  # at most one save in flight; raises a previous save's error
         path = step_dir(self.dir, step)
 
-        def prepare():
-            if os.path.lexists(path):
-                clear_stale(path, self.on_log)  # leftover of a crashed save of this same step, never committed data we keep
+        def prepare() -> bool:
             try:
+                # a leftover of a crashed save of this same step, never committed data we keep
+                stale = os.path.lexists(path) and clear_stale(path, self.on_log)
                 os.makedirs(path)
                 for name, text in files.items():
                     with open(os.path.join(path, name), "w") as f:
                         f.write(text)
             except OSError as e:
                 raise save_failure(e, self.dir, f"checkpoint {path}") from e
-        self._on_rank0_then_share(prepare)
+            return stale
+        if self._on_rank0_then_share(prepare):
+            self._sweep_trash(step)  # rare (after a crash): free the leftover's space before this save writes
         writer = _Writer(path, step)
         if blocking or self.async_mode == "off":
             try:
                 metadata = dcp.save(state, storage_writer=writer, process_group=self.pg, planner=_planner())
                 upload_s = time.perf_counter() - t0
                 fault_point("before_commit", step)
-                retention_s = self._on_rank0_then_share(lambda: self._commit(path, step, metadata, list(files)))
+                self._on_rank0_then_share(lambda: self._commit(path, step, metadata, list(files)))
             except SAVE_ERRORS as e:
                 raise save_failure(e, self.dir, f"checkpoint {path}") from e
             blocking_s = time.perf_counter() - t0
             self.last_saved_step = step
             self.on_event("checkpoint", step=step, path=path, mode="sync", blocking_s=blocking_s, upload_s=upload_s,
-                          committed_s=blocking_s - retention_s, retention_s=retention_s)
+                          committed_s=blocking_s)
+            self._inflight, self._inflight_step = self._committer.submit(self._apply_retention, step), step
             return blocking_s
         try:
             with _preemption_signals_blocked():
@@ -195,20 +205,26 @@ class CheckpointManager:
             metadata = upload.result()
             upload_s = time.perf_counter() - t0
             fault_point("before_commit", step)
-            retention_s = self._commit(path, step, metadata, own_files) if self.rank == 0 else 0.0
+            if self.rank == 0:
+                self._commit(path, step, metadata, own_files)
         except SAVE_ERRORS as e:
+            # The sweep is a collective: every rank joins it whatever its own outcome (DCP's upload fails on all
+            # ranks alike, rank 0's commit or a fault point on one), unless the group itself is broken.
+            if not collective_timed_out(e):
+                with contextlib.suppress(*SAVE_ERRORS):  # the save's own error is the one to report
+                    self._sweep_trash(step)
             raise save_failure(e, self.dir, f"checkpoint {path} (in the background)") from e
-        committed_s = time.perf_counter() - t0 - retention_s
+        committed_s = time.perf_counter() - t0
         # The upload is done, so staging is too: the training thread's wait, if not yet recorded, returns at
         # once when it comes. Bounded, so a job that exits without wait_for_staging() never hangs here.
         staged.done.wait(timeout=5.0)
         self.on_event("checkpoint", step=step, path=path, mode=self.async_mode, blocking_s=blocking_s + staged.wait_s,
-                      upload_s=upload_s, committed_s=committed_s, staging_wait_s=staged.wait_s, retention_s=retention_s)
+                      upload_s=upload_s, committed_s=committed_s, staging_wait_s=staged.wait_s)
+        self._apply_retention(step)
 
-    def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> float:
-        """Write the marker, then apply retention; returns the seconds retention took. The checkpoint is
-        committed once the marker is durable, so committed_s stops there: deleting old checkpoints (rmtree of
-        GBs, 0.3 s per GB here) comes after and is reported apart as retention_s."""
+    def _commit(self, path: str, step: int, metadata, own_files: list[str]) -> None:
+        """Write the marker (rank 0). The checkpoint is committed once the marker is durable, so committed_s
+        stops here; retention comes after, on every rank (_apply_retention)."""
         try:
             marker = commit_checkpoint(path, self.world_size, metadata.file_digests, metadata, own_files)
         except OSError as e:
@@ -216,12 +232,36 @@ class CheckpointManager:
         fault_point("after_commit", step)
         size = sum(f["size"] for f in marker["files"].values())
         self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
-        t0 = time.perf_counter()
-        self._apply_retention(step)
-        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------ retention (committer thread, every rank)
 
     def _apply_retention(self, newest: int) -> None:
-        apply_retention(self.dir, newest, self.keep_last, self.keep_best, self.on_log)
+        """Retention after the commit of `newest`, on every rank together: rank 0 moves the folders it dooms
+        into .trash (renames), then every rank deletes its share (retention.py)."""
+        self._sweep_trash(newest, lambda: apply_retention(self.dir, newest, self.keep_last, self.keep_best,
+                                                          self.on_log))
+
+    def _sweep_trash(self, step: int, doom: Callable[[], list[str]] = lambda: []) -> None:
+        """Empty <ckpt.dir>/.trash, a collective on self.pg: rank 0 runs `doom` (moves more folders in, returns
+        their paths), lists .trash and shares the list; each rank deletes every W-th file; after a barrier
+        rank 0 removes the rest. O(bytes / W) per rank. A `retention` event (rank 0) says what it deleted."""
+        t0 = time.perf_counter()
+        try:
+            gone, files = self._on_rank0_then_share(lambda: (doom(), list_trash(self.dir)))
+        except CheckpointError as e:
+            raise CheckpointError(f"retention after checkpoint step {step}: {e}") from None
+        fault_point("sweep", step)
+        if files is not None:  # None (no .trash) is the same answer on every rank
+            delete_share(self.dir, files, self.rank, self.world_size)
+            if self.pg is not None:
+                dist.barrier(group=self.pg)
+            if self.rank == 0:
+                remove_trash(self.dir, self.on_log)
+        if self.rank == 0 and (gone or files):
+            for path in gone:
+                self.on_log(f"retention: deleted {path}")
+            self.on_event("retention", step=step, deleted=gone, files=len(files or []),
+                          seconds=time.perf_counter() - t0)
 
     def poll(self) -> None:
         """Raise the error of a finished background save, on every rank at once. Call it every step:

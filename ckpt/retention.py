@@ -1,9 +1,18 @@
-"""Retention: which checkpoint folders go after a commit, and how a folder is removed safely.
+"""Retention: which checkpoint folders go after a commit, and how their bytes are deleted with no rank doing
+O(whole checkpoint) work while the others wait.
 
     python -m pytest tests/test_ckpt_unit.py tests/test_eval.py -q
 
-Runs on rank 0 right after a commit, when no other save can be in flight. The commit marker is removed
-first, so a crash halfway leaves an uncommitted folder, never a marked partial one.
+The protocol (CheckpointManager._sweep_trash runs it on every rank, in the committer thread after each
+commit, so no save waits for it):
+1. rank 0 picks the doomed folders (`doomed`) and moves each into <ckpt.dir>/.trash (`move_to_trash`): the
+   commit marker is removed first, then the folder is renamed (O(1) on one filesystem). A crash at any
+   moment leaves an unmarked folder or one in .trash, never a marked partial one; .trash is never listed
+   as a checkpoint.
+2. rank 0 lists .trash, names only (`list_trash`), and sends the list to every rank;
+3. each rank deletes every W-th file of it (`delete_share`): O(bytes / W) per rank;
+4. after a barrier, rank 0 removes what is left: folders, files a rank could not delete (`remove_trash`).
+A sweep killed halfway leaves files in .trash for the next one, which lists what is still there.
 """
 
 from __future__ import annotations
@@ -14,53 +23,109 @@ import shutil
 import time
 from typing import Callable
 
-from .layout import COMMIT_FILE, is_marked_committed, list_step_dirs, read_meta
+from .commit import fsync_dir
+from .layout import COMMIT_FILE, is_marked_committed, list_step_dirs, read_meta, trash_dir, trash_slot
 
 
-def apply_retention(ckpt_dir: str, newest: int, keep_last: int, keep_best: int, on_log: Callable[[str], None]) -> None:
-    """Delete committed checkpoints beyond keep_last (oldest first) and dead partial folders older
-    than `newest`, the step just committed. Folders of later steps are left alone: they are from an
-    earlier run (e.g. skipped as corrupt on resume) and must not push out the checkpoint just made."""
+def doomed(ckpt_dir: str, newest: int, keep_last: int, keep_best: int) -> list[str]:
+    """Committed checkpoints beyond keep_last (oldest first) that are not among the keep_best, and dead partial
+    folders older than `newest`, the step just committed. Folders of later steps are left alone: they are from
+    an earlier run (e.g. skipped as corrupt on resume) and must not push out the checkpoint just made."""
     dirs = [(s, p) for s, p in list_step_dirs(ckpt_dir) if s <= newest]
     committed = [(s, p) for s, p in dirs if is_marked_committed(p)]
-    doomed = committed[:-keep_last] if keep_last else []
     best = best_scored(committed, keep_best)
-    doomed = [(s, p) for s, p in doomed if s not in best]
-    doomed += [(s, p) for s, p in dirs if s < newest and not is_marked_committed(p)]
-    for s, p in doomed:
-        remove_checkpoint(p)
-        on_log(f"retention: deleted {p}")
+    out = [(s, p) for s, p in (committed[:-keep_last] if keep_last else []) if s not in best]
+    out += [(s, p) for s, p in dirs if s < newest and not is_marked_committed(p)]
+    return [p for _, p in sorted(out)]
 
 
-def clear_stale(path: str, on_log: Callable[[str], None]) -> None:
-    """Remove a folder (or anything else) in the way of this step's save. It is not a checkpoint this job
-    trusts: resume verified newer ones and skipped it, or it is this job's own failed attempt. If it
-    cannot be removed (a damaged tree), it is moved aside so the save goes on."""
-    remove_checkpoint(path)
-    if os.path.lexists(path):
+def apply_retention(ckpt_dir: str, newest: int, keep_last: int, keep_best: int,
+                    on_log: Callable[[str], None]) -> list[str]:
+    """Move the `doomed` folders into .trash (rank 0, metadata only); returns the paths it took away. A folder
+    that cannot be renamed is deleted here instead, as before .trash existed (correct, but rank 0 alone pays
+    for it), unless its marker could not be removed: a marked folder is never deleted file by file."""
+    out = []
+    for path in doomed(ckpt_dir, newest, keep_last, keep_best):
+        try:
+            move_to_trash(path)
+        except OSError as e:
+            if is_marked_committed(path):
+                on_log(f"warning: retention: cannot remove the commit marker of {path} ({e.strerror}); kept")
+                continue
+            on_log(f"retention: cannot move {path} into .trash ({e.strerror}); deleting it in place")
+            shutil.rmtree(path, ignore_errors=True)
+        out.append(path)
+    return out
+
+
+def clear_stale(path: str, on_log: Callable[[str], None]) -> bool:
+    """Move whatever is in the way of this step's save into .trash; True if it went there (the caller sweeps it
+    before writing, to free the space). It is not a checkpoint this job trusts: resume verified newer ones and
+    skipped it, or it is this job's own failed attempt. If even the rename fails (a directory without write
+    permission cannot change its parent), it is moved aside in place so the save goes on."""
+    try:
+        move_to_trash(path)
+        on_log(f"checkpoint: moved {path} (a leftover of an earlier attempt) into .trash")
+        return True
+    except OSError:
         aside = f"{path}.damaged-{os.getpid()}-{int(time.time())}"
         os.replace(path, aside)
         on_log(f"checkpoint: moved damaged {path} aside to {aside}")
+        return False
 
 
-def remove_checkpoint(path: str) -> None:
-    """Marker first: a crash halfway through leaves an uncommitted folder, never a marked partial one.
-    Anything may stand where a file or folder belongs (a folder named commit.json, a file named step-N)."""
-    if not os.path.isdir(path) or os.path.islink(path):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-        return
+def move_to_trash(path: str) -> None:
+    """Marker first, made durable, then the rename: no crash leaves a marked folder with files missing. Anything
+    may stand where a file or folder belongs (a folder named commit.json, a file named step-N); a folder named
+    commit.json is no marker (is_marked_committed wants a file), so it just moves along."""
     marker = os.path.join(path, COMMIT_FILE)
-    if os.path.isdir(marker) and not os.path.islink(marker):
-        shutil.rmtree(marker, ignore_errors=True)
-    else:
+    if os.path.isdir(path) and not os.path.islink(path) and (os.path.islink(marker) or not os.path.isdir(marker)):
         with contextlib.suppress(FileNotFoundError):
             os.remove(marker)
-    shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            fsync_dir(path)
+    os.makedirs(trash_dir(os.path.dirname(os.path.normpath(path))), exist_ok=True)
+    os.rename(path, trash_slot(path))
+
+
+def list_trash(ckpt_dir: str) -> list[str] | None:
+    """Every file (and link) under .trash, relative to it, sorted; None when there is no .trash. Names only:
+    scandir's entry type says file or folder without a stat per file (on Lustre, no metadata-server load
+    per file)."""
+    root = trash_dir(ckpt_dir)
+    if not os.path.isdir(root):
+        return None
+    files, todo = [], [""]
+    while todo:
+        rel = todo.pop()
+        try:
+            with os.scandir(os.path.join(root, rel)) as entries:
+                for e in entries:
+                    (todo if e.is_dir(follow_symlinks=False) else files).append(os.path.join(rel, e.name))
+        except OSError:
+            continue  # an unreadable folder: rank 0's last pass tries it and says what it could not delete
+    return sorted(files)
+
+
+def delete_share(ckpt_dir: str, files: list[str], rank: int, world_size: int) -> None:
+    """Delete this rank's share of `files`: every world_size-th, from `rank`. Never raises (the other ranks wait
+    in a barrier after it): a file already gone (an earlier sweep) is fine, one that cannot be deleted is left
+    to rank 0's last pass, which says so."""
+    root = trash_dir(ckpt_dir)
+    for name in files[rank::world_size]:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(root, name))
+
+
+def remove_trash(ckpt_dir: str, on_log: Callable[[str], None]) -> None:
+    """Rank 0, after every rank deleted its share: the folders and whatever is left."""
+    root = trash_dir(ckpt_dir)
+    shutil.rmtree(root, ignore_errors=True)
+    if os.path.lexists(root):
+        on_log(f"warning: retention: could not delete everything in {root}; delete it by hand to free the space")
 
 
 def best_scored(checkpoints: list[tuple[int, str]], k: int) -> set[int]:
     """Steps of the k checkpoints with the lowest meta.json `score` (the trainer's eval loss); unscored never count."""
     scored = [(meta["score"], s) for s, p in checkpoints if k and "score" in (meta := read_meta(p, missing_ok=True))]
     return {s for _, s in sorted(scored)[:k]}
-

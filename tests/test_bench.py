@@ -18,7 +18,8 @@ def test_ckpt_bench_tiny(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "ckpt_bench.json").read_text())
-    assert set(r["methods"]) == {"rank0_torch_save", "dcp_plain", "dcp_sync", "dcp_async_thread", "dcp_async_process"}
+    assert set(r["methods"]) == {"rank0_torch_save", "dcp_plain", "dcp_plain_keep_old", "dcp_sync", "dcp_async_thread",
+                                 "dcp_async_process"}
     for m in r["methods"].values():
         assert 0 < m["first_blocking_s"] and 0 < m["blocking_s"]["min"] <= m["blocking_s"]["max"]
         assert m["upload_s"]["median"] <= m["committed_s"]["median"] + 1e-9 and m["commit_overhead_s"]["min"] >= 0

@@ -124,6 +124,8 @@ def test_emergency_save_rules(where, error, saved):
             raise error
     assert (("save", 4, True) in mgr.calls) == saved
     assert ("wait" in mgr.calls) == (not isinstance(error, (DiskFullError, KeyboardInterrupt)))
+    if saved:  # the save's retention runs in the background: drained before the exception ends the process group
+        assert "wait" in mgr.calls[mgr.calls.index(("save", 4, True)):]
 
 
 def test_finish_saves_once_and_closes():

@@ -25,7 +25,7 @@ RUN = ["train.max_steps=12", "ckpt.interval=3", "ckpt.keep_last=2"]  # async sav
 SAVES = (3, 6, 9, 12)
 KILL_MOMENTS = {  # fault point -> steps at which it can fire
     "mid_step": range(1, 13), "after_step": range(1, 13), "staged": SAVES[:-1], "write": SAVES,
-    "partial_write": SAVES, "before_commit": SAVES, "after_commit": SAVES}
+    "partial_write": SAVES, "before_commit": SAVES, "after_commit": SAVES, "sweep": SAVES}
 CI_TRIALS = [  # (async mode, CKPT_FAULT): the moments of a save, then the bugs this suite found
     ("thread", "sleep@after_step:5,secs=2;kill@staged:6"),     # state staged, upload not started
     ("thread", "kill@partial_write:6,rank=1"),                 # one rank's shard torn mid-upload
@@ -79,14 +79,17 @@ def straight_run(tmp_path_factory):
     return run
 
 
-def kill_and_resume(run, straight_run, mode: str, fault: str, extra: tuple = ()) -> subprocess.CompletedProcess:
-    """Run with the fault, check the disk, resume without it; the resume must load the newest committed
-    checkpoint and the run must match the uninterrupted one bit for bit. Returns the faulted run."""
+def kill_and_resume(run, straight_run, mode: str, fault: str, extra: tuple = (),
+                    after_kill=lambda ckpt_dir: None) -> subprocess.CompletedProcess:
+    """Run with the fault, check the disk (and `after_kill(ckpt_dir)`), resume without it; the resume must load
+    the newest committed checkpoint and the run must match the uninterrupted one bit for bit. Returns the
+    faulted run."""
     overrides = [*RUN, f"ckpt.async_mode={mode}", *extra]
     hit = run_train(run, overrides=overrides, env={"CKPT_FAULT": fault}, check=False, timeout=TIMEOUT)
     assert hit.returncode != 0, f"the fault {fault!r} never fired:\n{hit.stdout[-2000:]}"
     expected = newest_committed(run / "checkpoints")
     print(f"{mode} {fault}: exit {hit.returncode}, newest committed checkpoint {expected}")  # the long run's record
+    after_kill(run / "checkpoints")
     run_train(run, overrides=overrides, timeout=TIMEOUT)
     assert [e["step"] for e in events(run, "resume")] == ([expected] if expected else []), hit.stdout[-3000:]
     a, b = losses(straight_run), losses(run)
@@ -115,6 +118,20 @@ def test_failed_save_with_continue_is_never_resumed(tmp_path, straight_run):
     assert "warning: checkpoint failed, training continues" in hit.stdout
     assert [e["step"] for e in events(run, "checkpoint_failed")] in ([6], [7], [8]), events(run, "checkpoint_failed")
     assert events(run, "resume")[0]["step"] == 3
+
+
+def test_kill_during_the_sweep_leaves_trash_for_the_next_one(tmp_path, straight_run):
+    """Killed after retention moved step 3 into .trash, before any rank deleted a file of it: nothing there looks
+    committed or is resumed from, and the restarted job's first sweep deletes it with the step it retires."""
+    def step3_in_trash(ckpt_dir):
+        moved = os.listdir(ckpt_dir / ".trash")
+        assert [n.split(".")[0] for n in moved] == ["step-000003"], moved
+        assert not is_marked_committed(str(ckpt_dir / ".trash" / moved[0]))
+        assert [s for s, _ in list_step_dirs(str(ckpt_dir))] == [6, 9]
+    run = tmp_path / "run"
+    kill_and_resume(run, straight_run, "thread", "kill@sweep:9", after_kill=step3_in_trash)
+    assert [s for s, _ in list_step_dirs(str(run / "checkpoints"))] == [9, 12]
+    assert not os.path.lexists(run / "checkpoints" / ".trash")
 
 
 # ---------------------------------------------------------------- corruption
