@@ -53,7 +53,7 @@ class ModelConfig:
     tokenizer_path: str = ""  # tokenizer dir; empty = name_or_path, else config_path
     param_dtype: str = "auto"  # fp32 | bf16 | auto (bf16 on CUDA, fp32 on CPU)
     reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter
-    attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 | flash_attention_3 (flash: CUDA + its package)
+    attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 | flash_attention_3 (CUDA + flash_attn)
     activation_checkpointing: bool = False  # recompute each decoder block in backward
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
     init_std: float = 0.02  # std of the normal init for random-init models

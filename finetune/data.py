@@ -41,6 +41,7 @@ _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".ar
 # each at 1000 -> 250, no slower (docs/data.md).
 _MAP_BATCH = 250
 _ROWS_PER_PROC = 5000  # below this many rows per process, forking workers costs more than it saves
+SOURCE_COLUMNS = ("_source", "_row")  # a mixture's row: index of its source, row within that source
 
 
 class DataError(ValueError):
@@ -151,17 +152,23 @@ def _resolve_format(cfg_data, ds, path: str) -> tuple[str, str]:
 
 
 def load_documents(cfg_data, eval_set: bool = False, cache_dir: str | None = None):
-    """(dataset with one column, format, column, label for messages). A mixture is interleaved with fixed
-    weights and seed (HF `interleave_datasets`, stopping when the first source runs out): deterministic."""
+    """(dataset, format, column, label for messages). A mixture is interleaved with fixed weights and seed
+    (HF `interleave_datasets`, stopping when the first source runs out): deterministic. Its rows carry
+    SOURCE_COLUMNS, the source's index and the row within it (0-based), so errors can name the file and
+    its row: 12 bytes a row, in memory (sources' own columns stay memory-mapped)."""
     import datasets
 
     pairs = sources(cfg_data, eval_set)
     loaded, fmts = [], set()
-    for src, _ in pairs:
+    for k, (src, _) in enumerate(pairs):
         ds = load_source(src, cache_dir)
         fmt, column = _resolve_format(cfg_data, ds, src.path)
         fmts.add(fmt)
-        loaded.append(ds.select_columns([column]))
+        ds = ds.select_columns([column])
+        if len(pairs) > 1:
+            ds = ds.add_column(SOURCE_COLUMNS[0], np.full(len(ds), k, dtype=np.int32))
+            ds = ds.add_column(SOURCE_COLUMNS[1], np.arange(len(ds), dtype=np.int64))
+        loaded.append(ds)
     if len(fmts) > 1:
         raise DataError(f"data.mixture mixes chat and text sources ({[s.path for s, _ in pairs]}); use one format")
     label = pairs[0][0].path if len(pairs) == 1 else "the data.mixture"
@@ -295,12 +302,21 @@ def tokenize_text_batch(tokenizer, texts: list[str]) -> tuple[list, list]:
     return ids, [np.ones(len(row), dtype=np.uint8) for row in ids]
 
 
-def _tokenize_rows(rows, indices, tokenizer, fmt: str, column: str, label: str) -> dict:
+def _tokenize_rows(rows, indices, tokenizer, fmt: str, column: str, label: str, names: list[str]) -> dict:
+    """One map batch -> ids and masks; a mixture's rows keep their SOURCE_COLUMNS (source index, row in it)."""
+    mixed = SOURCE_COLUMNS[0] in rows
     if fmt == "chat":
-        ids, masks = tokenize_chat_batch(tokenizer, rows[column], [f"{label} row {i + 1}" for i in indices])
+        where = ([row_name(names[k], r) for k, r in zip(*(rows[c] for c in SOURCE_COLUMNS))] if mixed else
+                 [row_name(label, i) for i in indices])
+        ids, masks = tokenize_chat_batch(tokenizer, rows[column], where)
     else:
         ids, masks = tokenize_text_batch(tokenizer, rows[column])
-    return {"ids": ids, "mask": masks}
+    return {"ids": ids, "mask": masks, **({c: rows[c] for c in SOURCE_COLUMNS} if mixed else {})}
+
+
+def row_name(source: str, row: int) -> str:
+    """How every error names a row: '<source> row <1-based row>' (the line of a jsonl file)."""
+    return f"{source} row {int(row) + 1}"
 
 
 # the old single-row helpers, kept for callers that tokenize one conversation (tests, notebooks)
@@ -350,12 +366,18 @@ def _append_batch(table, files: dict, n_tokens: int) -> tuple[int, np.ndarray]:
     files["mask"].write(mask.tobytes())
     ends = n_tokens + np.cumsum(lengths)
     files["offsets"].write(ends.tobytes())
+    if "sources" in files:  # a mixture: (source index, row in it) of every document
+        pairs = [table.column(c).to_numpy().astype(np.int64) for c in SOURCE_COLUMNS]
+        files["sources"].write(np.stack(pairs, axis=1).tobytes())
     return int(ends[-1]) if len(ends) else n_tokens, ends
 
 
 def _write_cache(mapped, tmp: str, meta: dict) -> dict:
-    """Stream the tokenized rows into tmp/{tokens,loss_mask,doc_offsets}.bin, one arrow batch at a time."""
+    """Stream the tokenized rows into tmp/{tokens,loss_mask,doc_offsets}.bin (and a mixture's doc_sources.bin),
+    one arrow batch at a time."""
     names = {"tokens": "tokens.bin", "mask": "loss_mask.bin", "offsets": "doc_offsets.bin"}
+    if SOURCE_COLUMNS[0] in mapped.column_names:
+        names["sources"] = "doc_sources.bin"
     files = {k: open(os.path.join(tmp, v), "wb") for k, v in names.items()}
     try:
         files["offsets"].write(np.zeros(1, dtype=np.int64).tobytes())
@@ -372,10 +394,11 @@ def _write_cache(mapped, tmp: str, meta: dict) -> dict:
     return {**meta, "n_docs": n_docs, "n_tokens": n_tokens, "token_dtype": "int32"}
 
 
-def _tokenized_features():
+def _tokenized_features(mixture: bool):
     import datasets
+    sources = dict(zip(SOURCE_COLUMNS, (datasets.Value("int32"), datasets.Value("int64")))) if mixture else {}
     return datasets.Features({"ids": datasets.List(datasets.Value("int32")),
-                              "mask": datasets.List(datasets.Value("uint8"))})
+                              "mask": datasets.List(datasets.Value("uint8")), **sources})
 
 
 def build_cache(*args, **kwargs) -> str:
@@ -436,6 +459,7 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
     os.makedirs(tmp)
     try:
         ds, fmt, column, label = load_documents(cfg_data, eval_set, cache_dir=os.path.join(tmp, "hf"))
+        names = [src.path for src, _ in sources(cfg_data, eval_set)]
         procs = num_proc or cfg_data.num_proc
         if not procs:  # automatic: every core, but forking workers for a few thousand rows costs more than it saves
             procs = max(1, min(default_num_proc(), len(ds) // _ROWS_PER_PROC))
@@ -443,14 +467,17 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
         with _gc_frozen() if procs > 1 else contextlib.nullcontext():
             mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
                             num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
-                            fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label},
-                            features=_tokenized_features(), cache_file_name=os.path.join(tmp, "tokenized.arrow"),
+                            fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label,
+                                       "names": names},
+                            features=_tokenized_features(len(names) > 1),
+                            cache_file_name=os.path.join(tmp, "tokenized.arrow"),
                             desc="tokenize")
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        meta = _write_cache(mapped, tmp, {"version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad})
+        meta = _write_cache(mapped, tmp, {"version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad,
+                                          **({"sources": names} if len(names) > 1 else {})})
         del mapped, ds
         for name in os.listdir(tmp):  # the arrow intermediates: only the flat files stay
-            if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin"):
+            if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin", "doc_sources.bin"):
                 p = os.path.join(tmp, name)
                 shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -493,11 +520,22 @@ class TokenCache:
         self.tokens = self._map("tokens.bin", np.int32, self.meta["n_tokens"])
         self.mask = self._map("loss_mask.bin", np.uint8, self.meta["n_tokens"])
         self.offsets = self._map("doc_offsets.bin", np.int64, self.meta["n_docs"] + 1)
+        self.doc_sources = None  # a mixture's [n_docs, 2]: (index into meta["sources"], row in that source)
+        if "sources" in self.meta:
+            self.doc_sources = self._map("doc_sources.bin", np.int64, 2 * self.meta["n_docs"]).reshape(-1, 2)
 
     def _map(self, name: str, dtype, count: int) -> np.ndarray:
         if count == 0:
             return np.zeros(0, dtype=dtype)
         return np.memmap(os.path.join(self.path, name), dtype=dtype, mode="r", shape=(count,))
+
+
+def document_name(cache, doc: int) -> str:
+    """The file and row document `doc` of a cache came from, for errors."""
+    if getattr(cache, "doc_sources", None) is None:
+        return row_name(cache.meta["source"], doc)
+    source, row = cache.doc_sources[doc]
+    return row_name(cache.meta["sources"][int(source)], row)
 
 
 class Samples:
@@ -521,7 +559,7 @@ class Samples:
             too_long = np.flatnonzero(lengths > seq_len)
             if len(too_long):
                 i = int(too_long[0])
-                raise DataError(f"{cache.meta['source']} row {i + 1}: {int(lengths[i])} tokens, longer than "
+                raise DataError(f"{document_name(cache, i)}: {int(lengths[i])} tokens, longer than "
                                 f"data.seq_len={seq_len} ({len(too_long)} such rows); raise seq_len or set "
                                 "data.truncation=true")
 

@@ -106,8 +106,9 @@ def causal_lm_from_config(cfg_model) -> nn.Module:
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32,
                                                 attn_implementation=cfg_model.attn_implementation)
     except (ValueError, ImportError) as e:  # e.g. a model class without SDPA support: one line, not a traceback
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelError(f"cannot build the model of {src} with model.attn_implementation="
-                         f"{cfg_model.attn_implementation}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                         f"{cfg_model.attn_implementation}: {why}") from None
 
 
 def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:

@@ -4,6 +4,7 @@
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -255,6 +256,31 @@ def test_saved_folder_parquet_folder_split_and_mixture(tmp_path, tok):
         load_documents(DataConfig(mixture=f"{tmp_path / 'pq'}"))
     with pytest.raises(DataError, match="has no split 'test'"):
         load_documents(DataConfig(path=str(tmp_path / "saved"), split="test"))
+
+
+def test_bad_rows_of_a_mixture_name_their_file_and_own_row(tmp_path, tok):
+    """A mixture's rows are interleaved; its errors still name the source file and the row within it (not the
+    position in the interleaved stream): a bad role while tokenizing (2 worker processes), a too-long row
+    when the samples are opened with data.truncation=false."""
+    a = _write_jsonl(tmp_path / "a.jsonl", _conversations(30))
+    rows = _conversations(30, seed=1)
+    rows[11]["messages"][1]["role"] = "user"  # b.jsonl row 12
+    bad = _write_jsonl(tmp_path / "b.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        build_cache(DataConfig(mixture=f"{a}:1; {bad}:1", cache_dir=str(tmp_path / "c1")), tok, num_proc=2)
+    assert str(e.value).startswith(f"{bad} row 12: messages[1].role is 'user', expected 'assistant'"), str(e.value)
+    rows = _conversations(30, seed=1)
+    rows[4]["messages"][-1]["content"] = "x" * 300  # b.jsonl row 5
+    long = _write_jsonl(tmp_path / "long.jsonl", rows)
+    cfg = DataConfig(mixture=f"{a}:1; {long}:1", seq_len=256, truncation=False, cache_dir=str(tmp_path / "c2"))
+    cache = build_cache(cfg, tok, num_proc=1)
+    with pytest.raises(DataError) as e:
+        open_samples(cache, cfg)
+    assert re.match(rf"{long} row 5: 3\d\d tokens, longer than data.seq_len=256 \(1 such rows\)", str(e.value)), e.value
+    from finetune.data import TokenCache
+    sources = TokenCache(cache).doc_sources
+    assert sorted(sources[sources[:, 0] == 1, 1].tolist()) == list(range(len(sources[sources[:, 0] == 1])))
+    assert (sources[:, 0] == 1).nonzero()[0][4] != 4  # row 5 of long.jsonl is elsewhere in the stream
 
 
 def json_row(messages) -> str:
