@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".ar
 _MAP_BATCH = 250
 _ROWS_PER_PROC = 5000  # below this many rows per process, forking workers costs more than it saves
 SOURCE_COLUMNS = ("_source", "_row")  # a mixture's row: index of its source, row within that source
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' test for a {% generation %} template
 
 
 class DataError(ValueError):
@@ -208,33 +210,43 @@ def _plain(messages) -> bool:
                for m in messages)
 
 
-def _render(tokenizer, conversations, add_generation_prompt: bool, plain: bool) -> list[str]:
-    """The chat template applied as `apply_chat_template(..., tokenize=False)` does. Plain conversations go
-    straight to the compiled template (the per-call input copying is the identity for them, and costs more
-    than the rendering); anything else takes transformers' full path."""
+def _render(tokenizer, conversations, add_generation_prompt: bool, plain: bool, generation: bool = False):
+    """The chat template applied as `apply_chat_template(..., tokenize=False)` does: a list of strings, or with
+    generation=True (return_assistant_tokens_mask) a list of (string, [(start, end) of each {% generation %}
+    block]). Plain conversations go straight to the compiled template (the per-call input copying is the
+    identity for them, and costs more than the rendering); anything else takes transformers' full path."""
     from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
     special = tokenizer.special_tokens_map
     if plain:
         render = _fast_render(_compile_jinja_template(tokenizer.chat_template),
                               {"tools": None, "documents": None, "add_generation_prompt": add_generation_prompt,
-                               **special})
+                               **special}, generation)
         return [render(c) for c in conversations]
-    rendered, _ = render_jinja_template(conversations=conversations, chat_template=tokenizer.chat_template,
-                                        add_generation_prompt=add_generation_prompt, **special)
-    return rendered
+    rendered, spans = render_jinja_template(conversations=conversations, chat_template=tokenizer.chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            return_assistant_tokens_mask=generation, **special)
+    return list(zip(rendered, spans)) if generation else rendered
 
 
-def _fast_render(template, constants: dict):
+def _fast_render(template, constants: dict, generation: bool = False):
     """messages -> template.render(messages=messages, **constants), with the variables that do not change
     merged once. jinja's render() builds each call's context by copying the template's globals (a ChainMap,
-    read key by key) and the keywords: profiled, that was ~60% of the rendering time (docs/data.md)."""
+    read key by key) and the keywords: profiled, that was ~60% of the rendering time (docs/data.md).
+    generation=True: (text, spans of the {% generation %} blocks), recorded by transformers' jinja extension
+    (AssistantTracker), which reads the blocks rendered so far, as its `_render_with_assistant_indices` does."""
     env, base = template.environment, {**template.globals, **constants}
 
-    def render(messages) -> str:
+    def render(messages):
         ctx = env.context_class(env, {**base, "messages": messages}, template.name, template.blocks)
         try:
-            return env.concat(template.root_render_func(ctx))
+            if not generation:
+                return env.concat(template.root_render_func(ctx))
+            blocks, spans = [], []
+            with env.activate_tracker(blocks, spans):
+                for block in template.root_render_func(ctx):
+                    blocks.append(block)
+            return "".join(blocks), spans
         except Exception:  # noqa: BLE001 - what Template.render does: jinja's rewritten traceback
             return env.handle_exception()
     return render
@@ -263,15 +275,40 @@ def _label_mask(encoding, spans: list[tuple[int, int]], text_len: int, where: st
 def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tuple[list, list]:
     """Token ids and loss masks (1 on assistant turns) of many conversations.
 
-    Each conversation is tokenized once. The template renders it in full plus, per assistant turn, the prompt
-    before it (with the generation prompt) and the prefix ending with it (unless that is the whole
-    conversation): 2 x (assistant turns) string renders, no tokenizing.
-    Prefix consistency is checked on the strings: both must be prefixes of the full rendering, and the
-    turn's edges must fall between tokens of the full tokenization.
+    Each conversation is tokenized once, and the assistant turns' character spans are found in its rendering:
+    - a template that marks them with {% generation %} (what transformers' return_assistant_tokens_mask
+      needs) renders each conversation once; each assistant turn must have exactly one such block;
+    - any other template: the prefix rule, 2 x (assistant turns) more renders (`_prefix_spans`).
+    Either way each span's edges must fall between tokens of the full tokenization.
     """
     for k, msgs in enumerate(conversations):
         _check_conversation(msgs, where[k])
     plain = all(_plain(c) for c in conversations)  # then so are the prompts and prefixes cut from them
+    if GENERATION_TAG.search(tokenizer.chat_template or ""):
+        full, spans = _generation_spans(tokenizer, conversations, where, plain)
+    else:
+        full, spans = _prefix_spans(tokenizer, conversations, where, plain)
+    enc = tokenizer(full, add_special_tokens=False)
+    ids = enc["input_ids"]
+    masks = [_label_mask(enc.encodings[k], spans[k], len(full[k]), where[k]) for k in range(len(conversations))]
+    return ids, masks
+
+
+def _generation_spans(tokenizer, conversations, where, plain) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """(renderings, assistant spans): one render per conversation, the spans its {% generation %} blocks mark."""
+    full, spans = zip(*_render(tokenizer, conversations, False, plain, generation=True)) if conversations else ((), ())
+    for k, msgs in enumerate(conversations):
+        turns = sum(m["role"] == "assistant" for m in msgs)
+        if len(spans[k]) != turns:
+            raise DataError(f"{where[k]}: the chat template marks {len(spans[k])} {{% generation %}} block(s) for "
+                            f"{turns} assistant turn(s); cannot mask prompts")
+    return list(full), [list(s) for s in spans]
+
+
+def _prefix_spans(tokenizer, conversations, where, plain) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """(renderings, assistant spans) by the prefix rule: the full conversation, and per assistant turn the
+    prompt before it (with the generation prompt) and the prefix ending with it (unless that is the whole
+    conversation), all as strings. Prefix consistency is checked: both must be prefixes of the full rendering."""
     owners, prompts, prefixes = [], [], []
     for k, msgs in enumerate(conversations):
         for j, m in enumerate(msgs):
@@ -289,10 +326,7 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
             raise DataError(f"{where[k]}: the chat template does not render conversations prefix-consistently; "
                             "cannot mask prompts")
         spans[k].append((len(s), len(e)))
-    enc = tokenizer(full, add_special_tokens=False)
-    ids = enc["input_ids"]
-    masks = [_label_mask(enc.encodings[k], spans[k], len(full[k]), where[k]) for k in range(len(conversations))]
-    return ids, masks
+    return full, spans
 
 
 def tokenize_text_batch(tokenizer, texts: list[str]) -> tuple[list, list]:

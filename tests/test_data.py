@@ -194,6 +194,59 @@ def test_parallel_cache_equals_serial_and_the_old_per_prefix_masking(tmp_path, t
         assert ids[i, :n].tolist() == ref_ids and labels[i, :n].tolist() == ref_labels, f"row {i} differs"
 
 
+# the tiny template (finetune/tiny_assets.py CHAT_TEMPLATE) with each assistant turn's output marked for
+# transformers' return_assistant_tokens_mask: it renders the same strings, so both masking rules apply to it
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}<|end|>"
+    "{% endgeneration %}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture
+def generation_tok(repo_root):
+    t = AutoTokenizer.from_pretrained(os.path.join(repo_root, TOK_DIR))
+    t.chat_template = GENERATION_TEMPLATE
+    return t
+
+
+def test_generation_template_renders_once_and_masks_like_the_prefix_rule(tmp_path, tok, generation_tok, monkeypatch):
+    """A template with {% generation %} renders each conversation once; its cache is byte-identical to the
+    prefix rule's on the same conversations (the template renders the same strings)."""
+    import finetune.data as data
+    rendered = []
+    real_render = data._render
+    monkeypatch.setattr(data, "_render", lambda t, convs, *a, **k: (rendered.append(len(convs)), real_render(
+        t, convs, *a, **k))[1])
+    rows = _conversations(300)
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    caches = {}
+    for name, t in (("prefix", tok), ("generation", generation_tok)):
+        rendered.clear()
+        caches[name] = build_cache(DataConfig(path=path, cache_dir=str(tmp_path / name)), t, num_proc=1)
+        assert sum(rendered) == (300 if name == "generation" else 300 + 2 * sum(
+            sum(m["role"] == "assistant" for m in r["messages"]) for r in rows) - 300), (name, sum(rendered))
+    for name in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin"):
+        a, b = (open(os.path.join(caches[k], name), "rb").read() for k in ("prefix", "generation"))
+        assert a == b, f"{name} differs between the prefix rule and the {{% generation %}} spans"
+    assert sum(open(os.path.join(caches["generation"], "loss_mask.bin"), "rb").read()) > 0
+
+
+def test_generation_template_errors_and_the_slow_rendering_path(generation_tok):
+    from finetune.data import tokenize_chat_batch
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    extra = [{**m, "name": "x"} for m in msgs]  # not plain: rendered by transformers' render_jinja_template
+    ids, (mask,) = tokenize_chat_batch(generation_tok, [msgs], ["r"])
+    slow_ids, (slow_mask,) = tokenize_chat_batch(generation_tok, [extra], ["r"])
+    assert slow_ids == ids and slow_mask.tolist() == mask.tolist()
+    assert generation_tok.decode([i for i, m in zip(ids[0], mask) if m]) == "a1<|end|>a2<|end|>"
+    generation_tok.chat_template = GENERATION_TEMPLATE.replace("{% generation %}", "{% if loop.last %}{% generation %}") \
+        .replace("{% endgeneration %}", "{% endgeneration %}{% else %}<|end|>{% endif %}")
+    with pytest.raises(DataError, match=r"^r: the chat template marks 1 \{% generation %\} block\(s\) for 2 assistant"):
+        tokenize_chat_batch(generation_tok, [msgs], ["r"])
+
+
 def test_map_workers_fork_from_a_frozen_heap_and_the_gc_is_restored(tmp_path, tok, monkeypatch):
     """gc.freeze() around the forking map keeps the workers from copying the parent's pages (docs/data.md);
     the parent's collector must be back to normal afterwards, also when a row is bad."""
