@@ -281,6 +281,7 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
     - any other template: the prefix rule, 2 x (assistant turns) more renders (`_prefix_spans`).
     Either way each span's edges must fall between tokens of the full tokenization.
     """
+    check_fast_tokenizer(tokenizer)
     for k, msgs in enumerate(conversations):
         _check_conversation(msgs, where[k])
     plain = all(_plain(c) for c in conversations)  # then so are the prompts and prefixes cut from them
@@ -292,6 +293,17 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
     ids = enc["input_ids"]
     masks = [_label_mask(enc.encodings[k], spans[k], len(full[k]), where[k]) for k in range(len(conversations))]
     return ids, masks
+
+
+def check_fast_tokenizer(tokenizer) -> None:
+    """Chat masking maps characters to tokens (`encodings[k].char_to_token`): only a fast tokenizer (the Rust
+    `tokenizers` library) returns those; a slow (Python) one returns no `encodings` at all."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"chat data needs a fast tokenizer (the `tokenizers` library) to mask prompts by character "
+                        f"offsets; {type(tokenizer).__name__} ({tokenizer.name_or_path or 'in memory'}) is a slow, "
+                        "Python one: save a fast one into the tokenizer folder (a tokenizer.json, e.g. from the "
+                        "model's tokenizers-backed class: BertTokenizer.from_pretrained(dir).save_pretrained(dir) "
+                        "for BertTokenizerLegacy), or use data.format=text")
 
 
 def _generation_spans(tokenizer, conversations, where, plain) -> tuple[list[str], list[list[tuple[int, int]]]]:
@@ -494,6 +506,8 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
     try:
         ds, fmt, column, label = load_documents(cfg_data, eval_set, cache_dir=os.path.join(tmp, "hf"))
         names = [src.path for src, _ in sources(cfg_data, eval_set)]
+        if fmt == "chat":  # before forking workers that would all fail on their first batch
+            check_fast_tokenizer(tokenizer)
         procs = num_proc or cfg_data.num_proc
         if not procs:  # automatic: every core, but forking workers for a few thousand rows costs more than it saves
             procs = max(1, min(default_num_proc(), len(ds) // _ROWS_PER_PROC))

@@ -247,6 +247,26 @@ def test_generation_template_errors_and_the_slow_rendering_path(generation_tok):
         tokenize_chat_batch(generation_tok, [msgs], ["r"])
 
 
+def test_slow_tokenizer_is_a_one_line_error_for_chat_data(tmp_path):
+    """A slow (Python) tokenizer returns no `encodings` (character offsets): chat data refuses it in one line,
+    before tokenizing, and nothing is left in the cache; text data needs no offsets and works."""
+    from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(33, 127)]) + "\n")
+    slow = BertTokenizerLegacy(str(vocab))
+    slow.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert not slow.is_fast and slow(["a b"], add_special_tokens=False).encodings is None
+    path = _write_jsonl(tmp_path / "chat.jsonl", _conversations(10))
+    with pytest.raises(DataError, match=r"^chat data needs a fast tokenizer .* BertTokenizerLegacy .* is a slow"):
+        build_cache(DataConfig(path=path, cache_dir=str(tmp_path / "cache")), slow, num_proc=1)
+    assert os.listdir(tmp_path / "cache") == []
+    with pytest.raises(DataError, match=r"^chat data needs a fast tokenizer"):
+        tokenize_chat(slow, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    text = tmp_path / "d.txt"
+    text.write_text("a b c\nd e\n")
+    build_cache(DataConfig(path=str(text), cache_dir=str(tmp_path / "cache")), slow, num_proc=1)
+
+
 def test_map_workers_fork_from_a_frozen_heap_and_the_gc_is_restored(tmp_path, tok, monkeypatch):
     """gc.freeze() around the forking map keeps the workers from copying the parent's pages (docs/data.md);
     the parent's collector must be back to normal afterwards, also when a row is bad."""
