@@ -241,8 +241,9 @@ def test_generation_template_errors_and_the_slow_rendering_path(generation_tok):
     slow_ids, (slow_mask,) = tokenize_chat_batch(generation_tok, [extra], ["r"])
     assert slow_ids == ids and slow_mask.tolist() == mask.tolist()
     assert generation_tok.decode([i for i, m in zip(ids[0], mask) if m]) == "a1<|end|>a2<|end|>"
-    generation_tok.chat_template = GENERATION_TEMPLATE.replace("{% generation %}", "{% if loop.last %}{% generation %}") \
-        .replace("{% endgeneration %}", "{% endgeneration %}{% else %}<|end|>{% endif %}")
+    last_only = GENERATION_TEMPLATE.replace("{% generation %}", "{% if loop.last %}{% generation %}")
+    last_only = last_only.replace("{% endgeneration %}", "{% endgeneration %}{% else %}<|end|>{% endif %}")
+    generation_tok.chat_template = last_only
     with pytest.raises(DataError, match=r"^r: the chat template marks 1 \{% generation %\} block\(s\) for 2 assistant"):
         tokenize_chat_batch(generation_tok, [msgs], ["r"])
 
@@ -252,7 +253,8 @@ def test_slow_tokenizer_is_a_one_line_error_for_chat_data(tmp_path):
     before tokenizing, and nothing is left in the cache; text data needs no offsets and works."""
     from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
     vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [chr(c) for c in range(33, 127)]) + "\n")
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *map(chr, range(33, 127))]
+    vocab.write_text("".join(f"{t}\n" for t in tokens))
     slow = BertTokenizerLegacy(str(vocab))
     slow.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     assert not slow.is_fast and slow(["a b"], add_special_tokens=False).encodings is None
