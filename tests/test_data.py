@@ -385,6 +385,26 @@ def test_prepare_ahead_then_training_reuses_the_cache(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == f"error: data file not found: {tmp_path}/nope.jsonl"
 
 
+def test_too_long_row_with_truncation_off_exits_2_naming_file_and_row(tmp_path):
+    """`prepare` opens the samples as training will: data.truncation=false and a row longer than seq_len is one
+    `error:` line naming the file and the row, exit 2."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    rows = [{"messages": [{"role": "user", "content": f"reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
+            for w in ("abc", "hello", "x" * 90, "qwerty", "y" * 80)]  # rows 3 and 5 are too long for 64 tokens
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+    proc = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
+                           f"run.dir={tmp_path / 'run'}", f"data.path={path}", "data.seq_len=64",
+                           "data.truncation=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]  # the rest: progress bars
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.fullmatch(rf"error: {path} row 3: \d+ tokens, longer than data.seq_len=64 \(2 such rows\); raise "
+                        r"seq_len or set data.truncation=true", errors[0]), errors[0]
+
+
 def _wait_worker(rank, world, port, tmp, q):
     import time
 

@@ -148,16 +148,35 @@ def test_eval_loss_identical_at_one_and_two_ranks(tmp_path):
     assert "eval        2 | eval_loss " in proc.stdout
 
 
-def test_eval_does_not_change_the_training_trajectory(tmp_path):
+def test_eval_does_not_change_the_training_trajectory_and_runs_at_the_end(tmp_path):
+    """Losses bit-identical with and without eval; max_steps=6 is no multiple of eval_interval=4, so the run
+    evaluates at 4 and once more at the end (6); the loss plot draws those two eval points."""
     common = [*EVAL, "train.max_steps=6", "ckpt.interval=0", "ckpt.save_at_end=false"]
     run_train(tmp_path / "plain", nproc=0, overrides=[*common, "train.eval_interval=0"])
-    run_train(tmp_path / "eval", nproc=0, overrides=[*common, "train.eval_interval=2", "train.eval_batches=2"])
+    run_train(tmp_path / "eval", nproc=0, overrides=[*common, "train.eval_interval=4", "train.eval_batches=2"])
     assert losses(tmp_path / "plain") == losses(tmp_path / "eval")  # bit-identical floats
     ev = events(tmp_path / "eval", "eval")
-    assert [e["step"] for e in ev] == [2, 4, 6] and all(e["eval_rows"] == 24 for e in ev)
+    assert [e["step"] for e in ev] == [4, 6] and all(e["eval_rows"] == 24 for e in ev)
     assert ev[-1]["eval_loss"] < ev[0]["eval_loss"]
-    from finetune.metrics import plot_metrics
+    from finetune.metrics import loss_figure, plot_metrics
+    fig = loss_figure(str(tmp_path / "eval" / "metrics.jsonl"))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert list(lines["eval loss"].get_xdata()) == [4, 6]
+    assert list(lines["eval loss"].get_ydata()) == [e["eval_loss"] for e in ev]
+    assert list(lines["loss"].get_xdata()) == [1, 2, 3, 4, 5, 6]
+    assert "eval loss" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert os.path.getsize(plot_metrics(str(tmp_path / "eval" / "metrics.jsonl"), str(tmp_path / "p.png"))) > 0
+
+
+def test_packed_run_has_the_same_losses_at_one_and_two_ranks(tmp_path):
+    """data.pack=true end to end: position ids and loss masks per document give the same losses at W=1 and W=2."""
+    common = ["data.pack=true", "train.max_steps=3", "ckpt.interval=0", "ckpt.save_at_end=false"]
+    run_train(tmp_path / "w1", nproc=0, overrides=common)
+    run_train(tmp_path / "w2", nproc=2, overrides=common)
+    a, b = losses(tmp_path / "w1"), losses(tmp_path / "w2")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-5), f"step {k}: W=1 {a[k]} vs W=2 {b[k]}"
 
 
 # ---------------------------------------------------------------- ckpt.keep_best
