@@ -418,19 +418,33 @@ def _append_batch(table, files: dict, n_tokens: int) -> tuple[int, np.ndarray]:
     return int(ends[-1]) if len(ends) else n_tokens, ends
 
 
-def _write_cache(mapped, tmp: str, meta: dict) -> dict:
-    """Stream the tokenized rows into tmp/{tokens,loss_mask,doc_offsets}.bin (and a mixture's doc_sources.bin),
-    one arrow batch at a time."""
+def _tokenized_batches(arrow_files: list[str]):
+    """The tokenized rows, one arrow record batch (as `map` wrote it) at a time, read from its cache files with
+    plain reads into buffers that are freed after each batch. Iterating the dataset instead reads through
+    datasets' memory map: every page of the files it touched stays mapped in this process, counted in its
+    RSS, until the dataset is closed (docs/data.md, Benchmark)."""
+    import pyarrow as pa
+
+    for name in arrow_files:
+        with pa.OSFile(name, "rb") as f:
+            yield from pa.ipc.open_stream(f)
+
+
+def _write_cache(arrow_files: list[str], rows: int, mixture: bool, tmp: str, meta: dict) -> dict:
+    """Stream the tokenized rows (`rows` of them, in `map`'s arrow files) into tmp/{tokens,loss_mask,doc_offsets}.bin
+    (and a mixture's doc_sources.bin), one arrow batch at a time."""
     names = {"tokens": "tokens.bin", "mask": "loss_mask.bin", "offsets": "doc_offsets.bin"}
-    if SOURCE_COLUMNS[0] in mapped.column_names:
+    if mixture:
         names["sources"] = "doc_sources.bin"
     files = {k: open(os.path.join(tmp, v), "wb") for k, v in names.items()}
     try:
         files["offsets"].write(np.zeros(1, dtype=np.int64).tobytes())
         n_tokens, n_docs = 0, 0
-        for table in mapped.with_format("arrow").iter(batch_size=_MAP_BATCH):
-            n_tokens, ends = _append_batch(table, files, n_tokens)
+        for batch in _tokenized_batches(arrow_files):
+            n_tokens, ends = _append_batch(batch, files, n_tokens)
             n_docs += len(ends)
+        if n_docs != rows:  # the files hold exactly the mapped rows, in order (no indices mapping)
+            raise DataError(f"tokenized {rows} rows but read {n_docs} back from {arrow_files}")
         for f in files.values():
             f.flush()
             os.fsync(f.fileno())
@@ -520,10 +534,12 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
                             features=_tokenized_features(len(names) > 1),
                             cache_file_name=os.path.join(tmp, "tokenized.arrow"),
                             desc="tokenize")
+        arrow_files, rows = [f["filename"] for f in mapped.cache_files], len(mapped)
+        del mapped, ds  # datasets memory-mapped (and touched) the files map wrote: unmapped, they leave our RSS
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        meta = _write_cache(mapped, tmp, {"version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad,
-                                          **({"sources": names} if len(names) > 1 else {})})
-        del mapped, ds
+        meta = _write_cache(arrow_files, rows, len(names) > 1, tmp, {
+            "version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad,
+            **({"sources": names} if len(names) > 1 else {})})
         for name in os.listdir(tmp):  # the arrow intermediates: only the flat files stay
             if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin", "doc_sources.bin"):
                 p = os.path.join(tmp, name)
