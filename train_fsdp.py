@@ -39,7 +39,8 @@ from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
-from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
+from finetune.model import ModelError, build_mesh, build_sharded_model, check_attn_implementation, init_random, \
+    load_tokenizer
 from finetune.plan import add_plan_arguments, print_plan
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
@@ -266,7 +267,9 @@ def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, s
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_config(sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
+        if not args.plan:  # a flash attention this machine cannot run: refused before any process group
+            check_attn_implementation(cfg.model)
+    except (ConfigError, ModelError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.plan:  # memory, staging, checkpoint size and save time for this config; no process group

@@ -16,6 +16,8 @@ the same for both methods), and divided by the size of the finished cache. RSS a
 memory-mapped files (the arrow files datasets reads and writes), which are page cache the kernel can drop,
 so the last column gives the growth of anonymous memory alone: the process's `Anonymous` plus its
 workers' `Private_Dirty` (what they copied or allocated), over the process's `Anonymous` after imports.
+A last line gives the new pipeline's file-backed RSS (Rss - Anonymous) when finetune/data.py's _write_cache
+starts and ends: the pages of datasets' arrow files mapped into the process at that point.
 """
 
 from __future__ import annotations
@@ -105,14 +107,17 @@ def _worker(method: str, path: str, cache_dir: str, num_proc: int, seq_len: int)
     import datasets  # noqa: F401 - every import before the baseline RSS, for both methods
     from transformers import AutoTokenizer
 
+    import finetune.data
     from finetune.config import DataConfig
     from finetune.data import build_cache
     datasets.disable_progress_bars()
+    file_backed = _watch_write_cache(finetune.data)
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
     cfg = DataConfig(path=path, seq_len=seq_len, cache_dir=cache_dir, num_proc=num_proc)
     old = _load_old_module() if method == "old" else None
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     base_anon = _kib(os.getpid(), ("Anonymous",))
+    file_backed["before"] = _kib(os.getpid(), ("Rss",)) - base_anon
     tree = TreeMemory()
     t0 = time.perf_counter()
     cache = old.cache_samples(cfg, tok) if old else build_cache(cfg, tok, num_proc=num_proc)
@@ -121,7 +126,22 @@ def _worker(method: str, path: str, cache_dir: str, num_proc: int, seq_len: int)
     peak_tree, peak_anon = tree.stop()
     return {"seconds": secs, "cache_bytes": size, "rss_before_kib": base_rss,
             "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "peak_tree_kib": peak_tree,
-            "anon_before_kib": base_anon, "peak_anon_kib": peak_anon}
+            "anon_before_kib": base_anon, "peak_anon_kib": peak_anon, "file_backed_kib": file_backed}
+
+
+def _watch_write_cache(data_module) -> dict:
+    """This process's file-backed RSS (Rss - Anonymous: mapped files' pages, e.g. datasets' arrow files) when
+    the new pipeline's _write_cache starts and ends; filled in as it runs."""
+    seen, real = {}, data_module._write_cache
+
+    def watched(*args, **kwargs):
+        seen["write_start"] = _kib(os.getpid(), ("Rss",)) - _kib(os.getpid(), ("Anonymous",))
+        try:
+            return real(*args, **kwargs)
+        finally:
+            seen["write_end"] = _kib(os.getpid(), ("Rss",)) - _kib(os.getpid(), ("Anonymous",))
+    data_module._write_cache = watched
+    return seen
 
 
 def _load_old_module():
@@ -175,6 +195,14 @@ def summarize(name: str, runs: list[dict]) -> str:
             f"{tree / cache_kib:.1f}x / {growth / cache_kib:.1f}x | {anon / 1024:,.0f} ({anon / cache_kib:.1f}x) |")
 
 
+def file_backed_line(name: str, runs: list[dict]) -> str:
+    """The new pipeline's file-backed RSS (mapped arrow files) over imports when _write_cache starts and ends."""
+    grow = {k: statistics.median(r["file_backed_kib"][k] - r["file_backed_kib"]["before"] for r in runs) / 1024
+            for k in ("write_start", "write_end")}
+    return (f"{name}: file-backed RSS over imports (median) when _write_cache starts {grow['write_start']:,.1f} MiB, "
+            f"when it ends {grow['write_end']:,.1f} MiB; cache {runs[0]['cache_bytes'] / 2**20:,.1f} MiB")
+
+
 HEADER = ("| data/method | rows | rows/s median (min-max) | load avg | peak RSS MiB | peak RSS + workers' USS MiB | "
           "same, growth over imports MiB | cache MiB | pipeline peak / cache (absolute / growth) | "
           "anonymous growth MiB (/ cache) |\n"
@@ -214,6 +242,7 @@ def main() -> None:
              f"{f'{args.old_rows:,}' if args.old_rows else 'all'} rows), {args.repeats} repeats interleaved, new with num_proc={args.num_proc}, "
              f"{len(os.sched_getaffinity(0))} cores available", "", HEADER]
     lines += [summarize(name, runs) for name, runs in results.items()]
+    lines += [""] + [file_backed_line(name, runs) for name, runs in results.items() if name.endswith("/new")]
     for kind in files:
         if f"{kind}/old" in results:
             old = [r["rows_per_s"] for r in results[f"{kind}/old"]]

@@ -53,6 +53,7 @@ class ModelConfig:
     tokenizer_path: str = ""  # tokenizer dir; empty = name_or_path, else config_path
     param_dtype: str = "auto"  # fp32 | bf16 | auto (bf16 on CUDA, fp32 on CPU)
     reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter
+    attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 | flash_attention_3 (CUDA + flash_attn)
     activation_checkpointing: bool = False  # recompute each decoder block in backward
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
     init_std: float = 0.02  # std of the normal init for random-init models
@@ -136,6 +137,7 @@ class Config:
 _CHOICES = {
     "model.param_dtype": ("auto", "fp32", "bf16"),
     "model.reduce_dtype": ("fp32", "bf16"),
+    "model.attn_implementation": ("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
     "data.format": ("auto", "text", "chat"),
     "ckpt.async_mode": ("off", "thread", "process"),
     "export.dtype": ("auto", "fp32", "bf16", "fp16"),

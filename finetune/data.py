@@ -21,6 +21,7 @@ import gc
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".ar
 # each at 1000 -> 250, no slower (docs/data.md).
 _MAP_BATCH = 250
 _ROWS_PER_PROC = 5000  # below this many rows per process, forking workers costs more than it saves
+SOURCE_COLUMNS = ("_source", "_row")  # a mixture's row: index of its source, row within that source
+GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")  # transformers' test for a {% generation %} template
 
 
 class DataError(ValueError):
@@ -151,17 +154,23 @@ def _resolve_format(cfg_data, ds, path: str) -> tuple[str, str]:
 
 
 def load_documents(cfg_data, eval_set: bool = False, cache_dir: str | None = None):
-    """(dataset with one column, format, column, label for messages). A mixture is interleaved with fixed
-    weights and seed (HF `interleave_datasets`, stopping when the first source runs out): deterministic."""
+    """(dataset, format, column, label for messages). A mixture is interleaved with fixed weights and seed
+    (HF `interleave_datasets`, stopping when the first source runs out): deterministic. Its rows carry
+    SOURCE_COLUMNS, the source's index and the row within it (0-based), so errors can name the file and
+    its row: 12 bytes a row, in memory (sources' own columns stay memory-mapped)."""
     import datasets
 
     pairs = sources(cfg_data, eval_set)
     loaded, fmts = [], set()
-    for src, _ in pairs:
+    for k, (src, _) in enumerate(pairs):
         ds = load_source(src, cache_dir)
         fmt, column = _resolve_format(cfg_data, ds, src.path)
         fmts.add(fmt)
-        loaded.append(ds.select_columns([column]))
+        ds = ds.select_columns([column])
+        if len(pairs) > 1:
+            ds = ds.add_column(SOURCE_COLUMNS[0], np.full(len(ds), k, dtype=np.int32))
+            ds = ds.add_column(SOURCE_COLUMNS[1], np.arange(len(ds), dtype=np.int64))
+        loaded.append(ds)
     if len(fmts) > 1:
         raise DataError(f"data.mixture mixes chat and text sources ({[s.path for s, _ in pairs]}); use one format")
     label = pairs[0][0].path if len(pairs) == 1 else "the data.mixture"
@@ -201,33 +210,43 @@ def _plain(messages) -> bool:
                for m in messages)
 
 
-def _render(tokenizer, conversations, add_generation_prompt: bool, plain: bool) -> list[str]:
-    """The chat template applied as `apply_chat_template(..., tokenize=False)` does. Plain conversations go
-    straight to the compiled template (the per-call input copying is the identity for them, and costs more
-    than the rendering); anything else takes transformers' full path."""
+def _render(tokenizer, conversations, add_generation_prompt: bool, plain: bool, generation: bool = False):
+    """The chat template applied as `apply_chat_template(..., tokenize=False)` does: a list of strings, or with
+    generation=True (return_assistant_tokens_mask) a list of (string, [(start, end) of each {% generation %}
+    block]). Plain conversations go straight to the compiled template (the per-call input copying is the
+    identity for them, and costs more than the rendering); anything else takes transformers' full path."""
     from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
     special = tokenizer.special_tokens_map
     if plain:
         render = _fast_render(_compile_jinja_template(tokenizer.chat_template),
                               {"tools": None, "documents": None, "add_generation_prompt": add_generation_prompt,
-                               **special})
+                               **special}, generation)
         return [render(c) for c in conversations]
-    rendered, _ = render_jinja_template(conversations=conversations, chat_template=tokenizer.chat_template,
-                                        add_generation_prompt=add_generation_prompt, **special)
-    return rendered
+    rendered, spans = render_jinja_template(conversations=conversations, chat_template=tokenizer.chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            return_assistant_tokens_mask=generation, **special)
+    return list(zip(rendered, spans)) if generation else rendered
 
 
-def _fast_render(template, constants: dict):
+def _fast_render(template, constants: dict, generation: bool = False):
     """messages -> template.render(messages=messages, **constants), with the variables that do not change
     merged once. jinja's render() builds each call's context by copying the template's globals (a ChainMap,
-    read key by key) and the keywords: profiled, that was ~60% of the rendering time (docs/data.md)."""
+    read key by key) and the keywords: profiled, that was ~60% of the rendering time (docs/data.md).
+    generation=True: (text, spans of the {% generation %} blocks), recorded by transformers' jinja extension
+    (AssistantTracker), which reads the blocks rendered so far, as its `_render_with_assistant_indices` does."""
     env, base = template.environment, {**template.globals, **constants}
 
-    def render(messages) -> str:
+    def render(messages):
         ctx = env.context_class(env, {**base, "messages": messages}, template.name, template.blocks)
         try:
-            return env.concat(template.root_render_func(ctx))
+            if not generation:
+                return env.concat(template.root_render_func(ctx))
+            blocks, spans = [], []
+            with env.activate_tracker(blocks, spans):
+                for block in template.root_render_func(ctx):
+                    blocks.append(block)
+            return "".join(blocks), spans
         except Exception:  # noqa: BLE001 - what Template.render does: jinja's rewritten traceback
             return env.handle_exception()
     return render
@@ -256,15 +275,52 @@ def _label_mask(encoding, spans: list[tuple[int, int]], text_len: int, where: st
 def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tuple[list, list]:
     """Token ids and loss masks (1 on assistant turns) of many conversations.
 
-    Each conversation is tokenized once. The template renders it in full plus, per assistant turn, the prompt
-    before it (with the generation prompt) and the prefix ending with it (unless that is the whole
-    conversation): 2 x (assistant turns) string renders, no tokenizing.
-    Prefix consistency is checked on the strings: both must be prefixes of the full rendering, and the
-    turn's edges must fall between tokens of the full tokenization.
+    Each conversation is tokenized once, and the assistant turns' character spans are found in its rendering:
+    - a template that marks them with {% generation %} (what transformers' return_assistant_tokens_mask
+      needs) renders each conversation once; each assistant turn must have exactly one such block;
+    - any other template: the prefix rule, 2 x (assistant turns) more renders (`_prefix_spans`).
+    Either way each span's edges must fall between tokens of the full tokenization.
     """
+    check_fast_tokenizer(tokenizer)
     for k, msgs in enumerate(conversations):
         _check_conversation(msgs, where[k])
     plain = all(_plain(c) for c in conversations)  # then so are the prompts and prefixes cut from them
+    if GENERATION_TAG.search(tokenizer.chat_template or ""):
+        full, spans = _generation_spans(tokenizer, conversations, where, plain)
+    else:
+        full, spans = _prefix_spans(tokenizer, conversations, where, plain)
+    enc = tokenizer(full, add_special_tokens=False)
+    ids = enc["input_ids"]
+    masks = [_label_mask(enc.encodings[k], spans[k], len(full[k]), where[k]) for k in range(len(conversations))]
+    return ids, masks
+
+
+def check_fast_tokenizer(tokenizer) -> None:
+    """Chat masking maps characters to tokens (`encodings[k].char_to_token`): only a fast tokenizer (the Rust
+    `tokenizers` library) returns those; a slow (Python) one returns no `encodings` at all."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(f"chat data needs a fast tokenizer (the `tokenizers` library) to mask prompts by character "
+                        f"offsets; {type(tokenizer).__name__} ({tokenizer.name_or_path or 'in memory'}) is a slow, "
+                        "Python one: save a fast one into the tokenizer folder (a tokenizer.json, e.g. from the "
+                        "model's tokenizers-backed class: BertTokenizer.from_pretrained(dir).save_pretrained(dir) "
+                        "for BertTokenizerLegacy), or use data.format=text")
+
+
+def _generation_spans(tokenizer, conversations, where, plain) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """(renderings, assistant spans): one render per conversation, the spans its {% generation %} blocks mark."""
+    full, spans = zip(*_render(tokenizer, conversations, False, plain, generation=True)) if conversations else ((), ())
+    for k, msgs in enumerate(conversations):
+        turns = sum(m["role"] == "assistant" for m in msgs)
+        if len(spans[k]) != turns:
+            raise DataError(f"{where[k]}: the chat template marks {len(spans[k])} {{% generation %}} block(s) for "
+                            f"{turns} assistant turn(s); cannot mask prompts")
+    return list(full), [list(s) for s in spans]
+
+
+def _prefix_spans(tokenizer, conversations, where, plain) -> tuple[list[str], list[list[tuple[int, int]]]]:
+    """(renderings, assistant spans) by the prefix rule: the full conversation, and per assistant turn the
+    prompt before it (with the generation prompt) and the prefix ending with it (unless that is the whole
+    conversation), all as strings. Prefix consistency is checked: both must be prefixes of the full rendering."""
     owners, prompts, prefixes = [], [], []
     for k, msgs in enumerate(conversations):
         for j, m in enumerate(msgs):
@@ -282,10 +338,7 @@ def tokenize_chat_batch(tokenizer, conversations: list, where: list[str]) -> tup
             raise DataError(f"{where[k]}: the chat template does not render conversations prefix-consistently; "
                             "cannot mask prompts")
         spans[k].append((len(s), len(e)))
-    enc = tokenizer(full, add_special_tokens=False)
-    ids = enc["input_ids"]
-    masks = [_label_mask(enc.encodings[k], spans[k], len(full[k]), where[k]) for k in range(len(conversations))]
-    return ids, masks
+    return full, spans
 
 
 def tokenize_text_batch(tokenizer, texts: list[str]) -> tuple[list, list]:
@@ -295,12 +348,21 @@ def tokenize_text_batch(tokenizer, texts: list[str]) -> tuple[list, list]:
     return ids, [np.ones(len(row), dtype=np.uint8) for row in ids]
 
 
-def _tokenize_rows(rows, indices, tokenizer, fmt: str, column: str, label: str) -> dict:
+def _tokenize_rows(rows, indices, tokenizer, fmt: str, column: str, label: str, names: list[str]) -> dict:
+    """One map batch -> ids and masks; a mixture's rows keep their SOURCE_COLUMNS (source index, row in it)."""
+    mixed = SOURCE_COLUMNS[0] in rows
     if fmt == "chat":
-        ids, masks = tokenize_chat_batch(tokenizer, rows[column], [f"{label} row {i + 1}" for i in indices])
+        where = ([row_name(names[k], r) for k, r in zip(*(rows[c] for c in SOURCE_COLUMNS))] if mixed else
+                 [row_name(label, i) for i in indices])
+        ids, masks = tokenize_chat_batch(tokenizer, rows[column], where)
     else:
         ids, masks = tokenize_text_batch(tokenizer, rows[column])
-    return {"ids": ids, "mask": masks}
+    return {"ids": ids, "mask": masks, **({c: rows[c] for c in SOURCE_COLUMNS} if mixed else {})}
+
+
+def row_name(source: str, row: int) -> str:
+    """How every error names a row: '<source> row <1-based row>' (the line of a jsonl file)."""
+    return f"{source} row {int(row) + 1}"
 
 
 # the old single-row helpers, kept for callers that tokenize one conversation (tests, notebooks)
@@ -350,19 +412,39 @@ def _append_batch(table, files: dict, n_tokens: int) -> tuple[int, np.ndarray]:
     files["mask"].write(mask.tobytes())
     ends = n_tokens + np.cumsum(lengths)
     files["offsets"].write(ends.tobytes())
+    if "sources" in files:  # a mixture: (source index, row in it) of every document
+        pairs = [table.column(c).to_numpy().astype(np.int64) for c in SOURCE_COLUMNS]
+        files["sources"].write(np.stack(pairs, axis=1).tobytes())
     return int(ends[-1]) if len(ends) else n_tokens, ends
 
 
-def _write_cache(mapped, tmp: str, meta: dict) -> dict:
-    """Stream the tokenized rows into tmp/{tokens,loss_mask,doc_offsets}.bin, one arrow batch at a time."""
+def _tokenized_batches(arrow_files: list[str]):
+    """The tokenized rows, one arrow record batch (as `map` wrote it) at a time, read from its cache files with
+    plain reads into buffers that are freed after each batch. Iterating the dataset instead reads through
+    datasets' memory map: every page of the files it touched stays mapped in this process, counted in its
+    RSS, until the dataset is closed (docs/data.md, Benchmark)."""
+    import pyarrow as pa
+
+    for name in arrow_files:
+        with pa.OSFile(name, "rb") as f:
+            yield from pa.ipc.open_stream(f)
+
+
+def _write_cache(arrow_files: list[str], rows: int, mixture: bool, tmp: str, meta: dict) -> dict:
+    """Stream the tokenized rows (`rows` of them, in `map`'s arrow files) into tmp/{tokens,loss_mask,doc_offsets}.bin
+    (and a mixture's doc_sources.bin), one arrow batch at a time."""
     names = {"tokens": "tokens.bin", "mask": "loss_mask.bin", "offsets": "doc_offsets.bin"}
+    if mixture:
+        names["sources"] = "doc_sources.bin"
     files = {k: open(os.path.join(tmp, v), "wb") for k, v in names.items()}
     try:
         files["offsets"].write(np.zeros(1, dtype=np.int64).tobytes())
         n_tokens, n_docs = 0, 0
-        for table in mapped.with_format("arrow").iter(batch_size=_MAP_BATCH):
-            n_tokens, ends = _append_batch(table, files, n_tokens)
+        for batch in _tokenized_batches(arrow_files):
+            n_tokens, ends = _append_batch(batch, files, n_tokens)
             n_docs += len(ends)
+        if n_docs != rows:  # the files hold exactly the mapped rows, in order (no indices mapping)
+            raise DataError(f"tokenized {rows} rows but read {n_docs} back from {arrow_files}")
         for f in files.values():
             f.flush()
             os.fsync(f.fileno())
@@ -372,10 +454,11 @@ def _write_cache(mapped, tmp: str, meta: dict) -> dict:
     return {**meta, "n_docs": n_docs, "n_tokens": n_tokens, "token_dtype": "int32"}
 
 
-def _tokenized_features():
+def _tokenized_features(mixture: bool):
     import datasets
+    sources = dict(zip(SOURCE_COLUMNS, (datasets.Value("int32"), datasets.Value("int64")))) if mixture else {}
     return datasets.Features({"ids": datasets.List(datasets.Value("int32")),
-                              "mask": datasets.List(datasets.Value("uint8"))})
+                              "mask": datasets.List(datasets.Value("uint8")), **sources})
 
 
 def build_cache(*args, **kwargs) -> str:
@@ -436,6 +519,9 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
     os.makedirs(tmp)
     try:
         ds, fmt, column, label = load_documents(cfg_data, eval_set, cache_dir=os.path.join(tmp, "hf"))
+        names = [src.path for src, _ in sources(cfg_data, eval_set)]
+        if fmt == "chat":  # before forking workers that would all fail on their first batch
+            check_fast_tokenizer(tokenizer)
         procs = num_proc or cfg_data.num_proc
         if not procs:  # automatic: every core, but forking workers for a few thousand rows costs more than it saves
             procs = max(1, min(default_num_proc(), len(ds) // _ROWS_PER_PROC))
@@ -443,14 +529,19 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
         with _gc_frozen() if procs > 1 else contextlib.nullcontext():
             mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
                             num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
-                            fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label},
-                            features=_tokenized_features(), cache_file_name=os.path.join(tmp, "tokenized.arrow"),
+                            fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label,
+                                       "names": names},
+                            features=_tokenized_features(len(names) > 1),
+                            cache_file_name=os.path.join(tmp, "tokenized.arrow"),
                             desc="tokenize")
+        arrow_files, rows = [f["filename"] for f in mapped.cache_files], len(mapped)
+        del mapped, ds  # datasets memory-mapped (and touched) the files map wrote: unmapped, they leave our RSS
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        meta = _write_cache(mapped, tmp, {"version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad})
-        del mapped, ds
+        meta = _write_cache(arrow_files, rows, len(names) > 1, tmp, {
+            "version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad,
+            **({"sources": names} if len(names) > 1 else {})})
         for name in os.listdir(tmp):  # the arrow intermediates: only the flat files stay
-            if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin"):
+            if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin", "doc_sources.bin"):
                 p = os.path.join(tmp, name)
                 shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
         with open(os.path.join(tmp, "meta.json"), "w") as f:
@@ -493,11 +584,22 @@ class TokenCache:
         self.tokens = self._map("tokens.bin", np.int32, self.meta["n_tokens"])
         self.mask = self._map("loss_mask.bin", np.uint8, self.meta["n_tokens"])
         self.offsets = self._map("doc_offsets.bin", np.int64, self.meta["n_docs"] + 1)
+        self.doc_sources = None  # a mixture's [n_docs, 2]: (index into meta["sources"], row in that source)
+        if "sources" in self.meta:
+            self.doc_sources = self._map("doc_sources.bin", np.int64, 2 * self.meta["n_docs"]).reshape(-1, 2)
 
     def _map(self, name: str, dtype, count: int) -> np.ndarray:
         if count == 0:
             return np.zeros(0, dtype=dtype)
         return np.memmap(os.path.join(self.path, name), dtype=dtype, mode="r", shape=(count,))
+
+
+def document_name(cache, doc: int) -> str:
+    """The file and row document `doc` of a cache came from, for errors."""
+    if getattr(cache, "doc_sources", None) is None:
+        return row_name(cache.meta["source"], doc)
+    source, row = cache.doc_sources[doc]
+    return row_name(cache.meta["sources"][int(source)], row)
 
 
 class Samples:
@@ -521,7 +623,7 @@ class Samples:
             too_long = np.flatnonzero(lengths > seq_len)
             if len(too_long):
                 i = int(too_long[0])
-                raise DataError(f"{cache.meta['source']} row {i + 1}: {int(lengths[i])} tokens, longer than "
+                raise DataError(f"{document_name(cache, i)}: {int(lengths[i])} tokens, longer than "
                                 f"data.seq_len={seq_len} ({len(too_long)} such rows); raise seq_len or set "
                                 "data.truncation=true")
 

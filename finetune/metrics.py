@@ -178,6 +178,17 @@ def _count(n, noun: str) -> str:
 
 
 def plot_metrics(path: str, out: str) -> str:
+    """Draw metrics.jsonl at `path` into the PNG `out`; returns `out`."""
+    import matplotlib.pyplot as plt
+
+    fig = loss_figure(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def loss_figure(path: str):
+    """The matplotlib figure of a run's metrics.jsonl: loss, eval loss, event marks, world-size spans."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -217,9 +228,7 @@ def plot_metrics(path: str, out: str) -> str:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,20 +70,57 @@ def build_mesh(device: torch.device, world_size: int, replicas: int):
     return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
 
 
+# model.attn_implementation -> (the package transformers imports for it, how to get it); eager and sdpa need none
+FLASH_PACKAGES = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation (>= 2.3.3)"),
+                  "flash_attention_3": ("flash_attn_interface", "flash-attn-3, built from flash-attention's hopper/")}
+
+
+def check_attn_implementation(cfg_model) -> None:
+    """Refuse a flash attention that cannot run here, in one line, before the model (or a process group) exists:
+    transformers would fail later, or fall back to downloading a kernel from the hub."""
+    impl = cfg_model.attn_implementation
+    if impl not in FLASH_PACKAGES:
+        return
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    package, how = FLASH_PACKAGES[impl]
+    if not torch.cuda.is_available():
+        raise ModelError(f"model.attn_implementation={impl} needs a CUDA GPU, and there is none here "
+                         "(torch.cuda.is_available() is False); use sdpa, which also keeps packed documents apart")
+    if not (is_flash_attn_2_available() if impl == "flash_attention_2" else is_flash_attn_3_available()):
+        raise ModelError(f"model.attn_implementation={impl} needs the {package} package, which is not installed "
+                         f"(or too old): {how}; or use sdpa")
+    if resolve_param_dtype(cfg_model.param_dtype, torch.device("cuda")) == torch.float32:
+        raise ModelError(f"model.attn_implementation={impl} computes in bf16/fp16 only, but model.param_dtype="
+                         f"{cfg_model.param_dtype}; use model.param_dtype=bf16 (or auto)")
+
+
+def causal_lm_from_config(cfg_model) -> nn.Module:
+    """The HF causal LM of the config dir, fp32, with model.attn_implementation (on the current default device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = model_source(cfg_model)
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ModelError(f"no config.json in model directory {src}")
+    try:
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.float32,
+                                                attn_implementation=cfg_model.attn_implementation)
+    except (ValueError, ImportError) as e:  # e.g. a model class without SDPA support: one line, not a traceback
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelError(f"cannot build the model of {src} with model.attn_implementation="
+                         f"{cfg_model.attn_implementation}: {why}") from None
+
+
 def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
     """HF causal LM on `meta`, fully_shard each block then the root, then `to_empty` on `device`.
 
     Parameters hold fp32 masters; MixedPrecisionPolicy casts for compute. Values are garbage until
     `init_random` or a load fills them.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
+    check_attn_implementation(cfg_model)
     src = model_source(cfg_model)
-    if not os.path.isfile(os.path.join(src, "config.json")):
-        raise ModelError(f"no config.json in model directory {src}")
-    hf_config = AutoConfig.from_pretrained(src)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        model = causal_lm_from_config(cfg_model)
     if cfg_model.lora.r:  # adapters go in on meta, before fully_shard groups the parameters
         from finetune.lora import add_adapters
         add_adapters(model, cfg_model.lora, src, base_dtype=resolve_param_dtype(cfg_model.param_dtype, device))

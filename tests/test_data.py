@@ -4,6 +4,7 @@
 """
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -193,6 +194,81 @@ def test_parallel_cache_equals_serial_and_the_old_per_prefix_masking(tmp_path, t
         assert ids[i, :n].tolist() == ref_ids and labels[i, :n].tolist() == ref_labels, f"row {i} differs"
 
 
+# the tiny template (finetune/tiny_assets.py CHAT_TEMPLATE) with each assistant turn's output marked for
+# transformers' return_assistant_tokens_mask: it renders the same strings, so both masking rules apply to it
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}{{ m['content'] }}<|end|>"
+    "{% endgeneration %}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture
+def generation_tok(repo_root):
+    t = AutoTokenizer.from_pretrained(os.path.join(repo_root, TOK_DIR))
+    t.chat_template = GENERATION_TEMPLATE
+    return t
+
+
+def test_generation_template_renders_once_and_masks_like_the_prefix_rule(tmp_path, tok, generation_tok, monkeypatch):
+    """A template with {% generation %} renders each conversation once; its cache is byte-identical to the
+    prefix rule's on the same conversations (the template renders the same strings)."""
+    import finetune.data as data
+    rendered = []
+    real_render = data._render
+    monkeypatch.setattr(data, "_render", lambda t, convs, *a, **k: (rendered.append(len(convs)), real_render(
+        t, convs, *a, **k))[1])
+    rows = _conversations(300)
+    path = _write_jsonl(tmp_path / "chat.jsonl", rows)
+    caches = {}
+    for name, t in (("prefix", tok), ("generation", generation_tok)):
+        rendered.clear()
+        caches[name] = build_cache(DataConfig(path=path, cache_dir=str(tmp_path / name)), t, num_proc=1)
+        assert sum(rendered) == (300 if name == "generation" else 300 + 2 * sum(
+            sum(m["role"] == "assistant" for m in r["messages"]) for r in rows) - 300), (name, sum(rendered))
+    for name in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin"):
+        a, b = (open(os.path.join(caches[k], name), "rb").read() for k in ("prefix", "generation"))
+        assert a == b, f"{name} differs between the prefix rule and the {{% generation %}} spans"
+    assert sum(open(os.path.join(caches["generation"], "loss_mask.bin"), "rb").read()) > 0
+
+
+def test_generation_template_errors_and_the_slow_rendering_path(generation_tok):
+    from finetune.data import tokenize_chat_batch
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "a2"}]
+    extra = [{**m, "name": "x"} for m in msgs]  # not plain: rendered by transformers' render_jinja_template
+    ids, (mask,) = tokenize_chat_batch(generation_tok, [msgs], ["r"])
+    slow_ids, (slow_mask,) = tokenize_chat_batch(generation_tok, [extra], ["r"])
+    assert slow_ids == ids and slow_mask.tolist() == mask.tolist()
+    assert generation_tok.decode([i for i, m in zip(ids[0], mask) if m]) == "a1<|end|>a2<|end|>"
+    last_only = GENERATION_TEMPLATE.replace("{% generation %}", "{% if loop.last %}{% generation %}")
+    last_only = last_only.replace("{% endgeneration %}", "{% endgeneration %}{% else %}<|end|>{% endif %}")
+    generation_tok.chat_template = last_only
+    with pytest.raises(DataError, match=r"^r: the chat template marks 1 \{% generation %\} block\(s\) for 2 assistant"):
+        tokenize_chat_batch(generation_tok, [msgs], ["r"])
+
+
+def test_slow_tokenizer_is_a_one_line_error_for_chat_data(tmp_path):
+    """A slow (Python) tokenizer returns no `encodings` (character offsets): chat data refuses it in one line,
+    before tokenizing, and nothing is left in the cache; text data needs no offsets and works."""
+    from transformers.models.bert.tokenization_bert_legacy import BertTokenizerLegacy
+    vocab = tmp_path / "vocab.txt"
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *map(chr, range(33, 127))]
+    vocab.write_text("".join(f"{t}\n" for t in tokens))
+    slow = BertTokenizerLegacy(str(vocab))
+    slow.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert not slow.is_fast and slow(["a b"], add_special_tokens=False).encodings is None
+    path = _write_jsonl(tmp_path / "chat.jsonl", _conversations(10))
+    with pytest.raises(DataError, match=r"^chat data needs a fast tokenizer .* BertTokenizerLegacy .* is a slow"):
+        build_cache(DataConfig(path=path, cache_dir=str(tmp_path / "cache")), slow, num_proc=1)
+    assert os.listdir(tmp_path / "cache") == []
+    with pytest.raises(DataError, match=r"^chat data needs a fast tokenizer"):
+        tokenize_chat(slow, [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}])
+    text = tmp_path / "d.txt"
+    text.write_text("a b c\nd e\n")
+    build_cache(DataConfig(path=str(text), cache_dir=str(tmp_path / "cache")), slow, num_proc=1)
+
+
 def test_map_workers_fork_from_a_frozen_heap_and_the_gc_is_restored(tmp_path, tok, monkeypatch):
     """gc.freeze() around the forking map keeps the workers from copying the parent's pages (docs/data.md);
     the parent's collector must be back to normal afterwards, also when a row is bad."""
@@ -257,6 +333,31 @@ def test_saved_folder_parquet_folder_split_and_mixture(tmp_path, tok):
         load_documents(DataConfig(path=str(tmp_path / "saved"), split="test"))
 
 
+def test_bad_rows_of_a_mixture_name_their_file_and_own_row(tmp_path, tok):
+    """A mixture's rows are interleaved; its errors still name the source file and the row within it (not the
+    position in the interleaved stream): a bad role while tokenizing (2 worker processes), a too-long row
+    when the samples are opened with data.truncation=false."""
+    a = _write_jsonl(tmp_path / "a.jsonl", _conversations(30))
+    rows = _conversations(30, seed=1)
+    rows[11]["messages"][1]["role"] = "user"  # b.jsonl row 12
+    bad = _write_jsonl(tmp_path / "b.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        build_cache(DataConfig(mixture=f"{a}:1; {bad}:1", cache_dir=str(tmp_path / "c1")), tok, num_proc=2)
+    assert str(e.value).startswith(f"{bad} row 12: messages[1].role is 'user', expected 'assistant'"), str(e.value)
+    rows = _conversations(30, seed=1)
+    rows[4]["messages"][-1]["content"] = "x" * 300  # b.jsonl row 5
+    long = _write_jsonl(tmp_path / "long.jsonl", rows)
+    cfg = DataConfig(mixture=f"{a}:1; {long}:1", seq_len=256, truncation=False, cache_dir=str(tmp_path / "c2"))
+    cache = build_cache(cfg, tok, num_proc=1)
+    with pytest.raises(DataError) as e:
+        open_samples(cache, cfg)
+    assert re.match(rf"{long} row 5: 3\d\d tokens, longer than data.seq_len=256 \(1 such rows\)", str(e.value)), e.value
+    from finetune.data import TokenCache
+    sources = TokenCache(cache).doc_sources
+    assert sorted(sources[sources[:, 0] == 1, 1].tolist()) == list(range(len(sources[sources[:, 0] == 1])))
+    assert (sources[:, 0] == 1).nonzero()[0][4] != 4  # row 5 of long.jsonl is elsewhere in the stream
+
+
 def json_row(messages) -> str:
     import json
     return json.dumps(messages, sort_keys=True)
@@ -282,6 +383,26 @@ def test_prepare_ahead_then_training_reuses_the_cache(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
                           f"data.path={tmp_path}/nope.jsonl"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip() == f"error: data file not found: {tmp_path}/nope.jsonl"
+
+
+def test_too_long_row_with_truncation_off_exits_2_naming_file_and_row(tmp_path):
+    """`prepare` opens the samples as training will: data.truncation=false and a row longer than seq_len is one
+    `error:` line naming the file and the row, exit 2."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    rows = [{"messages": [{"role": "user", "content": f"reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
+            for w in ("abc", "hello", "x" * 90, "qwerty", "y" * 80)]  # rows 3 and 5 are too long for 64 tokens
+    path = _write_jsonl(tmp_path / "long.jsonl", rows)
+    proc = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
+                           f"run.dir={tmp_path / 'run'}", f"data.path={path}", "data.seq_len=64",
+                           "data.truncation=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]  # the rest: progress bars
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert re.fullmatch(rf"error: {path} row 3: \d+ tokens, longer than data.seq_len=64 \(2 such rows\); raise "
+                        r"seq_len or set data.truncation=true", errors[0]), errors[0]
 
 
 def _wait_worker(rank, world, port, tmp, q):

@@ -15,12 +15,24 @@ from finetune.data import IGNORE, Samples
 from finetune.evaluate import token_loss_sum
 
 
+def _model_config(attn_implementation: str):
+    from finetune.config import ModelConfig
+    return ModelConfig(config_path=os.path.join(ROOT, "assets", "tiny-llama"), attn_implementation=attn_implementation)
+
+
 @pytest.fixture(scope="module")
-def tiny_model():
-    from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
+def tiny_models():
+    """The tiny Llama under each CPU attention implementation (model.attn_implementation), with the same weights."""
+    from finetune.model import causal_lm_from_config
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    models = {impl: causal_lm_from_config(_model_config(impl)).eval() for impl in ("sdpa", "eager")}
+    models["eager"].load_state_dict(models["sdpa"].state_dict())
+    return models
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_models):
+    return tiny_models["sdpa"]
 
 
 def _cache(docs):
@@ -32,9 +44,11 @@ def _cache(docs):
 
 
 @torch.no_grad()
-def test_packed_loss_equals_the_sum_of_each_documents_own_loss(tiny_model):
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_packed_loss_equals_the_sum_of_each_documents_own_loss(tiny_models, impl):
     """Two packed rows of 24 tokens holding 6 documents (one cut across the rows): the summed token loss of
     the packed batch equals the sum of each document's (piece's) loss computed alone, padded to nothing."""
+    tiny_model = tiny_models[impl]
     rng = np.random.default_rng(0)
     docs = [rng.integers(3, 100, n).tolist() for n in (5, 9, 12, 5, 13, 4)]  # 48 tokens
     samples = Samples(_cache(docs), seq_len=24, pack=True)
@@ -66,6 +80,54 @@ def test_padding_free_rows_give_the_same_loss(tiny_model):
     assert torch.allclose(rows, flat, rtol=1e-5)
 
 
+@torch.no_grad()
+def test_attn_implementation_reaches_the_model_and_eager_equals_sdpa(tiny_models):
+    from finetune.config import load_config
+    from finetune.model import causal_lm_from_config
+    assert load_config(None, ["model.attn_implementation=eager"]).model.attn_implementation == "eager"
+    with torch.device("meta"):  # what build_sharded_model builds before fully_shard
+        assert causal_lm_from_config(_model_config("eager")).config._attn_implementation == "eager"
+    assert {k: m.config._attn_implementation for k, m in tiny_models.items()} == {"sdpa": "sdpa", "eager": "eager"}
+    rng = np.random.default_rng(2)
+    batch = Samples(_cache([rng.integers(3, 100, n).tolist() for n in (9, 3, 14, 6)]), 16, pack=True).batch([0, 1])
+    eager, sdpa = (token_loss_sum(tiny_models[k], *batch).double() for k in ("eager", "sdpa"))
+    assert torch.allclose(eager, sdpa, rtol=1e-5), (eager.item(), sdpa.item())
+
+
+def test_flash_attention_is_refused_in_one_line_where_it_cannot_run(tmp_path, monkeypatch):
+    """A value outside the list names the key; flash without CUDA, without its package, or with fp32 compute is
+    a one-line ModelError, and train_fsdp.py exits 2 with it before any process group."""
+    import subprocess
+
+    import transformers.utils
+
+    from conftest import train_cmd
+    from finetune.config import ConfigError, load_config
+    from finetune.model import ModelError, check_attn_implementation
+    with pytest.raises(ConfigError, match=r"config key 'model.attn_implementation' must be one of "
+                                          r"eager\|sdpa\|flash_attention_2\|flash_attention_3, got 'flash'"):
+        load_config(None, ["model.attn_implementation=flash"])
+    check_attn_implementation(_model_config("eager"))  # nothing to check
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match=r"^model.attn_implementation=flash_attention_2 needs a CUDA GPU"):
+            check_attn_implementation(_model_config("flash_attention_2"))
+        proc = subprocess.run(train_cmd(0, [f"run.dir={tmp_path}", "model.attn_implementation=flash_attention_3"]),
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.startswith(
+            "error: model.attn_implementation=flash_attention_3 needs a CUDA GPU") and proc.stderr.count("\n") == 1
+        assert not os.path.exists(tmp_path / "metrics.jsonl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: False)
+    with pytest.raises(ModelError, match=r"^model.attn_implementation=flash_attention_2 needs the flash_attn package"):
+        check_attn_implementation(_model_config("flash_attention_2"))
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: True)
+    fp32 = _model_config("flash_attention_2")
+    fp32.param_dtype = "fp32"
+    with pytest.raises(ModelError, match=r"computes in bf16/fp16 only, but model.param_dtype=fp32"):
+        check_attn_implementation(fp32)
+    check_attn_implementation(_model_config("flash_attention_2"))  # auto: bf16 on CUDA
+
+
 # ---------------------------------------------------------------- validation loss in real runs
 
 EVAL = ["data.eval_path=data/tiny/eval.jsonl", "data.micro_batch_size=5"]  # 64 eval rows -> 13 chunks of 5
@@ -86,16 +148,35 @@ def test_eval_loss_identical_at_one_and_two_ranks(tmp_path):
     assert "eval        2 | eval_loss " in proc.stdout
 
 
-def test_eval_does_not_change_the_training_trajectory(tmp_path):
+def test_eval_does_not_change_the_training_trajectory_and_runs_at_the_end(tmp_path):
+    """Losses bit-identical with and without eval; max_steps=6 is no multiple of eval_interval=4, so the run
+    evaluates at 4 and once more at the end (6); the loss plot draws those two eval points."""
     common = [*EVAL, "train.max_steps=6", "ckpt.interval=0", "ckpt.save_at_end=false"]
     run_train(tmp_path / "plain", nproc=0, overrides=[*common, "train.eval_interval=0"])
-    run_train(tmp_path / "eval", nproc=0, overrides=[*common, "train.eval_interval=2", "train.eval_batches=2"])
+    run_train(tmp_path / "eval", nproc=0, overrides=[*common, "train.eval_interval=4", "train.eval_batches=2"])
     assert losses(tmp_path / "plain") == losses(tmp_path / "eval")  # bit-identical floats
     ev = events(tmp_path / "eval", "eval")
-    assert [e["step"] for e in ev] == [2, 4, 6] and all(e["eval_rows"] == 24 for e in ev)
+    assert [e["step"] for e in ev] == [4, 6] and all(e["eval_rows"] == 24 for e in ev)
     assert ev[-1]["eval_loss"] < ev[0]["eval_loss"]
-    from finetune.metrics import plot_metrics
+    from finetune.metrics import loss_figure, plot_metrics
+    fig = loss_figure(str(tmp_path / "eval" / "metrics.jsonl"))
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert list(lines["eval loss"].get_xdata()) == [4, 6]
+    assert list(lines["eval loss"].get_ydata()) == [e["eval_loss"] for e in ev]
+    assert list(lines["loss"].get_xdata()) == [1, 2, 3, 4, 5, 6]
+    assert "eval loss" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert os.path.getsize(plot_metrics(str(tmp_path / "eval" / "metrics.jsonl"), str(tmp_path / "p.png"))) > 0
+
+
+def test_packed_run_has_the_same_losses_at_one_and_two_ranks(tmp_path):
+    """data.pack=true end to end: position ids and loss masks per document give the same losses at W=1 and W=2."""
+    common = ["data.pack=true", "train.max_steps=3", "ckpt.interval=0", "ckpt.save_at_end=false"]
+    run_train(tmp_path / "w1", nproc=0, overrides=common)
+    run_train(tmp_path / "w2", nproc=2, overrides=common)
+    a, b = losses(tmp_path / "w1"), losses(tmp_path / "w2")
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for k in a:
+        assert a[k] == pytest.approx(b[k], rel=1e-5), f"step {k}: W=1 {a[k]} vs W=2 {b[k]}"
 
 
 # ---------------------------------------------------------------- ckpt.keep_best
