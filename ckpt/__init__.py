@@ -3,8 +3,9 @@
     python -m ckpt --help
 
 The training loop calls TrainingCheckpoints (loop.py: when to save, what a failure means), which drives
-CheckpointManager (manager.py: how). Nothing here imports the training config: the trainer hands over
-plain objects, its options, and a CheckpointSchema (schema.py) naming what its checkpoints hold.
+CheckpointManager (manager.py: how; its parts are saver.py, committer.py, lock.py and resume.py). Nothing
+here imports the training config: the trainer hands over plain objects, its options, and a CheckpointSchema
+(schema.py) naming what its checkpoints hold.
 docs/design.md draws the flow and says which file owns which rule.
 """
 

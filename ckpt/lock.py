@@ -2,6 +2,8 @@
 
     python -m pytest tests/test_ckpt_unit.py -q -k lock
 
+`lock_for_job` is what a job calls: rank 0 takes the lock, and every rank raises rank 0's refusal.
+
 The record is one JSON line, {"host", "pid", "started", "heartbeat"}, rewritten in place every
 HEARTBEAT_S by a thread of the holder (in place: a rename would make a new file and drop the flock).
 - flock works (local disks, most parallel file systems): it dies with its holder, so a held lock means
@@ -24,6 +26,8 @@ import threading
 import time
 from typing import Callable
 
+from finetune.dist import on_rank0_then_share
+from .errors import CheckpointError
 from .layout import LOCK_FILE
 
 HEARTBEAT_S = 60.0
@@ -152,3 +156,19 @@ class DirLock:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def lock_for_job(ckpt_dir: str, group) -> DirLock | None:
+    """Rank 0 takes <ckpt_dir>/.lock and returns it, held until `release()`; the other ranks return None. If
+    another live job holds it, every rank raises CheckpointError with rank 0's message."""
+    held: list[DirLock] = []
+
+    def take() -> None:  # returns nothing: the lock (an open file, a heartbeat thread) stays on rank 0
+        lock = DirLock(ckpt_dir)
+        try:
+            lock.acquire()
+        except LockError as e:
+            raise CheckpointError(str(e)) from None
+        held.append(lock)
+    on_rank0_then_share(take, group, CheckpointError)
+    return held[0] if held else None

@@ -3,7 +3,7 @@ O(whole checkpoint) work while the others wait.
 
     python -m pytest tests/test_ckpt_unit.py tests/test_eval.py -q
 
-The protocol (CheckpointManager._sweep_trash runs it on every rank, in the committer thread after each
+The protocol (Committer.sweep_trash, committer.py, runs it on every rank, on the committer thread after each
 commit, so no save waits for it):
 1. rank 0 picks the doomed folders (`doomed`) and moves each into <ckpt.dir>/.trash (`move_to_trash`): the
    commit marker is removed first, then the folder is renamed (O(1) on one filesystem). A crash at any

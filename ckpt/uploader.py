@@ -1,4 +1,4 @@
-"""DCP's uploader, as the manager uses it: the checksumming writer, the save planner, the stager, and the
+"""DCP's uploader, as the saver (saver.py) uses it: the checksumming writer, the save planner, the stager, and the
 signal mask and shutdown of the process-mode uploader.
 
     python -m pytest tests/test_staging_wait.py tests/test_preemption.py -q
@@ -10,7 +10,6 @@ import atexit
 import contextlib
 import logging
 import signal
-import threading
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -35,15 +34,6 @@ class _Writer(ChecksummingWriter):
     def write_data(self, plan, planner):
         fault_point("write", self.step)
         return super().write_data(plan, planner)
-
-
-class _StagingWait:
-    """What the training thread waited for one save's background staging, and when it has (see wait_for_staging)."""
-
-    def __init__(self):
-        self.wait_s = 0.0
-        self.done = threading.Event()
-
 
 
 def _planner() -> DefaultSavePlanner:

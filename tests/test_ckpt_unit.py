@@ -126,17 +126,17 @@ def test_retention_never_touches_newest_or_inflight(tmp_path):
     fake_checkpoint(tmp_path, 1, commit=False)   # dead partial from an older crash
     fake_checkpoint(tmp_path, 8, commit=False)   # in flight: newer than every commit
     mgr = CheckpointManager(str(tmp_path), "off", keep_last=2)
-    mgr._apply_retention(newest=6)
+    mgr.committer.apply_retention(newest=6)
     assert [s for s, _ in list_step_dirs(str(tmp_path))] == [4, 6, 8]
     mgr.keep_last = 1
-    mgr._apply_retention(newest=6)
+    mgr.committer.apply_retention(newest=6)
     assert [s for s, _ in list_step_dirs(str(tmp_path))] == [6, 8]
 
 
 def test_keep_last_zero_keeps_all_committed(tmp_path):
     for s in (2, 4, 6):
         fake_checkpoint(tmp_path, s)
-    CheckpointManager(str(tmp_path), "off", keep_last=0)._apply_retention(newest=6)
+    CheckpointManager(str(tmp_path), "off", keep_last=0).committer.apply_retention(newest=6)
     assert [s for s, _ in list_step_dirs(str(tmp_path))] == [2, 4, 6]
 
 

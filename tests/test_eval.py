@@ -198,13 +198,13 @@ def test_keep_best_survives_retention_and_restarts(tmp_path):
     mgr = CheckpointManager(str(tmp_path), "off", keep_last=1, keep_best=2)
     for step, score in list(scores.items())[:4]:
         _fake_checkpoint(tmp_path, step, score)
-        mgr._apply_retention(step)
+        mgr.committer.apply_retention(step)
     assert [s for s, _ in list_step_dirs(str(tmp_path))] == [4, 8]  # best two (8 is also the newest)
     mgr.close()
     again = CheckpointManager(str(tmp_path), "off", keep_last=1, keep_best=2)  # a restarted job
     for step, score in list(scores.items())[4:]:
         _fake_checkpoint(tmp_path, step, score)
-        again._apply_retention(step)
+        again.committer.apply_retention(step)
     assert [s for s, _ in list_step_dirs(str(tmp_path))] == [4, 8, 12]  # an unscored newest never evicts the best
     again.close()
 

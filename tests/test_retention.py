@@ -49,7 +49,7 @@ def _sweep_worker(rank, world_size, port, ckpt_dir, out):
     try:
         events = []
         mgr = CheckpointManager(ckpt_dir, "off", keep_last=1, on_event=lambda n, **kw: events.append((n, kw)))
-        mgr._apply_retention(6)
+        mgr.committer.apply_retention(6)
         with open(f"{out}.{rank}", "w") as f:
             json.dump({"removed": removed, "events": events}, f)
         mgr.close()

@@ -1,0 +1,97 @@
+"""How the bytes of one save are written: its folder and small files, then DCP's sync save, or an async one that
+returns once the state is staged.
+
+    python -m pytest tests/test_staging_wait.py tests/test_save_errors.py tests/test_faults.py -q
+
+The protocol (CheckpointManager.save runs it, after draining the previous save):
+1. rank 0 makes <ckpt.dir>/step-NNNNNN and writes the small files (meta.json, config.yaml) into it
+   (`prepare_step_dir`); a leftover there, from a crashed save of this step, goes to .trash first.
+2. sync (`write_sync`): `dcp.save` returns once every rank's shards and digests are durable; the commit follows
+   on the calling thread (committer.py).
+3. async (`start_async`): `dcp.async_save` stages the state into host memory (pinned; shared memory in process
+   mode) and hands the upload to DCP's thread or process; the committer thread waits for it. On CUDA the
+   staging itself runs in the background too: `StagingWait` is what the training thread must wait for before
+   the optimizer changes the parameters, and how long it waited.
+A failure is raised as a one-line CheckpointError (errors.py) naming the folder, or /dev/shm for process mode's
+staging. `pg` is the manager's checkpoint group; which thread may use it: CheckpointManager.__init__ (manager.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
+
+from .errors import SAVE_ERRORS, save_failure
+from .retention import clear_stale
+from .uploader import _planner, _preemption_signals_blocked, _Writer
+
+
+def prepare_step_dir(ckpt_dir: str, path: str, files: dict[str, str], on_log: Callable[[str], None]) -> bool:
+    """Rank 0: create `path` and write `files` (name -> text) into it. Returns whether a stale folder of the same
+    step was moved to .trash first (then the caller sweeps it, so its bytes are freed before this save writes)."""
+    try:
+        # a leftover of a crashed save of this same step, never committed data we keep
+        stale = os.path.lexists(path) and clear_stale(path, on_log)
+        os.makedirs(path)
+        for name, text in files.items():
+            with open(os.path.join(path, name), "w") as f:
+                f.write(text)
+    except OSError as e:
+        raise save_failure(e, ckpt_dir, f"checkpoint {path}") from e
+    return stale
+
+
+def write_sync(state: dict, path: str, step: int, pg, ckpt_dir: str) -> Metadata:
+    """Every rank: write its shards of `state` (checksummed as written) and return DCP's metadata, which carries
+    every rank's file digests for the marker."""
+    try:
+        return dcp.save(state, storage_writer=_Writer(path, step), process_group=pg, planner=_planner())
+    except SAVE_ERRORS as e:
+        raise save_failure(e, ckpt_dir, f"checkpoint {path}") from e
+
+
+class StagingWait:
+    """One async save's staging as the training thread sees it: `future` (background staging on CUDA, else
+    None: staged already), how long the training thread waited for it, and `done` once it has."""
+
+    def __init__(self, future: Future | None):
+        self.future, self.wait_s, self.done = future, 0.0, threading.Event()
+        if future is None:
+            self.done.set()
+
+    def wait(self) -> None:
+        """Training thread: block until the staged copy is complete; the time goes into the checkpoint event."""
+        if self.done.is_set():
+            return
+        t0 = time.perf_counter()
+        try:
+            self.future.result()
+        finally:
+            self.wait_s = time.perf_counter() - t0
+            self.done.set()
+
+
+def start_async(state: dict, path: str, step: int, pg, stager: DefaultStager, async_mode: str,
+                ckpt_dir: str) -> tuple[Future, StagingWait]:
+    """Every rank: stage `state` and start its upload in DCP's uploader (`async_mode` thread or process, whose
+    signal mask keeps preemption signals out, uploader.py). Returns the upload's future (DCP's metadata) and
+    the staging to wait for."""
+    kind = AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
+    try:
+        with _preemption_signals_blocked():
+            resp = dcp.async_save(state, storage_writer=_Writer(path, step), process_group=pg, async_stager=stager,
+                                  planner=_planner(), async_checkpointer_type=kind)
+    except SAVE_ERRORS as e:  # staging: process mode copies into shared memory (/dev/shm)
+        raise save_failure(e, "/dev/shm" if async_mode == "process" else ckpt_dir,
+                           f"the staged copy of checkpoint {path}") from e
+    if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
+        return resp.upload_completion, StagingWait(resp.staging_completion)
+    return resp, StagingWait(None)
