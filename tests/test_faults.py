@@ -113,7 +113,11 @@ def test_failed_save_with_continue_is_never_resumed(tmp_path, straight_run):
     """ckpt.continue_on_save_error: the step-6 save fails on rank 0 only; every rank logs it and trains on;
     a kill at step 8 then shows the failed folder (all data, no marker) is passed over for step 3."""
     run = tmp_path / "run"
-    hit = kill_and_resume(run, straight_run, "thread", "oserror@before_commit:6,rank=0;kill@after_step:8",
+    # step 7 waits until the failed save has written .metadata (then rank 0 fails at once), so that its poll, or
+    # step 6's, reports the failure before the kill however loaded the machine is
+    step6 = run / "checkpoints" / "step-000006" / ".metadata"
+    hit = kill_and_resume(run, straight_run, "thread", f"oserror@before_commit:6,rank=0;wait_for@after_step:7,"
+                          f"file={step6},secs=60;sleep@after_step:7,secs=1;kill@after_step:8",
                           extra=("ckpt.continue_on_save_error=true",))
     assert "warning: checkpoint failed, training continues" in hit.stdout
     assert [e["step"] for e in events(run, "checkpoint_failed")] in ([6], [7], [8]), events(run, "checkpoint_failed")
