@@ -6,9 +6,10 @@
 
 The record is one JSON line, {"host", "pid", "started", "heartbeat"}, rewritten in place every
 HEARTBEAT_S by a thread of the holder (in place: a rename would make a new file and drop the flock).
-- flock works (local disks, most parallel file systems): it dies with its holder, so a held lock means
-  a live job. If the holder's heartbeat is older than STALE_S anyway (a dead host whose lock the
-  file server keeps), the refusal says so and what to do.
+- flock works (local disks, most parallel file systems): it dies with its holder's process, but a file
+  server may keep a dead host's lock. So a refusal that names another host says how to tell whether that
+  job is dead (its host down, or its pid gone there) and then to delete the lock file; past STALE_S
+  without a heartbeat it also says that the job is probably dead.
 - flock unsupported (ENOSYS / ENOLCK / EOPNOTSUPP: Lustre mounted `noflock`, some NFS): one warning
   line, and the record decides: a fresh heartbeat refuses; a stale one, or a dead pid on this host,
   is a dead job's lock and is taken over with a warning naming it.
@@ -76,6 +77,26 @@ def is_stale(record: dict, now: float) -> bool:
     return record.get("host") == socket.gethostname() and not _pid_alive(int(record["pid"]))
 
 
+def refusal(path: str, record: dict, now: float, flock: bool) -> str:
+    """The one-line refusal: who holds the lock at `path`, and, when that is another host, how to tell
+    whether its job is dead and what to do then. A host that died keeps its flock on a file server for a
+    while (NFS: until the lease ends or the client reboots), so "held" alone does not mean "alive"."""
+    head = f"ckpt.dir {os.path.dirname(path)} is in use by another job ({describe(record, now)})"
+    pid, host = record.get("pid"), record.get("host", "?")
+    if not pid:
+        return f"{head}; if no job writes there, delete {path} and start again, else point ckpt.dir elsewhere"
+    if host == socket.gethostname():
+        return f"{head}; stop it or point ckpt.dir elsewhere"
+    if now - float(record.get("heartbeat", 0)) > STALE_S:
+        pulse = f"its heartbeat stopped over {STALE_S / 60:.0f} min ago, so the job is probably dead"
+        pulse += " and the file system kept its lock" if flock else ""
+    else:
+        pulse = f"a live job rewrites its heartbeat every {HEARTBEAT_S:.0f} s"
+    takeover = "" if flock else f" (without flock it is taken over {STALE_S / 60:.0f} min after its last heartbeat)"
+    return (f"{head}; {pulse}: if {host} is down or `ps -p {pid}` on {host} shows nothing, that job is dead: "
+            f"delete {path} and start again; else stop it or point ckpt.dir elsewhere{takeover}")
+
+
 def _warn(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # the lock comes before the run's log exists
 
@@ -113,13 +134,7 @@ class DirLock:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            record = _read_record(f)
-            hint = "stop it or point ckpt.dir elsewhere"
-            if record.get("pid") and is_stale(record, now):
-                hint = (f"its heartbeat stopped over {STALE_S / 60:.0f} min ago, so the job is probably dead and the "
-                        f"file system kept its lock: if `ps -p {record['pid']}` on {record.get('host', '?')} shows "
-                        f"nothing, delete {self.path} and start again")
-            raise LockError(f"ckpt.dir {where} is in use by another job ({describe(record, now)}); {hint}") from None
+            raise LockError(refusal(self.path, _read_record(f), now, flock=True)) from None
         except OSError as e:
             if e.errno not in _NO_FLOCK:
                 raise LockError(f"cannot lock {self.path}: {e.strerror}") from None
@@ -127,9 +142,7 @@ class DirLock:
                         f"{self.path} guards it instead")
         record = _read_record(f)
         if not is_stale(record, now):
-            raise LockError(f"ckpt.dir {where} is in use by another job ({describe(record, now)}); stop it or point "
-                            f"ckpt.dir elsewhere (a dead job's lock is taken over {STALE_S / 60:.0f} min after its "
-                            f"last heartbeat, or delete {self.path})")
+            raise LockError(refusal(self.path, record, now, flock=False))
         if record.get("pid"):
             self.warn(f"warning: taking over {self.path} from a dead job ({describe(record, now)})")
 

@@ -17,6 +17,7 @@ namespaces created here, and they vanish, links included, once their processes a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pwd
@@ -151,15 +152,22 @@ class Host:
     removes the namespaces and their network links."""
 
     def __init__(self, name: str, hosts_file: str | None):
-        self.name = name
+        self.name, self.netns = name, None
         self.holder = subprocess.Popen(
             [_which("unshare"), "--net", "--uts", "--mount", "--propagation", "private", "--", "sleep", "infinity"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
-        _wait(lambda: self.holder.poll() is not None or self._comm() == "sleep", 10, f"namespaces of {name}")
+        try:  # a host that fails halfway is no one's to destroy but its own
+            self._set_up(hosts_file)
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _set_up(self, hosts_file: str | None) -> None:
+        _wait(lambda: self.holder.poll() is not None or self._comm() == "sleep", 10, f"namespaces of {self.name}")
         if self.holder.poll() is not None:
             raise SlurmError(f"unshare exited {self.holder.returncode}: {self.holder.stderr.read().decode().strip()}")
         self.netns = os.readlink(f"/proc/{self.holder.pid}/ns/net")
-        self.sh("hostname", name)
+        self.sh("hostname", self.name)
         self.sh("ip", "link", "set", "lo", "up")
         if hosts_file:  # this machine's own name resolution, as DNS or /etc/hosts gives it on a real cluster
             self.sh("mount", "--bind", hosts_file, "/etc/hosts")
@@ -202,10 +210,12 @@ class Host:
                 pass
 
     def destroy(self) -> None:
-        if self.holder.poll() is not None:
-            return
-        self.kill_all()
-        self.holder.kill()
+        """Idempotent; kills what runs in the namespaces even if the holder is already gone (nsenter-ed
+        processes keep them alive without it)."""
+        if self.netns is not None:
+            self.kill_all()
+        if self.holder.poll() is None:
+            self.holder.kill()
         self.holder.wait()
 
 
@@ -365,7 +375,7 @@ class SlurmCluster:
         if any(name == "slurmctld" and p.poll() is None for name, p in self._procs):
             try:
                 self.cancel_all()
-            except SlurmError:
+            except (SlurmError, subprocess.TimeoutExpired, OSError):
                 pass  # the daemons go anyway; the log says which job hung
         for _name, proc in reversed(self._procs):
             if proc.poll() is None:
@@ -377,7 +387,10 @@ class SlurmCluster:
                     proc.wait()
         self._procs = []
         for host in self.hosts.values():
-            host.destroy()
+            try:
+                host.destroy()
+            except OSError:
+                pass  # the next host's processes must still go
         self.hosts = {}
 
     def cleanup(self) -> None:
@@ -416,16 +429,25 @@ class SlurmCluster:
         return "".join(f"--- {n}\n{self._tail(n)}" for n in names)
 
 
+@contextlib.contextmanager
+def running(cluster: SlurmCluster):
+    """Start `cluster`, yield it, and stop it and remove its temp dir however the body or the start ends
+    (the fixtures and __main__ use this)."""
+    try:
+        yield cluster.start()
+    finally:
+        try:
+            cluster.stop()
+        finally:
+            cluster.cleanup()
+
+
 if __name__ == "__main__":
     n = int(sys.argv[sys.argv.index("--nodes") + 1]) if "--nodes" in sys.argv else 0
     reason = unavailable_reason(n)
     if reason:
         sys.exit(reason)
-    cluster = SlurmCluster(n).start()
-    enter = f"nsenter --target={cluster.hosts[CTL_NAME].holder.pid} --net --uts --mount  " if n else ""
-    print(f"SLURM is up; in another shell:  export SLURM_CONF={cluster.conf}; {enter}sinfo")
-    try:
+    with running(SlurmCluster(n)) as cluster:
+        enter = f"nsenter --target={cluster.hosts[CTL_NAME].holder.pid} --net --uts --mount  " if n else ""
+        print(f"SLURM is up; in another shell:  export SLURM_CONF={cluster.conf}; {enter}sinfo")
         input("press Enter to stop ")
-    finally:
-        cluster.stop()
-        cluster.cleanup()

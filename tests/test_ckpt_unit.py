@@ -234,6 +234,35 @@ def test_held_flock_with_stopped_heartbeat_says_what_to_do(tmp_path):
     holder.close()
 
 
+@pytest.mark.parametrize("age", [5, 90, lock_module.STALE_S + 60])
+def test_held_flock_of_another_host_says_how_to_tell_it_is_dead(tmp_path, age):
+    """Right after a host dies its heartbeat is still young and a file server may keep its flock: at every age
+    the one-line refusal names host, pid and heartbeat age, how to tell the job is dead, and what to do then."""
+    holder = open(tmp_path / ".lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    write_record(tmp_path, host="node-17", pid=4242, started="2026-01-01T00:00:00", heartbeat=time.time() - age)
+    with pytest.raises(CheckpointError) as refused:
+        CheckpointManager(str(tmp_path), "off").acquire_lock()
+    line = str(refused.value)
+    assert "\n" not in line
+    assert f"pid 4242 on node-17, started 2026-01-01T00:00:00, last heartbeat {age:.0f}s ago" in line
+    assert (f"if node-17 is down or `ps -p 4242` on node-17 shows nothing, that job is dead: delete "
+            f"{tmp_path / '.lock'} and start again; else stop it or point ckpt.dir elsewhere") in line
+    assert ("probably dead" in line) == (age > lock_module.STALE_S)
+    holder.close()
+
+
+def test_held_flock_of_this_host_says_stop_it(tmp_path):
+    """On its own host a held flock is a live process (flock dies with it): no advice to delete the lock."""
+    holder = open(tmp_path / ".lock", "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    write_record(tmp_path, host=socket.gethostname(), pid=4242, started="2026-01-01T00:00:00", heartbeat=time.time())
+    with pytest.raises(CheckpointError, match="stop it or point ckpt.dir elsewhere$") as refused:
+        CheckpointManager(str(tmp_path), "off").acquire_lock()
+    assert "delete" not in str(refused.value)
+    holder.close()
+
+
 def test_model_check_refuses_saved_tensors_the_model_lacks(tmp_path):
     """A deeper model's checkpoint must not load into a shallower one by leaving its extra layers behind."""
     import torch

@@ -18,7 +18,7 @@ import pytest
 
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
 from conftest import FAST, ROOT, events, free_port, losses, run_train
-from slurm_cluster import SlurmCluster, unavailable_reason
+from slurm_cluster import SlurmCluster, running, unavailable_reason
 from test_preemption import metrics_so_far
 
 STEPS = ["train.max_steps=30", "ckpt.interval=10"]
@@ -31,10 +31,8 @@ def slurm():
     reason = unavailable_reason()
     if reason:
         pytest.skip(reason)
-    cluster = SlurmCluster().start()
-    yield cluster
-    cluster.stop()
-    cluster.cleanup()
+    with running(SlurmCluster()) as cluster:
+        yield cluster
 
 
 def wait_for(what: str, cond, timeout: float, explain) -> None:
