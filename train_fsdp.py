@@ -423,5 +423,5 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 elif __name__ == "__mp_main__":  # this file, re-imported by DCP's spawned process-mode uploader
-    from ckpt.uploader import quiet_uploader_logs
-    quiet_uploader_logs()
+    from ckpt.uploader import setup_uploader_process
+    setup_uploader_process()

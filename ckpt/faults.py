@@ -6,7 +6,8 @@
 
 Format `<action>@<point>[:<step>][,rank=<r>][,secs=<s>][,file=<path>]`, several joined by `;`. Actions: `kill`
 (SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like
-a full disk), `sleep` (wait `secs`, to widen a window) and `wait_for` (wait until `file` exists, at most
+a full disk), `sleep` (wait `secs`, to widen a window; with `file`, create it first, so a test knows the process
+got there) and `wait_for` (wait until `file` exists, at most
 `secs`: e.g. an async save's commit marker, so a test does not depend on how loaded the machine is). Points, in the
 order a step and its save reach them:
   mid_step       batch taken from the data stream, optimizer step not finished (train loop)
@@ -64,6 +65,8 @@ def fault_point(point: str, step: int | None = None) -> None:
         elif f["action"] == "oserror":
             raise OSError(errno.ENOSPC, f"No space left on device (injected by CKPT_FAULT at {point}, step {step})")
         elif f["action"] == "sleep":
+            if f["file"]:
+                open(f["file"], "a").close()
             time.sleep(f["secs"])
         elif f["action"] == "wait_for":
             deadline = time.monotonic() + f["secs"]

@@ -9,7 +9,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import signal
+import threading
+import time
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -82,12 +85,24 @@ def stop_uploader_process() -> None:
             proc._save_process.join()
 
 
-def quiet_uploader_logs() -> None:
+def setup_uploader_process() -> None:
     """Call in DCP's process-mode uploader while it starts (spawn re-imports the training script there, as
-    `__mp_main__`): DCP sets the root logger to INFO in that process and prints about 3 lines per rank per
-    save. Warnings and errors still print."""
+    `__mp_main__`, with the training worker as its parent):
+    - DCP sets the root logger to INFO in that process and prints about 3 lines per rank per save; warnings and
+      errors still print.
+    - the uploader must not outlive its worker: with the worker gone nothing can commit what it writes, and it
+      would keep writing a large save and holding its shared memory. It has SIGTERM blocked (see above), and a
+      parent-death signal (prctl) cannot be used: Linux sends it when the *thread* that spawned the process exits,
+      and DCP spawns it from a thread pool it shuts down after the first save. So a daemon thread checks once a
+      second that the parent is still the worker, and ends the process when it is not (also mid-write)."""
     logging.disable(logging.INFO)
+    parent = os.getppid()
 
+    def exit_when_orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+    threading.Thread(target=exit_when_orphaned, name="ckpt-uploader-watchdog", daemon=True).start()
 
 
 def make_stager(async_mode: str) -> DefaultStager:

@@ -1,4 +1,4 @@
-"""Process lifetime: workers die with their torchrun agent, and a frozen rank ends the job after a set time.
+"""Process lifetime: workers (and their uploader processes) die with their torchrun agent, and a frozen rank ends the job after a set time.
 
     python -m pytest tests/test_process_lifetime.py -q
 
@@ -45,38 +45,44 @@ def newest_step(run) -> int:
         return 0
 
 
-def test_workers_die_with_their_agent(tmp_path):
-    """kill -9 of torchrun's agent alone: its workers must stop at once and free the ckpt.dir lock."""
+def test_workers_and_their_uploaders_die_with_their_agent(tmp_path):
+    """kill -9 of torchrun's agent alone: its workers must stop at once and free the ckpt.dir lock, and their
+    process-mode uploaders too, even one stuck in the middle of writing a save (held there by a fault point)."""
     run = tmp_path / "run"
     args = [*FAST, f"run.dir={run}", f"data.cache_dir={tmp_path}/.tok-cache", "train.max_steps=100000",
-            "data.epochs=100000", "ckpt.interval=0", "ckpt.save_at_end=false"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            "data.epochs=100000", "ckpt.interval=2", "ckpt.async_mode=process", "ckpt.save_at_end=false"]
+    stuck = tmp_path / "uploader-stuck"  # created by each uploader as it starts to sleep in the write
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CKPT_FAULT": f"sleep@write:2,secs=600,file={stuck}"}
     agent = subprocess.Popen(train_cmd(2, args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
-    workers = []
+    workers, below = [], []
     try:
         deadline = time.time() + 180
-        while newest_step(run) < 2 and time.time() < deadline and agent.poll() is None:
+        while time.time() < deadline and agent.poll() is None:
+            workers = children(agent.pid)
+            below = [c for w in workers for c in children(w)]  # each: its uploader and resource tracker
+            if stuck.exists() and len(workers) == 2 and len(below) == 4:
+                break
             time.sleep(0.5)
-        assert newest_step(run) >= 2, "the job did not start training"
-        workers = children(agent.pid)
-        assert len(workers) == 2, workers
+        assert stuck.exists() and newest_step(run) >= 2, "the job did not start training and saving"
+        assert len(workers) == 2 and len(below) == 4, (workers, below)
         agent.send_signal(signal.SIGKILL)
         agent.wait()
         deadline = time.time() + 20
-        while any(alive(w) for w in workers) and time.time() < deadline:
+        while any(alive(p) for p in workers + below) and time.time() < deadline:
             time.sleep(0.2)
         steps_after = newest_step(run)
         assert not any(alive(w) for w in workers), f"workers {workers} outlived their agent"
+        assert not any(alive(p) for p in below), f"uploaders / trackers {below} outlived their workers"
         time.sleep(1)
         assert newest_step(run) == steps_after
         with open(run / "checkpoints" / ".lock", "a+") as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a worker holds it
     finally:
         kill_workers(agent.pid)
-        for w in workers:  # orphans, if the test failed: their parent is no longer the agent
-            if alive(w):
-                os.kill(w, signal.SIGKILL)
+        for p in workers + below:  # orphans, if the test failed: their parent is no longer the agent
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
         if agent.poll() is None:
             agent.kill()
 
