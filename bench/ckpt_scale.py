@@ -1,6 +1,6 @@
 """Checkpoint commit and resume-verify time at 7B / 70B x W = 8, 64, 512, from per-byte rates measured here.
 
-    python bench/checksum_bench.py && python bench/ckpt_bench.py --hidden 768 --layers 6 --saves 4 --train-steps 0
+    python bench/checksum_bench.py && python bench/ckpt_bench.py --hidden 768 --layers 6 --saves 8 --train-steps 0
     python bench/ckpt_scale.py            # reads bench/results/{checksum,ckpt}_bench.json, measures the
                                           # manifest costs, writes bench/results/ckpt_scale.{json,md}
     python bench/ckpt_scale.py --models 7B --worlds 2 --out /tmp/s   # seconds, for a smoke test
