@@ -19,7 +19,7 @@ def test_ckpt_bench_tiny(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((out / "ckpt_bench.json").read_text())
     assert set(r["methods"]) == {"rank0_torch_save", "rank0_torch_save_keep_old", "dcp_plain", "dcp_plain_keep_old",
-                                 "dcp_sync", "dcp_async_thread", "dcp_async_process"}
+                                 "dcp_async_bare", "dcp_sync", "dcp_async_thread", "dcp_async_process"}
     for m in r["methods"].values():
         assert 0 < m["first_blocking_s"] and 0 < m["blocking_s"]["min"] <= m["blocking_s"]["max"]
         assert m["upload_s"]["median"] <= m["committed_s"]["median"] + 1e-9 and m["commit_overhead_s"]["min"] >= 0
@@ -27,7 +27,8 @@ def test_ckpt_bench_tiny(tmp_path):
     assert r["memcpy_floor_s"] > 0 and r["load_s"]["world_1"] > 0 and r["load_s"]["same_world"] > 0
     assert set(r["verify_s"]) == {"w1", "w2"} and all(v["parallel_xxh3_s"] > 0 for v in r["verify_s"].values())
     for key in ("commit_overhead_over_upload", "rank0_torch_save_over_dcp_sync", "async_committed_over_plain_dcp",
-                "rank0_torch_save_keep_old_over_dcp_sync"):
+                "rank0_torch_save_keep_old_over_dcp_sync", "async_committed_over_bare_async",
+                "bare_async_committed_over_plain_dcp"):
         assert r["ratios"][key] > 0
     assert set(r["throughput_steps_per_s"]) == {"none", "thread", "process"}
     assert "| dcp_async_thread |" in (out / "ckpt_bench.md").read_text()
