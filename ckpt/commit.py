@@ -10,10 +10,12 @@ can miss files other nodes just wrote), via tmp + fsync + rename + directory fsy
 only the small files it wrote itself. A crash at any moment leaves either no marker (ignored on
 resume) or a complete one.
 
-Verification is two parts so it can be split: `check_manifest` (marker, .metadata's files all in
-the manifest, no stray data files, meta.json: metadata only, one rank) and `check_files` (sizes and
-checksums of any subset of the files). Resume gives each rank its share (`shares`, resume.py);
-`python -m ckpt verify` checks every file, on `--jobs` threads.
+Verification is in parts so it can be split: `check_marker` and `check_listing` (marker, no stray data
+files, meta.json: small files and one listing, one rank), `check_references` (every file .metadata references is in the
+manifest: it unpickles .metadata, O(tensors x W), so on resume every rank runs it on its own and its load
+reuses the object, resume.py) and `check_files` (sizes and checksums of any subset of the files).
+`check_manifest` is the first three. Resume gives each rank its share (`shares`, resume.py); `python -m
+ckpt verify` checks every file, on `--jobs` threads.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from torch.distributed.checkpoint import FileSystemReader
 
 from .checksum import ALGORITHM, LEGACY_ALGORITHM, file_digest
 from .layout import COMMIT_FILE, step_of
@@ -100,21 +104,26 @@ def read_marker(ckpt_path: str) -> dict:
 
 
 def check_manifest(ckpt_path: str) -> dict:
-    """The checks that read no data file: marker well formed, every file .metadata references is in the
-    manifest, no data file outside it, meta.json readable. Returns the marker; raises VerifyError."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The checks that read no data file: check_marker, check_references, check_listing, in that order.
+    Returns the marker; raises VerifyError."""
+    marker = check_marker(ckpt_path)
+    check_references(ckpt_path, marker)
+    check_listing(ckpt_path, marker)
+    return marker
 
+
+def check_marker(ckpt_path: str) -> dict:
+    """The marker is well formed and names .metadata. Returns it; raises VerifyError."""
     if not os.path.isdir(ckpt_path):
         raise VerifyError(f"{ckpt_path}: not a directory")
     marker = read_marker(ckpt_path)
     if METADATA_FILE not in marker["files"]:
         raise VerifyError(f"{ckpt_path}: {METADATA_FILE} not in the commit manifest")
-    try:
-        metadata = FileSystemReader(ckpt_path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - missing, torn or not a pickle: the same verdict
-        raise VerifyError(f"{os.path.join(ckpt_path, METADATA_FILE)}: unreadable ({type(e).__name__})") from None
-    for name in sorted(referenced_files(metadata) - set(marker["files"])):
-        raise VerifyError(f"{os.path.join(ckpt_path, name)}: referenced by {METADATA_FILE} but not in the manifest")
+    return marker
+
+
+def check_listing(ckpt_path: str, marker: dict) -> None:
+    """No data file outside the manifest (one listing), meta.json readable; raises VerifyError."""
     for name in os.listdir(ckpt_path):
         if name.endswith(".distcp") and name not in marker["files"]:
             raise VerifyError(f"{os.path.join(ckpt_path, name)}: data file not in manifest")
@@ -124,7 +133,17 @@ def check_manifest(ckpt_path: str) -> dict:
             json.load(f)
     except (OSError, ValueError):
         raise VerifyError(f"{meta}: unreadable") from None
-    return marker
+
+
+def check_references(ckpt_path: str, marker: dict):
+    """Every file .metadata references is in the manifest; returns DCP's Metadata, raises VerifyError."""
+    try:
+        metadata = FileSystemReader(ckpt_path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - missing, torn or not a pickle: the same verdict
+        raise VerifyError(f"{os.path.join(ckpt_path, METADATA_FILE)}: unreadable ({type(e).__name__})") from None
+    for name in sorted(referenced_files(metadata) - set(marker["files"])):
+        raise VerifyError(f"{os.path.join(ckpt_path, name)}: referenced by {METADATA_FILE} but not in the manifest")
+    return metadata
 
 
 def check_file(ckpt_path: str, name: str, expected: dict, algorithm: str) -> str | None:

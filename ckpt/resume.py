@@ -3,12 +3,15 @@ together, and a load that names a model mismatch instead of failing inside DCP.
 
     python -m pytest tests/test_ckpt_unit.py tests/test_ckpt_resume.py -q
 
-Every rank takes part in each call: rank 0 lists the folders and checks the manifest, each rank checks the
-sizes and checksums of its share of the files (O(bytes / W)), and all agree on one verdict.
+Every rank takes part in each call: rank 0 lists the folders and checks the marker, each rank checks that
+.metadata references only manifest files and the sizes and checksums of its share of the files (O(bytes /
+W)), and all agree on one verdict. Each rank unpickles .metadata once per resume: verify keeps it for the
+model check and for dcp.load, which would read it again (~20 s at 70B on 512 ranks).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -17,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from finetune.dist import on_rank0_then_share
-from .commit import VerifyError, check_files, check_manifest, shares
+from .commit import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import is_marked_committed, list_step_dirs
 
@@ -42,12 +45,20 @@ def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], o
     return None
 
 
+_verified: dict = {}  # {checkpoint path: its DCP Metadata}: the last one verify() passed, until load() takes it
+
+
 def verify(path: str, pg) -> dict:
     """verify_checkpoint split over the ranks of `pg`. Returns the marker; raises VerifyError, with the same
     message, on every rank."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if pg is not None else (0, 1)
-    marker = on_rank0_then_share(lambda: check_manifest(path), pg, VerifyError)
-    problem = check_files(path, marker, shares(marker["files"], world_size)[rank])
+    _verified.clear()
+    marker, listing_problem = on_rank0_then_share(lambda: _marker_and_listing(path), pg, VerifyError)
+    try:  # check_manifest's order: references, then the listing
+        metadata, problem = check_references(path, marker), listing_problem
+    except VerifyError as e:  # the same on every rank (one file); still joins the agreement below
+        metadata, problem = None, str(e)
+    problem = problem or check_files(path, marker, shares(marker["files"], world_size)[rank])
     if pg is not None:
         flag = torch.tensor([float(problem is not None)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
@@ -57,18 +68,47 @@ def verify(path: str, pg) -> dict:
             problem = next(p for p in problems if p is not None)
     if problem:
         raise VerifyError(problem)
+    _verified[os.path.normpath(path)] = metadata
     return marker
+
+
+def _marker_and_listing(path: str) -> tuple[dict, str | None]:
+    """Rank 0: the marker (or VerifyError) and what check_listing finds (None: nothing)."""
+    marker = check_marker(path)
+    try:
+        check_listing(path, marker)
+    except VerifyError as e:
+        return marker, str(e)
+    return marker, None
+
+
+class _VerifiedReader(FileSystemReader):
+    """FileSystemReader that takes the global .metadata verify() read, if it verified this checkpoint."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = _verified.get(os.path.normpath(str(self.path)))
+        if metadata is None or kwargs.get("rank") is not None:  # DCP's per-rank fallback reads its own file
+            return super().read_metadata(*args, **kwargs)
+        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        return metadata
+
+
+def _saved_metadata(path: str):
+    return _verified.get(os.path.normpath(path)) or FileSystemReader(path).read_metadata()
 
 
 def load(path: str, state: dict, pg, model_state: dict | None = None, prefix: str = "") -> None:
     """Load `state` in place from a verified checkpoint; `model_state` (the current model's state dict, saved
     under the key prefix `prefix`) is checked against the saved shapes first, for an error that names the mismatch."""
-    if model_state is not None:
-        check_model_matches(path, model_state, prefix)
     try:
-        dcp.load(state, checkpoint_id=path, process_group=pg)
-    except SAVE_ERRORS as e:
-        raise CheckpointError(f"loading {path} failed: {cause_line(e)}") from e
+        if model_state is not None:
+            check_model_matches(path, model_state, prefix)
+        try:
+            dcp.load(state, storage_reader=_VerifiedReader(path), process_group=pg)
+        except SAVE_ERRORS as e:
+            raise CheckpointError(f"loading {path} failed: {cause_line(e)}") from e
+    finally:
+        _verified.clear()  # a 70B/512 Metadata is large; the next resume verifies again
 
 
 def _few(names: list[str], shown: int = 3) -> str:
@@ -79,7 +119,7 @@ def _few(names: list[str], shown: int = 3) -> str:
 def check_model_matches(path: str, model_state: dict, prefix: str) -> None:
     """Same tensor names in both directions, and the same shapes: a checkpoint of a deeper model must not
     load into a shallower one by leaving the extra layers behind."""
-    saved = FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = _saved_metadata(path).state_dict_metadata
     in_ckpt = {k[len(prefix):] for k in saved if k.startswith(prefix)}
     lacking = sorted(set(model_state) - in_ckpt)
     extra = sorted(in_ckpt - set(model_state))

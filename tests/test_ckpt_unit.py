@@ -277,3 +277,25 @@ def test_model_check_refuses_saved_tensors_the_model_lacks(tmp_path):
         check_model_matches(str(tmp_path), {k: v for k, v in saved.items() if "layers.2" not in k}, "app.model.")
     with pytest.raises(CheckpointError, match=r"it has no 'model\.layers\.3\.w'"):
         check_model_matches(str(tmp_path), {**saved, "model.layers.3.w": t}, "app.model.")
+
+
+def test_resume_unpickles_metadata_once(tmp_path, monkeypatch):
+    """verify (its reference check), the model check and dcp.load share one unpickled .metadata: at 70B on 512
+    ranks that file is ~155 MB and ~20 s to unpickle, which rank 0 used to do three times (ckpt/resume.py)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    mgr = CheckpointManager(str(tmp_path), "off", keep_last=2)
+    mgr.save(1, {"w": torch.arange(10.0)}, {"meta.json": "{}"}, blocking=True)
+    calls, real = [], FileSystemReader.read_metadata
+
+    def counted(self, *args, **kwargs):
+        calls.append(str(self.path))
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(FileSystemReader, "read_metadata", counted)
+    path = mgr.find_resume("auto")
+    state = {"w": torch.zeros(10)}
+    mgr.load(path, state, model_state={"w": torch.zeros(10)})
+    assert calls == [path] and torch.equal(state["w"], torch.arange(10.0))
+    mgr.load(path, state)  # not verified again: read again, not reused from the earlier resume
+    assert calls == [path, path]
+    mgr.close()
