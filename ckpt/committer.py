@@ -14,7 +14,8 @@ The protocol, per save:
    rank deletes a whole checkpoint. A `retention` event (rank 0) says what went.
 3. errors on the committer thread stay in the future the manager holds, which raises them on every rank at
    the same call (manager.py, the agreement). A failed upload or commit still joins the sweep, a collective,
-   unless the group itself timed out.
+   unless the group itself timed out. A failed sweep after a commit is a RetentionError: the checkpoint stands (the manager warns).
+   Recording an event never raises (a logger's failure must not make rank 0 skip a collective): it is logged.
 Which thread may use which process group: CheckpointManager.__init__ (manager.py), the one place that says so.
 """
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from finetune.dist import on_rank0_then_share
 from .commit import commit_checkpoint
-from .errors import SAVE_ERRORS, CheckpointError, collective_timed_out, save_failure
+from .errors import SAVE_ERRORS, CheckpointError, RetentionError, cause_line, collective_timed_out, save_failure
 from .faults import fault_point
 from .retention import apply_retention, delete_share, list_trash, remove_trash
 from .saver import StagingWait
@@ -40,13 +41,19 @@ class Committer:
                  on_log: Callable[[str], None]):
         """`pg`: the checkpoint group the manager made; the sweep is a collective on it."""
         self.dir, self.pg, self.keep_last, self.keep_best = ckpt_dir, pg, keep_last, keep_best
-        self.on_event, self.on_log = on_event, on_log
+        self._on_event, self.on_log = on_event, on_log
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
+
+    def on_event(self, name: str, **fields) -> None:
+        try:
+            self._on_event(name, **fields)
+        except Exception as e:  # noqa: BLE001 - e.g. a TensorBoard/W&B write; the protocol goes on
+            self.on_log(f"warning: could not record the {name} event: {type(e).__name__}: {e}")
 
     # ------------------------------------------------------------ commit
 
@@ -110,9 +117,13 @@ class Committer:
 
     def apply_retention(self, newest: int) -> None:
         """Retention after the commit of `newest`, on every rank together: rank 0 moves the folders it dooms
-        into .trash (renames), then every rank deletes its share (retention.py)."""
-        self.sweep_trash(newest, lambda: apply_retention(self.dir, newest, self.keep_last, self.keep_best,
-                                                         self.on_log))
+        into .trash (renames), then every rank deletes its share (retention.py). Raises RetentionError."""
+        try:
+            self.sweep_trash(newest, lambda: apply_retention(self.dir, newest, self.keep_last, self.keep_best,
+                                                             self.on_log))
+        except SAVE_ERRORS as e:
+            raise RetentionError(f"checkpoint step {newest} is committed, but deleting old checkpoints after it "
+                                 f"failed: {cause_line(e)}") from e
 
     def sweep_trash(self, step: int, doom: Callable[[], list[str]] = lambda: []) -> None:
         """Empty <ckpt.dir>/.trash, a collective on self.pg: rank 0 runs `doom` (moves more folders in, returns

@@ -16,6 +16,11 @@ class CheckpointError(RuntimeError):
     """A save, load or lock problem; the message names the checkpoint and the cause."""
 
 
+class RetentionError(CheckpointError):
+    """Deleting old checkpoints failed after the new one was committed: that checkpoint is intact, so it must
+    not be saved again (a re-save first moves the folder in its way, the committed one, into .trash)."""
+
+
 class DiskFullError(CheckpointError):
     """A save failed because its filesystem is full: another save there (an emergency one) cannot succeed."""
 

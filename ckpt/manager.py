@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from finetune.dist import on_rank0_then_share
 from . import resume as _resume
 from .committer import Committer
-from .errors import CheckpointError, DiskFullError, collective_timed_out
+from .errors import CheckpointError, DiskFullError, RetentionError, collective_timed_out
 from .faults import fault_point
-from .layout import is_marked_committed, list_step_dirs, read_saved_config, step_dir, step_of
+from .layout import is_marked_committed, list_step_dirs, read_saved_config, step_dir, step_of, trash_dir
 from .lock import DirLock, lock_for_job
 from .preflight import process_staging_shortfall
 from .saver import StagingWait, prepare_step_dir, start_async, write_sync
@@ -49,10 +49,10 @@ def _kept_by_committer(name: str) -> property:
 
 
 class CheckpointManager:
-    on_event = _kept_by_committer("on_event")
+    # reads give the committer's guarded on_event (an event that fails to record is logged, never raised)
+    on_event = property(lambda self: self.committer.on_event, lambda self, v: setattr(self.committer, "_on_event", v))
     on_log = _kept_by_committer("on_log")
     keep_last = _kept_by_committer("keep_last")
-    keep_best = _kept_by_committer("keep_best")
 
     def __init__(self, ckpt_dir: str, async_mode: str = "thread", keep_last: int = 3,
                  on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop,
@@ -164,15 +164,24 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed on every rank; if it failed on any rank,
-        raise on all (this rank's error, or one naming the step)."""
+        raise on all (this rank's error, or one naming the step). A failure of only the retention after the
+        commit is a warning (and a `retention_failed` event), not a failed save: raising would make the loop
+        save the step again, moving the committed folder into .trash first."""
         self.wait_for_staging()
         if self._inflight is None:
             return
         fut, self._inflight = self._inflight, None
         error = fut.exception()  # blocks until this rank's upload and commit are done
-        if not self._any_rank(error is not None)[0]:
+        failed, save_failed = self._any_rank(error is not None, not isinstance(error, (RetentionError, type(None))))
+        if not failed:
             return
-        if isinstance(error, CheckpointError):
+        if not save_failed:  # only retention failed, after the commit: the checkpoint stands; the next sweep retries
+            why = str(error) if error is not None else "it failed on another rank"
+            self.on_log(f"warning: deleting old checkpoints after step {self._inflight_step} failed: {why}; "
+                        f"what is left in {trash_dir(self.dir)} is deleted by the next save's sweep")
+            self.on_event("retention_failed", step=self._inflight_step, error=why)
+            return
+        if isinstance(error, CheckpointError) and not isinstance(error, RetentionError):
             raise error
         cause = f"{type(error).__name__}: {error}" if error is not None else "it failed on another rank"
         raise CheckpointError(f"background save of step {self._inflight_step} failed: {cause}") from error

@@ -109,6 +109,37 @@ def test_sync_save_returns_at_its_marker_and_retention_follows(tmp_path, monkeyp
     mgr.close()
 
 
+def test_failed_retention_is_a_warning_and_the_committed_step_is_not_saved_again(tmp_path, monkeypatch):
+    """The sweep after step 2's commit fails (ENOSPC): wait() warns instead of raising, since a raise makes the
+    loop's final save write step 2 again, which first moves the committed folder into .trash. The next sweep
+    deletes what the failed one left."""
+    from ckpt.loop import TrainingCheckpoints
+
+    ck = tmp_path / "ck"
+    monkeypatch.setenv("CKPT_FAULT", "oserror@sweep:2")
+    events, logs, state = [], [], {"w": torch.arange(1000.0)}
+    mgr = CheckpointManager(str(ck), "thread", keep_last=1, on_event=lambda n, **kw: events.append((n, kw)),
+                            on_log=logs.append)
+    mgr.save(1, state, {"meta.json": "{}"})
+    mgr.save(2, state, {"meta.json": "{}"})  # waits for save 1; its own sweep fails in the background
+    options = type("Options", (), dict(interval=0, interval_minutes=0, mtbf_hours=0, save_at_end=True,
+                                       continue_on_save_error=False))()
+    loop = TrainingCheckpoints(mgr, options, state, lambda step: {"meta.json": "{}"}, 2, logs.append,
+                               lambda n, **kw: events.append((n, kw)))
+    loop.finish(2)  # drains save 2 (retention fails: a warning), does not save step 2 again
+    assert [n for n, _ in events].count("checkpoint") == 2, events
+    assert ("retention_failed", {"step": 2, "error": events[-1][1]["error"]}) == events[-1]
+    assert "No space left" in events[-1][1]["error"] or "ENOSPC" in events[-1][1]["error"], events[-1]
+    assert any(line.startswith("warning: deleting old checkpoints after step 2 failed") for line in logs), logs
+    assert verify_checkpoint(step_dir(str(ck), 2))["step"] == 2
+    assert [s for s, _ in list_step_dirs(str(ck))] == [2] and os.listdir(trash_dir(str(ck)))  # step 1 waits there
+    monkeypatch.delenv("CKPT_FAULT")
+    mgr = CheckpointManager(str(ck), "off", keep_last=1)
+    mgr.save(3, state, {"meta.json": "{}"}, blocking=True)
+    mgr.close()
+    assert [s for s, _ in list_step_dirs(str(ck))] == [3] and not os.path.lexists(trash_dir(str(ck)))
+
+
 def test_leftover_in_the_way_is_swept_before_the_save_writes(tmp_path, monkeypatch):
     ck = tmp_path / "ck"
     folder_checkpoint(ck, 2)  # e.g. skipped as corrupt on resume; this job reached step 2 again
