@@ -33,6 +33,7 @@ from .layout import LOCK_FILE
 
 HEARTBEAT_S = 60.0
 STALE_S = 10 * HEARTBEAT_S  # a live holder has rewritten its heartbeat ten times by then
+RECORD_WIDTH = 511  # bytes of JSON (space-padded) per lock record, so each heartbeat rewrites the same bytes
 _NO_FLOCK = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
 
 
@@ -114,7 +115,8 @@ class DirLock:
     def acquire(self) -> None:
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            f = open(self.path, "a+")
+            # read-write, created if missing, never truncated; not append mode, so each heartbeat rewrites in place
+            f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
         except OSError as e:
             raise LockError(f"ckpt.dir {os.path.dirname(self.path)} is not writable: {e.strerror}") from None
         try:
@@ -148,9 +150,11 @@ class DirLock:
 
     def _beat(self) -> None:
         record = {"host": socket.gethostname(), "pid": os.getpid(), "started": self._started, "heartbeat": time.time()}
+        # overwritten in place at a fixed width, then cut after it: a reader never sees an empty record (which
+        # reads as "no one", so a job starting then would take over a live job's lock without flock)
         self._file.seek(0)
+        self._file.write(json.dumps(record).ljust(RECORD_WIDTH) + "\n")
         self._file.truncate()
-        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
 

@@ -81,12 +81,9 @@ class SavePolicy:
             return self.auto_s is None or elapsed >= self.auto_s  # no measured cost yet: save to measure one
         return False
 
-    def saved(self, step: int, cost_s: float | None = None) -> None:
-        """Record a save that just started (its blocking part is over): restarts the wall-clock interval.
-        With `cost_s`, also `measured(step, cost_s)`, for a save whose whole cost is known at once."""
+    def saved(self, step: int) -> None:
+        """Record a save that just started (its blocking part is over): restarts the wall-clock interval."""
         self.last_save_t = self.clock()
-        if cost_s is not None:
-            self.measured(step, cost_s)
 
     def measured(self, step: int, cost_s: float) -> None:
         """For auto: the save of `step` cost training `cost_s` seconds (its blocking part plus the wait for its

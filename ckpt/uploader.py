@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import multiprocessing
 import os
 import signal
 import threading
@@ -96,7 +97,8 @@ def setup_uploader_process() -> None:
       and DCP spawns it from a thread pool it shuts down after the first save. So a daemon thread checks once a
       second that the parent is still the worker, and ends the process when it is not (also mid-write)."""
     logging.disable(logging.INFO)
-    parent = os.getppid()
+    # the worker's pid as spawn recorded it: if the worker died before this ran, getppid() already differs
+    parent = multiprocessing.parent_process().pid if multiprocessing.parent_process() else os.getppid()
 
     def exit_when_orphaned() -> None:
         while os.getppid() == parent:

@@ -32,7 +32,7 @@ import torch
 from finetune.dist import all_ranks_reduce, divisibility_problem
 
 IGNORE = -100  # label value that carries no loss (prompt and padding tokens)
-CACHE_VERSION = 2  # bump when the cache layout or the tokenization rule changes
+CACHE_VERSION = 3  # bump when the cache layout or the tokenization rule changes
 COMMIT_FILE = "COMMIT"
 BATCH_KEY = "data.global_batch_size"  # the config key BatchPlan splits over the ranks (named in its errors)
 _FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
