@@ -53,7 +53,7 @@ def write_sync(state: dict, path: str, step: int, pg, ckpt_dir: str) -> Metadata
     """Every rank: write its shards of `state` (checksummed as written) and return DCP's metadata, which carries
     every rank's file digests for the marker."""
     try:
-        return dcp.save(state, storage_writer=_Writer(path, step), process_group=pg, planner=_planner())
+        return dcp.save(state, storage_writer=_Writer(path, step), process_group=pg, planner=_planner(ckpt_dir, pg))
     except SAVE_ERRORS as e:
         raise save_failure(e, ckpt_dir, f"checkpoint {path}") from e
 
@@ -88,7 +88,7 @@ def start_async(state: dict, path: str, step: int, pg, stager: DefaultStager, as
     try:
         with _preemption_signals_blocked():
             resp = dcp.async_save(state, storage_writer=_Writer(path, step), process_group=pg, async_stager=stager,
-                                  planner=_planner(), async_checkpointer_type=kind)
+                                  planner=_planner(ckpt_dir, pg), async_checkpointer_type=kind)
     except SAVE_ERRORS as e:  # staging: process mode copies into shared memory (/dev/shm)
         raise save_failure(e, "/dev/shm" if async_mode == "process" else ckpt_dir,
                            f"the staged copy of checkpoint {path}") from e

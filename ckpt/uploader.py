@@ -16,6 +16,7 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -40,10 +41,18 @@ class _Writer(ChecksummingWriter):
         return super().write_data(plan, planner)
 
 
-def _planner() -> DefaultSavePlanner:
+def _planner(ckpt_dir: str, pg) -> DefaultSavePlanner:
     """Save-plan caching: from the second save on, a rank whose local plan is unchanged (same keys,
-    shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan."""
-    return DefaultSavePlanner(enable_plan_caching=True)
+    shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan.
+
+    DCP keeps that cache per planner class name, process-wide (and a forked process inherits it), so two
+    managers in one process, or one world size after another, would merge their plans: a W=2 save after a
+    W=1 one in the same process failed in gloo's scatter with one plan for two ranks. One key per checkpoint
+    dir and world size keeps them apart."""
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    world_size = dist.get_world_size(pg) if dist.is_initialized() else 1
+    planner._cached_plans_key = f"{type(planner).__name__}:{os.path.realpath(ckpt_dir)}:W={world_size}"
+    return planner
 
 
 @contextlib.contextmanager

@@ -299,3 +299,29 @@ def test_resume_unpickles_metadata_once(tmp_path, monkeypatch):
     mgr.load(path, state)  # not verified again: read again, not reused from the earlier resume
     assert calls == [path, path]
     mgr.close()
+
+
+def _w2_save(rank: int, port: int, ckpt_dir: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        mgr = CheckpointManager(ckpt_dir, "off", keep_last=1)
+        mgr.save(1, {"w": torch.arange(8.0), "v": torch.ones(3)}, {"meta.json": "{}"}, blocking=True)
+        mgr.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_save_plan_cache_is_per_checkpoint_dir_and_world_size(tmp_path):
+    """DCP caches save plans process-wide under the planner's class name, and forked processes inherit the
+    cache: a W=2 save forked after a W=1 save in this process got the W=1 plan (gloo scatter: 'Incorrect input
+    list size 1') until the key named the checkpoint dir and the world size (ckpt/uploader.py _planner)."""
+    from conftest import free_port
+
+    mgr = CheckpointManager(str(tmp_path / "w1"), "off", keep_last=1)
+    mgr.save(1, {"w": torch.arange(6.0)}, {"meta.json": "{}"}, blocking=True)  # another state: a changed plan
+    mgr.close()
+    torch.multiprocessing.start_processes(_w2_save, args=(free_port(), str(tmp_path / "w2")), nprocs=2,
+                                          start_method="fork")
+    assert verify_checkpoint(step_dir(str(tmp_path / "w2"), 1))["world_size"] == 2
