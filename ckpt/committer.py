@@ -14,8 +14,9 @@ The protocol, per save:
    rank deletes a whole checkpoint. A `retention` event (rank 0) says what went.
 3. errors on the committer thread stay in the future the manager holds, which raises them on every rank at
    the same call (manager.py, the agreement). A failed upload or commit still joins the sweep, a collective,
-   unless the group itself timed out. A failed sweep after a commit is a RetentionError: the checkpoint stands (the manager warns).
-   Recording an event never raises (a logger's failure must not make rank 0 skip a collective): it is logged.
+   unless the group itself timed out. A failed sweep after a commit is a RetentionError: the checkpoint
+   stands (the manager warns). Recording an event never raises (a logger's failure must not make rank 0 skip
+   a collective): it is logged.
 Which thread may use which process group: CheckpointManager.__init__ (manager.py), the one place that says so.
 """
 

@@ -176,9 +176,9 @@ class CheckpointManager:
         if not failed:
             return
         if not save_failed:  # only retention failed, after the commit: the checkpoint stands; the next sweep retries
-            why = str(error) if error is not None else "it failed on another rank"
-            self.on_log(f"warning: deleting old checkpoints after step {self._inflight_step} failed: {why}; "
-                        f"what is left in {trash_dir(self.dir)} is deleted by the next save's sweep")
+            why = str(error) if error is not None else (f"checkpoint step {self._inflight_step} is committed, but "
+                                                        "deleting old checkpoints after it failed on another rank")
+            self.on_log(f"warning: {why}; what is left in {trash_dir(self.dir)} goes with the next save's sweep")
             self.on_event("retention_failed", step=self._inflight_step, error=why)
             return
         if isinstance(error, CheckpointError) and not isinstance(error, RetentionError):
