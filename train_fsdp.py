@@ -33,7 +33,7 @@ from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkp
 from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
 from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
     check_loss_tokens, open_samples
-from finetune.dist import free_port, rank0_builds_others_wait
+from common.dist import free_port, rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum

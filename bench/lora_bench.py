@@ -23,7 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from finetune.dist import free_port  # noqa: E402 - after the path insert
+from common.dist import free_port  # noqa: E402 - after the path insert
 
 
 def parse_args(argv=None):

@@ -25,10 +25,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
+from common.dtypes import DTYPE_NAMES, DTYPES
 from .hf import (SAFETENSORS_DTYPES, OutTensor, _replace_dir, check_safetensors_files, create_files,
                  model_names, parse_size, plan_files, safetensors_header, source_dirs, source_dtype, write_index,
                  write_model_files)
-from .dtypes import DTYPE_NAMES, DTYPES
 from .errors import CheckpointError
 from .inspect import read_items
 from .layout import read_meta

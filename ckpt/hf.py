@@ -33,10 +33,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.futures import Future
 
+from common.dist import on_rank0_then_share
+from common.dtypes import DTYPE_NAMES, DTYPES
 from .commit import VerifyError, verify_checkpoint
-from .dtypes import DTYPE_NAMES, DTYPES
 from .layout import step_of
-from finetune.dist import on_rank0_then_share
 from .errors import SAVE_ERRORS, CheckpointError, save_failure
 from .schema import schema_of
 

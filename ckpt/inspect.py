@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from finetune.dist import divisibility_problem
+from common.dist import divisibility_problem
 from .commit import VerifyError, verify_checkpoint
 from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, step_of
 from .schema import schema_of
@@ -41,7 +41,7 @@ def rng_world_size(meta: dict) -> int | None:
 
 def world_size_problem(path: str, world_size: int) -> str | None:
     """Why `path` cannot resume at `world_size` ranks, or None: a value its schema says the world size
-    must divide (the trainer's batch rule, finetune.dist.divisibility_problem) that it does not."""
+    must divide (the trainer's batch rule, common.dist.divisibility_problem) that it does not."""
     if world_size < 1:
         return f"world size must be >= 1, got {world_size}"
     problems = [divisibility_problem(k, v, world_size) for k, v in schema_of(path).divides.items()]

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable
 
-from finetune.dist import on_rank0_then_share
+from common.dist import on_rank0_then_share
 from .errors import CheckpointError
 from .layout import LOCK_FILE
 

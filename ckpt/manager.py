@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager
 
-from finetune.dist import on_rank0_then_share
+from common.dist import on_rank0_then_share
 from . import resume as _resume
 from .committer import Committer
 from .errors import CheckpointError, DiskFullError, RetentionError, collective_timed_out

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from finetune.dist import all_ranks_reduce, divisibility_problem
+from common.dist import all_ranks_reduce, divisibility_problem
 
 IGNORE = -100  # label value that carries no loss (prompt and padding tokens)
 CACHE_VERSION = 3  # bump when the cache layout or the tokenization rule changes

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ckpt.dtypes import DTYPES  # the one name -> dtype map (model.param_dtype, reduce_dtype, export.dtype)
+from common.dtypes import DTYPES  # the one name -> dtype map (model.param_dtype, reduce_dtype, export.dtype)
 
 
 

@@ -410,7 +410,7 @@ def _wait_worker(rank, world, port, tmp, q):
 
     import torch.distributed as dist
 
-    from finetune.dist import rank0_builds_others_wait
+    from common.dist import rank0_builds_others_wait
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     lines = []
 

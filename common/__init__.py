@@ -1,0 +1,9 @@
+"""The bottom layer: what ckpt/ and finetune/ both need, so neither imports the other for it.
+
+    python -m pytest tests/test_layers.py -q      # the import rules, checked from the source
+
+Owns: rank-0 helpers (rank 0 builds while the others wait through the filesystem; rank 0 runs and every rank
+gets the result or the error), a small all-reduce, a free local port, the world-size divisibility rule
+(dist.py), and the one name -> dtype map of configs and the command line (dtypes.py).
+May import: torch and the standard library only; nothing of this project outside common/.
+"""
