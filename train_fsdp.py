@@ -26,6 +26,8 @@ import torch.distributed as dist
 from ckpt import CheckpointError, CheckpointManager, TrainingCheckpoints, check_staging, collective_timed_out, read_meta, \
     reseed_all, step_dir
 from ckpt.adapter import check_same_base
+from ckpt.export import export_final
+from ckpt.hf_load import load_hf_weights
 from ckpt.faults import fault_point
 from ckpt.state import DERIVED_SEED, derived_seed
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_schema, checkpoint_state, \
@@ -321,7 +323,6 @@ def build_model(cfg: Config, device, world_size: int):
         raise DataError(f"data.seq_len={cfg.data.seq_len} is larger than the model allows "
                         f"(max_position_embeddings={max_pos})")
     if cfg.model.name_or_path:
-        from ckpt.hf import load_hf_weights
         load_hf_weights(model, cfg.model.name_or_path, file_name=base_file_name if cfg.model.lora.r else None)
         if cfg.model.lora.r:
             init_adapters(model, cfg.train.seed)
@@ -353,7 +354,6 @@ def after_training(cfg: Config, model, tokenizer, mgr, progress: TrainProgress, 
         for prompt, out in zip(prompts, sample(model, tokenizer, prompts, device)):
             log.info(f"sample: {prompt!r} -> {out!r}")
     if cfg.export.at_end:  # every rank writes its share of the tensors
-        from ckpt.hf import export_final
         if mgr.last_saved_step != progress.step:
             raise CheckpointError(f"export.at_end: no checkpoint of the final step {progress.step} "
                                   "(ckpt.save_at_end=false?)")

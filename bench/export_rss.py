@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 MEASURE = r"""
 import json, sys, threading, time
 import torch, transformers, transformers.models.llama.modeling_llama
-from ckpt.hf import export_cli
+from ckpt.export import export_cli
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -77,7 +77,7 @@ def save_checkpoint(root: str) -> tuple[str, int, int]:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
-    from ckpt.commit import commit_checkpoint
+    from ckpt.manifest import commit_checkpoint
 
     model_dir, ckpt = os.path.join(root, "model"), os.path.join(root, "checkpoints", "step-000001")
     config = bench_config()

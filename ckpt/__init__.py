@@ -9,7 +9,7 @@ here imports the training config: the trainer hands over plain objects, its opti
 docs/design.md draws the flow and says which file owns which rule.
 """
 
-from .commit import VerifyError, verify_checkpoint
+from .manifest import VerifyError, verify_checkpoint
 from .errors import CheckpointError, DiskFullError, collective_timed_out
 from .layout import read_meta, read_saved_config, step_dir
 from .loop import TrainingCheckpoints, check_staging

@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .commit import VerifyError, verify_checkpoint
+from .describe import inspect_path
+from .export import export_cli
+from .manifest import VerifyError, verify_checkpoint
+from .reshard import reshard
 
 
 def cmd_verify(args) -> int:
@@ -32,17 +35,14 @@ def cmd_verify(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .inspect import inspect_path
     return inspect_path(args.path, world_size=args.world_size, tensors=args.tensors)
 
 
 def cmd_reshard(args) -> int:
-    from .reshard import reshard
     return reshard(args.src, args.dst, args.world_size)
 
 
 def cmd_export(args) -> int:
-    from .hf import export_cli
     return export_cli(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.jobs, args.adapter)
 
 

@@ -23,15 +23,15 @@ import shutil
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from common.dtypes import DTYPE_NAMES, DTYPES
-from .hf import (SAFETENSORS_DTYPES, OutTensor, _replace_dir, check_safetensors_files, create_files,
-                 model_names, parse_size, plan_files, safetensors_header, source_dirs, source_dtype, write_index,
-                 write_model_files)
 from .errors import CheckpointError
-from .inspect import read_items
+from .hf_files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
+                       safetensors_header, write_index, write_model_files)
 from .layout import read_meta
+from .reading import model_names, read_items, safetensors_headers, source_dirs, source_dtype
 from .schema import schema_of
 
 ADAPTER_SUFFIX = (".lora_A.default.weight", ".lora_B.default.weight")  # peft's names in the training model
@@ -40,23 +40,6 @@ _SAMPLED_TENSORS, _SAMPLED_BYTES = 8, 1 << 20
 
 
 # ---------------------------------------------------------------- the base model and its fingerprint
-
-def safetensors_headers(hf_dir: str) -> dict[str, dict]:
-    """{tensor name: {file, dtype, shape, start (absolute byte offset), nbytes}} from the file headers only."""
-    check_safetensors_files(hf_dir)
-    out = {}
-    for name in sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")):
-        path = os.path.join(hf_dir, name)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-        for key, t in header.items():
-            if key != "__metadata__":
-                begin, end = t["data_offsets"]
-                out[key] = {"file": path, "dtype": t["dtype"], "shape": t["shape"], "start": 8 + n + begin,
-                            "nbytes": end - begin}
-    return out
-
 
 @functools.lru_cache(maxsize=4)
 def base_fingerprint(hf_dir: str) -> dict:
@@ -102,7 +85,7 @@ def check_same_base(ckpt_path: str, expected: dict | None) -> None:
                               f"({expected['base_fingerprint']}): adapters only fit the weights they were trained on")
 
 
-def describe(meta: dict, ckpt_bytes: int) -> str | None:
+def describe_lora(meta: dict, ckpt_bytes: int) -> str | None:
     """One line for `inspect`: a LoRA checkpoint, and its size against a full one (fp32 weights + AdamW)."""
     lora = meta.get("lora")
     if not lora:
@@ -117,8 +100,6 @@ def describe(meta: dict, ckpt_bytes: int) -> str | None:
 
 def read_adapters(ckpt_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{module name: (lora_A, lora_B)} in full, in this process. Adapters are small (r x (in + out) per module)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     prefix = schema_of(ckpt_path).model_prefix
     keys = [k for k in FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
             if k.startswith(prefix) and k.endswith(ADAPTER_SUFFIX)]
@@ -185,7 +166,7 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
     shapes = {n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
                                        torch.Size(headers[n]["shape"]), []) for n in names}
     out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else DTYPES[dtype]  # auto: the base's
-    files = plan_files(shapes, names, out_dtype, parse_size(max_shard_size))
+    files = assign_files(shapes, names, out_dtype, parse_size(max_shard_size))
     written = create_files(tmp, files)
     scaling = lora["alpha"] / lora["r"]
     for fname, tensors in zip(written, files):
@@ -229,7 +210,7 @@ def export_lora(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_siz
     try:
         info = write_adapter(ckpt_path, lora, tmp, dtype) if adapter_only else \
             write_merged(ckpt_path, lora, tmp, dtype, max_shard_size)
-        _replace_dir(tmp, out_dir)
+        replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -30,7 +30,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from common.dist import on_rank0_then_share
-from .commit import commit_checkpoint
+from .manifest import commit_checkpoint
 from .errors import SAVE_ERRORS, CheckpointError, RetentionError, cause_line, collective_timed_out, save_failure
 from .faults import fault_point
 from .retention import apply_retention, delete_share, list_trash, remove_trash

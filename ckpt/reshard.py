@@ -35,8 +35,8 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from common.dist import free_port
 from .checksum import ChecksummingWriter
-from .commit import VerifyError, commit_checkpoint, verify_checkpoint
-from .inspect import is_dim0_sharded, rng_world_size, world_size_problem
+from .manifest import VerifyError, commit_checkpoint, verify_checkpoint
+from .describe import is_dim0_sharded, rng_world_size, world_size_problem
 from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, read_meta, step_dir, step_of
 
 

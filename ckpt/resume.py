@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from common.dist import on_rank0_then_share
-from .commit import VerifyError, check_files, check_listing, check_marker, check_references, shares
+from .manifest import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import is_marked_committed, list_step_dirs
 

@@ -23,7 +23,7 @@ import shutil
 import time
 from typing import Callable
 
-from .commit import fsync_dir
+from .manifest import fsync_dir
 from .layout import COMMIT_FILE, is_marked_committed, list_step_dirs, read_meta, trash_dir, trash_slot
 
 

@@ -215,7 +215,7 @@ def test_eval_loss_is_the_checkpoint_score_and_inspect_shows_it(tmp_path, capsys
                                        "ckpt.interval=2", "ckpt.keep_last=1", "ckpt.keep_best=1",
                                        "ckpt.async_mode=off"])
     ev = {e["step"]: e["eval_loss"] for e in events(run, "eval")}
-    from ckpt.inspect import list_checkpoints
+    from ckpt.describe import list_checkpoints
     from ckpt.layout import list_step_dirs
     kept = list_step_dirs(str(run / "checkpoints"))
     best = min(ev, key=ev.get)

@@ -167,7 +167,7 @@ def _gemma_worker(rank: int, port: int, path: str, out: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from ckpt.hf import load_hf_weights
+    from ckpt.hf_load import load_hf_weights
     from finetune.config import ModelConfig
     from finetune.model import build_sharded_model
 

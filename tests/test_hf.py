@@ -91,7 +91,7 @@ def hf_models(tmp_path_factory):
 @pytest.mark.parametrize("seed", range(20))
 def test_chunk_runs_cover_exactly_the_chunk(seed):
     """Any saved chunk (FSDP dim-0 shards, or split on later dims) lands on exactly its own elements."""
-    from ckpt.hf import chunk_runs
+    from ckpt.export import chunk_runs
 
     gen = np.random.default_rng(seed)
     shape = tuple(int(d) for d in gen.integers(1, 6, size=gen.integers(1, 4)))
@@ -106,7 +106,8 @@ def test_chunk_runs_cover_exactly_the_chunk(seed):
 
 def test_parse_size_and_stray_files(hf_models, tmp_path):
     from ckpt import CheckpointError
-    from ckpt.hf import check_safetensors_files, parse_size
+    from ckpt.hf_files import parse_size
+    from ckpt.reading import check_safetensors_files
 
     assert parse_size("2GB") == 2 * 10**9 and parse_size("100KiB") == 102400 and parse_size("512") == 512
     with pytest.raises(ValueError, match="2GB"):
@@ -127,7 +128,7 @@ def _import_worker(rank: int, port: int, models: dict, ckpt_root: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from ckpt import CheckpointError, CheckpointManager
-    from ckpt.hf import load_hf_weights
+    from ckpt.hf_load import load_hf_weights
     from finetune.config import Config
     from finetune.model import build_sharded_model
 
@@ -166,7 +167,7 @@ def _import_worker(rank: int, port: int, models: dict, ckpt_root: str) -> None:
 
 
 def test_import_w2_bit_exact_then_export_round_trip(hf_models, tmp_path):
-    from ckpt.hf import export_checkpoint
+    from ckpt.export import export_checkpoint
 
     ckpt_root = str(tmp_path / "ckpts")
     torch.multiprocessing.start_processes(_import_worker, args=(free_port(), hf_models, ckpt_root), nprocs=2,
@@ -213,7 +214,7 @@ def _trained_model(hf_dir: str, ckpt_path: str):
 def test_train_from_hf_then_export(hf_models, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ckpt.hf import export_cli
+    from ckpt.export import export_cli
 
     llama, run = hf_models["llama"], tmp_path / "run"
     run_train(run, 2, [f"model.name_or_path={llama}", "train.max_steps=2", "export.at_end=true", "export.dtype=fp32"])

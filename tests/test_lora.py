@@ -61,7 +61,7 @@ def straight(root):
 
 def flat_items(ckpt_path) -> dict:
     """Every tensor and bytes item of a checkpoint, loaded in this process."""
-    from ckpt.inspect import read_items
+    from ckpt.reading import read_items
 
     return read_items(str(ckpt_path), list(FileSystemReader(str(ckpt_path)).read_metadata().state_dict_metadata))
 

@@ -19,7 +19,8 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import ROOT, run_train
 from ckpt import verify_checkpoint
-from ckpt.inspect import inspect_path, read_items
+from ckpt.describe import inspect_path
+from ckpt.reading import read_items
 from finetune.metrics import read_metrics
 
 STEPS = ["train.max_steps=16", "ckpt.interval=8", "ckpt.keep_last=0"]

@@ -16,20 +16,18 @@ from __future__ import annotations
 import math
 import os
 import sys
-import warnings
 from collections import defaultdict
 
-import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from common.dist import divisibility_problem
-from .commit import VerifyError, verify_checkpoint
+from .adapter import describe_lora
 from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, step_of
+from .manifest import VerifyError, verify_checkpoint
+from .reading import read_items
 from .schema import schema_of
 from .state import DERIVED_SEED, rng_key
-
 
 
 # ---------------------------------------------------------------- reading one checkpoint
@@ -57,17 +55,6 @@ def checkpoint_status(path: str) -> tuple[bool, str]:
         if not is_marked_committed(path):
             return False, "uncommitted (no commit.json: a save that never finished)"
         return False, f"CORRUPT: {e}"
-
-
-def read_items(path: str, keys: list[str]) -> dict:
-    """Load just `keys` (bytes items or plain tensors, in full) in this process, no process group needed."""
-    md = FileSystemReader(path).read_metadata().state_dict_metadata
-    state = {k: (torch.empty(md[k].size, dtype=md[k].properties.dtype)
-                 if isinstance(md[k], TensorStorageMetadata) else None) for k in keys}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-    return state
 
 
 def _dir_bytes(path: str) -> int:
@@ -134,8 +121,7 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
     if "score" in meta:
         print(f"  score (eval loss) {meta['score']:.6f}")
-    from .adapter import describe
-    lora_line = describe(meta, _dir_bytes(path))
+    lora_line = describe_lora(meta, _dir_bytes(path))
     if lora_line:
         print(f"  {lora_line}")
     if meta.get("resharded_from"):
