@@ -23,26 +23,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ckpt import CheckpointError, CheckpointManager, TrainingCheckpoints, check_staging, collective_timed_out, read_meta, \
-    reseed_all, step_dir
-from ckpt.adapter import check_same_base
-from ckpt.export import export_final
+from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints
 from ckpt.hf_load import load_hf_weights
-from ckpt.faults import fault_point
-from ckpt.state import DERIVED_SEED, derived_seed
-from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_schema, checkpoint_state, \
-    model_state
-from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
-from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
-    check_loss_tokens, open_samples
 from common.dist import free_port, rank0_builds_others_wait
+from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
+from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
+from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path,
+                           check_loss_tokens, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
-from finetune.model import ModelError, build_mesh, build_sharded_model, check_attn_implementation, init_random, \
-    load_tokenizer
+from finetune.model import (ModelError, build_mesh, build_sharded_model, check_attn_implementation, init_random,
+                            load_tokenizer)
 from finetune.plan import add_plan_arguments, print_plan
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
@@ -176,40 +170,12 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
     return loss_sum.item() / n_global, int(n_global), float(grad_norm)
 
 
-# ---------------------------------------------------------------- resume
+# ---------------------------------------------------------------- resume: the trainer's own rules (ckpt/ does the rest)
 
-def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size) -> None:
-    """Load the newest committed checkpoint (or the one named). Model, optimizer, schedule and data position
-    resume at any world size (DCP reshards; the data position is a global sample index).
-
-    RNG rule: if the checkpoint holds per-rank RNG of exactly this many ranks (meta.json `rng_world_size`,
-    default `world_size`; `python -m ckpt reshard` keeps the original's), rank r restores `rng_rank<r>`.
-    Otherwise every rank reseeds python/numpy/torch with ckpt.state.derived_seed, and one line says so.
-    """
-    path = mgr.find_resume(cfg.ckpt.resume)
-    if path is None:
-        reseed_all(derived_seed(cfg.train.seed, rank))
-        return
-    check_same_base(path, lora_meta(cfg.model) if cfg.model.lora.r else None)
-    check_resume_config(mgr, path, cfg, log)
-    meta = read_meta(path)
-    saved_world = meta["world_size"]
-    rng_world = meta.get("rng_world_size", saved_world)
-    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=rng_world == world_size)
-    mgr.load(path, state, model_state=model_state(state), prefix=checkpoint_schema(cfg).model_prefix)
-    follow_config_schedule(optimizer, scheduler, cfg.train, log)
-    if rng_world != world_size:
-        reseed_all(derived_seed(cfg.train.seed, rank, progress.step))
-        log.info(f"resume: RNG saved by {rng_world} ranks, now {world_size}: re-derived as {DERIVED_SEED} "
-                 f"(step {progress.step})")
-    log.info(f"resume: loaded {path} at step {progress.step} (saved by {saved_world} ranks, now {world_size})")
-    log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
-
-
-def check_resume_config(mgr, path: str, cfg: Config, log) -> None:
-    """List every difference between the checkpoint's config and this one; refuse the ones that make the
-    continuation meaningless (finetune/config.py RESUME_REFUSED, docs/resume-rules.md)."""
-    saved = mgr.saved_config(path)
+def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
+    """List every difference between the checkpoint's config (`saved`, the text of its config.yaml) and this
+    one; refuse the ones that make the continuation meaningless (finetune/config.py RESUME_REFUSED,
+    docs/resume-rules.md). ckpt/ calls it before loading `path` (resume.py resume_state)."""
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
         return
@@ -296,22 +262,27 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def open_run(cfg: Config, rank: int):
-    """The ckpt.dir lock first (a second job on this ckpt.dir stops here, before it writes anything), then the
-    run folder, its logger and its config.yaml."""
-    mgr = CheckpointManager(cfg.ckpt.dir, cfg.ckpt.async_mode, cfg.ckpt.keep_last,
-                            timeout=collective_timeout(cfg.ckpt.timeout_minutes), keep_best=cfg.ckpt.keep_best)
-    mgr.acquire_lock()
+def open_run(cfg: Config, rank: int) -> RankZeroLog:
+    """The run folder, its logger and its config.yaml; ckpt/ calls it once it holds the ckpt.dir lock (a second
+    job on this ckpt.dir stops before it writes anything)."""
     os.makedirs(cfg.run.dir, exist_ok=True)
     log = RankZeroLog(rank, cfg.run.dir, open_loggers(cfg, rank))  # + TensorBoard / W&B when asked
-    mgr.on_event, mgr.on_log = log.event, log.info
     if rank == 0:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
     if cfg.train.deterministic:  # cuBLAS reads its workspace setting at first use, which is still to come
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    return mgr, log
+    return log
+
+
+def resume(checkpoints: TrainingCheckpoints, cfg: Config, state: dict, files_for, optimizer, scheduler, log) -> None:
+    """ckpt/ resumes `state` (newest committed checkpoint, or the one named, at any world size) and applies the
+    RNG rule; this file adds its own rules: the config changes it refuses, then the current LR schedule."""
+    resumed = checkpoints.resume(state, files_for, cfg.train.seed, lora_meta(cfg.model) if cfg.model.lora.r else None,
+                                 lambda path, saved: check_resume_config(path, saved, cfg, log))
+    if resumed.path is not None:
+        follow_config_schedule(optimizer, scheduler, cfg.train, log)
 
 
 def build_model(cfg: Config, device, world_size: int):
@@ -346,7 +317,7 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
     return plan, samples, eval_set, stream
 
 
-def after_training(cfg: Config, model, tokenizer, mgr, progress: TrainProgress, device, log) -> None:
+def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainProgress, device, log) -> None:
     """A completed run (exit 0): sample a few prompts, export the final checkpoint as a HF folder if asked."""
     if cfg.train.sample_at_end:
         model.eval()
@@ -354,40 +325,35 @@ def after_training(cfg: Config, model, tokenizer, mgr, progress: TrainProgress, 
         for prompt, out in zip(prompts, sample(model, tokenizer, prompts, device)):
             log.info(f"sample: {prompt!r} -> {out!r}")
     if cfg.export.at_end:  # every rank writes its share of the tensors
-        if mgr.last_saved_step != progress.step:
-            raise CheckpointError(f"export.at_end: no checkpoint of the final step {progress.step} "
-                                  "(ckpt.save_at_end=false?)")
-        log.info(export_final(step_dir(cfg.ckpt.dir, progress.step), os.path.join(cfg.run.dir, "hf"),
-                              cfg.export.dtype))
+        checkpoints.export(progress.step, os.path.join(cfg.run.dir, "hf"), cfg.export.dtype)
 
 
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
-    mgr, log = open_run(cfg, rank)
+    checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
+                                        lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
     tokenizer, model = build_model(cfg, device, world_size)
     optimizer, scheduler = build_optimizer(model, cfg)
-    check_staging(mgr, model)
+    checkpoints.check_staging(model)
     plan, samples, eval_set, stream = build_data(cfg, tokenizer, model, rank, world_size, log)
     progress = TrainProgress()
+    eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)
+    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
     # resume after the data stream exists, so restored RNG is not consumed by its creation
-    resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size)
+    resume(checkpoints, cfg, state, lambda step: checkpoint_files(cfg, step, world_size, eval_loss.get(step)),
+           optimizer, scheduler, log)
     log.info(f"world {world_size} | device {device.type} | {param_summary(model)} | "
              f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
              f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
-    eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)
-    state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
-    checkpoints = TrainingCheckpoints(mgr, cfg.ckpt, state, lambda step: checkpoint_files(
-        cfg, step, world_size, eval_loss.get(step)), cfg.train.max_steps, log.info, log.event)
     preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, plan, progress.step), 0
     model.train()
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
                 rows = stream.global_rows()
-                with checkpoints.step_in_progress():
+                with checkpoints.step_in_progress(progress.step + 1):
                     micro = stream.next_global_batch()
-                    fault_point("mid_step", progress.step + 1)
                     loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
                                                     cfg.train.reduce_every_micro_batch,
                                                     checkpoints.before_optimizer_step)
@@ -414,7 +380,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
         eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size, progress.step, log)
     checkpoints.finish(progress.step, preempted=exit_code == EXIT_PREEMPTED)
     if exit_code == 0:
-        after_training(cfg, model, tokenizer, mgr, progress, device, log)
+        after_training(cfg, model, tokenizer, checkpoints, progress, device, log)
     log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - steps_log.t_start:.1f}s")
     log.close()
     return exit_code

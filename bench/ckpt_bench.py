@@ -207,10 +207,11 @@ def verify_times(path: str) -> dict:
     files, verdict agreed) against the old scheme (rank 0 alone, SHA-256 of everything, others waiting)."""
     import torch.distributed as dist
     from ckpt import CheckpointManager
+    from ckpt.resume import verify
     mgr = CheckpointManager(os.path.dirname(path), "off")
     dist.barrier()
     t0 = time.perf_counter()
-    mgr.verify(path)
+    verify(path, mgr.pg)
     ours = time.perf_counter() - t0
     dist.barrier()
     t0 = time.perf_counter()

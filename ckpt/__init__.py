@@ -2,21 +2,25 @@
 
     python -m ckpt --help
 
-The training loop calls TrainingCheckpoints (loop.py: when to save, what a failure means), which drives
-CheckpointManager (manager.py: how; its parts are saver.py, committer.py, lock.py and resume.py). Nothing
-here imports the training config: the trainer hands over plain objects, its options, and a CheckpointSchema
-(schema.py) naming what its checkpoints hold.
-docs/design.md draws the flow and says which file owns which rule.
+Owns how to checkpoint, and every failure rule. A training loop opens one handle, TrainingCheckpoints
+(loop.py, `open_checkpoints`: resume, when to save, what a failure means, finish, export), which drives
+CheckpointManager (manager.py: how; its parts are saver.py, committer.py, lock.py and resume.py). Offline
+tools: `python -m ckpt` (verify, inspect: describe.py, reshard, export). Nothing here imports the training
+config: the trainer hands over plain objects, its options, an event sink, and a CheckpointSchema (schema.py)
+naming what its checkpoints hold.
+May import: common/, torch, the standard library, and third-party packages (safetensors, yaml; transformers
+and peft lazily, in the export). Never finetune/ or train_fsdp.py. docs/design.md draws the layers.
 """
 
 from .manifest import VerifyError, verify_checkpoint
 from .errors import CheckpointError, DiskFullError, collective_timed_out
-from .layout import read_meta, read_saved_config, step_dir
-from .loop import TrainingCheckpoints, check_staging
-from .manager import CheckpointManager, latest_committed_step
+from .layout import latest_committed_step, read_meta, read_saved_config, step_dir
+from .loop import TrainingCheckpoints, open_checkpoints
+from .manager import CheckpointManager
 from .schema import CheckpointSchema
 from .state import ModelOptimizer, RNGState, reseed_all, rng_key, staging_need
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointSchema", "DiskFullError", "ModelOptimizer", "RNGState",
-           "TrainingCheckpoints", "VerifyError", "check_staging", "collective_timed_out", "latest_committed_step", "read_meta",
+           "TrainingCheckpoints", "VerifyError", "collective_timed_out", "latest_committed_step", "open_checkpoints",
+           "read_meta",
            "read_saved_config", "reseed_all", "rng_key", "staging_need", "step_dir", "verify_checkpoint"]

@@ -27,15 +27,10 @@ from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, s
 from .manifest import VerifyError, verify_checkpoint
 from .reading import read_items
 from .schema import schema_of
-from .state import DERIVED_SEED, rng_key
+from .state import DERIVED_SEED, restores_rng, rng_key, rng_world_size
 
 
 # ---------------------------------------------------------------- reading one checkpoint
-
-def rng_world_size(meta: dict) -> int | None:
-    """How many ranks' RNG blobs (rng_rank<r>) the checkpoint holds: a reshard keeps the original's."""
-    return meta.get("rng_world_size", meta.get("world_size"))
-
 
 def world_size_problem(path: str, world_size: int) -> str | None:
     """Why `path` cannot resume at `world_size` ranks, or None: a value its schema says the world size
@@ -194,7 +189,8 @@ def _print_all_keys(md: dict) -> None:
 
 
 def dry_run(path: str, world_size: int) -> int:
-    """Would `train_fsdp.py` resume `path` at `world_size` ranks, and what moves? Mirrors train_fsdp.resume."""
+    """Would `train_fsdp.py` resume `path` at `world_size` ranks, and what moves? The rules of resume.py and
+    state.py (the RNG rule)."""
     meta = read_meta(path, missing_ok=True)
     saved = meta.get("world_size", "?")
     print(f"dry run: resume {path} (step {meta.get('step', step_of(path))}, saved by {saved} ranks) "
@@ -214,12 +210,11 @@ def dry_run(path: str, world_size: int) -> int:
         print(f"  data: continues at global sample {state[schema.position_key]}: the same samples in the same "
               "order as a run that never stopped")
     _print_remap(path, saved if isinstance(saved, int) else 1, world_size)
-    rng_world = rng_world_size(meta)
-    if rng_world == world_size:
+    if restores_rng(meta, world_size):
         print(f"  RNG: restored per rank from rng_rank0..{world_size - 1}")
     else:
         step = state.get(schema.step_key, meta.get("step"))
-        print(f"  RNG: saved by {rng_world} ranks, so re-derived on each rank as {DERIVED_SEED} "
+        print(f"  RNG: saved by {rng_world_size(meta)} ranks, so re-derived on each rank as {DERIVED_SEED} "
               f"(seed {meta.get('seed', '?')}, step {step}); dropout-free training follows the same trajectory")
     print(f"  OK: resume with {world_size} ranks and ckpt.resume={path}")
     return 0

@@ -80,3 +80,8 @@ def read_saved_config(path: str) -> str | None:
             return f.read()
     except FileNotFoundError:
         return None
+
+
+def latest_committed_step(ckpt_dir: str) -> int | None:
+    steps = [s for s, p in list_step_dirs(ckpt_dir) if is_marked_committed(p)]
+    return steps[-1] if steps else None

@@ -1,17 +1,19 @@
-"""The checkpoint API a training loop calls: it says which step it is at; this decides whether to save and
-what a failure means.
+"""The one checkpoint handle a training loop holds: it says which step it is at; this decides whether to save,
+what a failure means, how to resume, and exports the final checkpoint.
 
-    python -m pytest tests/test_save_errors.py tests/test_faults.py -q
+    python -m pytest tests/test_save_errors.py tests/test_faults.py tests/test_ckpt_loop.py -q
 
-    check_staging(mgr, model)                        # once, before the data is built
-    checkpoints = TrainingCheckpoints(mgr, options, state, files_for, max_steps, log, event)
+    checkpoints, log = open_checkpoints(options, max_steps, timeout, open_log)   # the lock, then the log
+    checkpoints.check_staging(model)                 # once, before the data is built
+    resumed = checkpoints.resume(state, files_for, seed, lora_base, check_config)  # state: what every save writes
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         while ...:
-            with checkpoints.step_in_progress():     # a failure in here is never checkpointed
+            with checkpoints.step_in_progress(step + 1):   # a failure in here is never checkpointed
                 train_step(..., before_optimizer_step=checkpoints.before_optimizer_step)
             if checkpoints.after_step(step, stop_requested):   # True: stop now (preempted)
                 break
     checkpoints.finish(step, preempted=stopped)    # saves if options.save_at_end or preempted
+    checkpoints.export(step, out_dir, dtype)       # a HF folder of the final checkpoint
 
 - at the end: the last step is saved when `save_at_end`, and always after a preemption (the requeued job
   must resume at the step this one stopped at).
@@ -21,8 +23,9 @@ what a failure means.
 - on an exception: no emergency save after a collective timed out (a save needs every rank), on a full
   disk, or in the middle of a step (the batch would be recorded as trained on); otherwise the last
   finished step is saved synchronously, after the in-flight save is drained.
-`options` is any object with the attributes interval, interval_minutes, mtbf_hours, save_at_end,
-continue_on_save_error (the trainer's checkpoint config); nothing here imports it.
+`options` is any object with the attributes dir, async_mode, keep_last, keep_best, resume, interval,
+interval_minutes, mtbf_hours, save_at_end, continue_on_save_error (the trainer's checkpoint config); nothing
+here imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
 """
 
 from __future__ import annotations
@@ -32,27 +35,55 @@ import os
 import time
 from typing import Callable
 
+from datetime import timedelta
+
 from .errors import CheckpointError, DiskFullError, collective_timed_out
+from .export import export_final
 from .faults import fault_point
+from .layout import step_dir
+from .lock import lock_for_job
+from .manager import CheckpointManager, checkpoint_groups
 from .policy import SavePolicy
+from .resume import Resumed, resume_state
 from .state import staging_need
 
 
-def check_staging(mgr, model) -> None:
-    """Process-mode async saves: fall back to thread mode (all ranks together) if this node cannot stage
-    every local rank's share of `model` + AdamW state in /dev/shm. Once, before the data takes memory."""
-    mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+def open_checkpoints(options, max_steps: int, timeout: timedelta | None, open_log: Callable[[], object]):
+    """(TrainingCheckpoints, log): the ckpt.dir lock first (a second job on this ckpt.dir stops here), then
+    `open_log()`, the trainer's log (it writes into the run folder, which that second job must not touch),
+    which becomes the handle's event sink. `timeout`: checkpoint collectives' (manager.py checkpoint_groups)."""
+    groups = checkpoint_groups(timeout)
+    lock = lock_for_job(options.dir, groups[0])
+    log = open_log()
+    mgr = CheckpointManager(options.dir, options.async_mode, options.keep_last, log.event, log.info,
+                            keep_best=options.keep_best, groups=groups, lock=lock)
+    return TrainingCheckpoints(mgr, options, max_steps, log), log
 
 
 class TrainingCheckpoints:
-    def __init__(self, mgr, options, state: dict, files_for: Callable[[int], dict[str, str]], max_steps: int,
-                 log: Callable[[str], None], event: Callable[..., None]):
-        """`state`: the Statefuls to save; `files_for(step)`: the small files written beside the shards."""
-        self.mgr, self.options, self.state, self.files_for = mgr, options, state, files_for
-        self.max_steps, self.log, self.event = max_steps, log, event
-        self.policy = SavePolicy(options.interval, options.interval_minutes, options.mtbf_hours, on_log=log)
+    def __init__(self, mgr, options, max_steps: int, log):
+        """`mgr`: the CheckpointManager (how to save); `log`: the event sink (info and event)."""
+        self.mgr, self.options, self.max_steps, self.log = mgr, options, max_steps, log
+        self.policy = SavePolicy(options.interval, options.interval_minutes, options.mtbf_hours, on_log=log.info)
+        self.state, self.files_for = {}, lambda step: {}
         self.mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
         self.unmeasured: tuple[int, float] | None = None  # (step, blocking s) of a save whose staging wait is to come
+
+    def check_staging(self, model) -> None:
+        """Process-mode async saves: fall back to thread mode (all ranks together) if this node cannot stage
+        every local rank's share of `model` + AdamW state in /dev/shm. Once, before the data takes memory."""
+        self.mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+    def track(self, state: dict, files_for: Callable[[int], dict[str, str]]) -> None:
+        """`state`: the Statefuls every save writes; `files_for(step)`: the small files written beside them."""
+        self.state, self.files_for = state, files_for
+
+    def resume(self, state: dict, files_for: Callable[[int], dict[str, str]], seed: int, lora_base: dict | None,
+               check_config: Callable[[str, str | None], None]) -> Resumed:
+        """Track `state`, and load into it what options.resume names (resume.py resume_state: the base check,
+        `check_config`, the RNG rule); returns what was loaded."""
+        self.track(state, files_for)
+        return resume_state(self.mgr, state, self.options.resume, seed, lora_base, self.log, check_config)
 
     def before_optimizer_step(self) -> None:
         """After the last backward: the staged copy must be complete before the optimizer changes parameters.
@@ -64,8 +95,10 @@ class TrainingCheckpoints:
             self.policy.measured(step, blocking_s + time.perf_counter() - t0)
 
     @contextlib.contextmanager
-    def step_in_progress(self):
+    def step_in_progress(self, step: int):
+        """Around taking a batch and training `step` on it: an error inside saves no half-done step."""
         self.mid_step = True
+        fault_point("mid_step", step)
         yield
         self.mid_step = False
 
@@ -93,8 +126,8 @@ class TrainingCheckpoints:
         except CheckpointError as e:
             if not self.options.continue_on_save_error:
                 raise
-            self.log(f"warning: checkpoint failed, training continues (ckpt.continue_on_save_error=true): {e}")
-            self.event("checkpoint_failed", step=step, error=str(e))
+            self.log.info(f"warning: checkpoint failed, training continues (ckpt.continue_on_save_error=true): {e}")
+            self.log.event("checkpoint_failed", step=step, error=str(e))
 
     def finish(self, step: int, preempted: bool = False) -> None:
         """The end of training: a synchronous save of `step` (unless already committed) if a step was taken and
@@ -105,6 +138,13 @@ class TrainingCheckpoints:
         finally:
             self.mgr.close()
 
+    def export(self, step: int, out_dir: str, dtype: str) -> None:
+        """The final checkpoint, `step`, saved by this job, as a HF folder in `out_dir`; every rank writes its
+        share of the tensors (export.py export_final). One log line says what was written."""
+        if self.mgr.last_saved_step != step:
+            raise CheckpointError(f"export.at_end: no checkpoint of the final step {step} (ckpt.save_at_end=false?)")
+        self.log.info(export_final(step_dir(self.mgr.dir, step), out_dir, dtype))
+
     def final_save(self, step: int, save_now: bool = True) -> None:
         """Drain the in-flight save, then save synchronously unless this step is already committed (or save_now
         is False: the state is half a step and only the in-flight save, of an earlier step, is worth keeping)."""
@@ -113,7 +153,7 @@ class TrainingCheckpoints:
             self.mgr.wait()
         except Exception as e:  # a failed background save must not stop the final one, but is re-raised
             pending_error = e
-            self.log(f"error: in-flight checkpoint failed: {e}")
+            self.log.info(f"error: in-flight checkpoint failed: {e}")
         if save_now and (self.mgr.last_saved_step != step or pending_error is not None):
             self.mgr.save(step, self.state, self.files_for(step), blocking=True)
             self.mgr.wait()  # its retention, in the background: done before an exception ends the process group
@@ -132,17 +172,17 @@ class TrainingCheckpoints:
 
     def _emergency_save(self, e: BaseException, step: int) -> None:
         if collective_timed_out(e):  # a save needs every rank, and one of them is stuck or gone
-            self.log(f"error at step {step}: a collective timed out; no emergency checkpoint without all ranks")
+            self.log.info(f"error at step {step}: a collective timed out; no emergency checkpoint without all ranks")
             return
         if isinstance(e, DiskFullError):  # another save on that filesystem cannot succeed
-            self.log(f"error at step {step}: {e}; no emergency checkpoint on a full disk")
+            self.log.info(f"error at step {step}: {e}; no emergency checkpoint on a full disk")
             return
         if self.mid_step:  # saving now would record a batch as consumed that was never (fully) trained on
-            self.log(f"error inside step {step + 1}: {type(e).__name__}: {e}; no checkpoint of a half-done step: "
+            self.log.info(f"error inside step {step + 1}: {type(e).__name__}: {e}; no checkpoint of a half-done step: "
                      "finishing the in-flight one, if any, before exiting")
         else:
-            self.log(f"error at step {step}: {type(e).__name__}: {e}; saving the last state before exiting")
+            self.log.info(f"error at step {step}: {type(e).__name__}: {e}; saving the last state before exiting")
         try:
             self.final_save(step, save_now=not self.mid_step)
         except Exception as save_err:  # noqa: BLE001 - the original error is the one to report
-            self.log(f"error: emergency save failed too: {save_err}")
+            self.log.info(f"error: emergency save failed too: {save_err}")

@@ -11,7 +11,7 @@ save lives in its own file:
   committer thread of every rank, retention empties .trash, each rank deleting its share.
 - agreement: poll()/wait()/save() raise a background save's error on every rank at the same call (one
   all-reduce), so no rank goes on while another failed.
-- resume: find_resume / verify / load (resume.py).
+- resume: find_resume / load (resume.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from common.dist import on_rank0_then_share
 from . import resume as _resume
 from .committer import Committer
-from .errors import CheckpointError, DiskFullError, RetentionError, collective_timed_out
+from .errors import CheckpointError, RetentionError
 from .faults import fault_point
-from .layout import is_marked_committed, list_step_dirs, read_saved_config, step_dir, step_of, trash_dir
+from .layout import step_dir, step_of, trash_dir
 from .lock import DirLock, lock_for_job
 from .preflight import process_staging_shortfall
 from .saver import StagingWait, prepare_step_dir, start_async, write_sync
@@ -42,48 +42,46 @@ def _noop(*_args, **_kwargs) -> None:
     pass
 
 
-def _kept_by_committer(name: str) -> property:
-    """A manager attribute that lives on its committer: the trainer sets on_log/on_event once its log is open,
-    after the manager (and its lock) exist, and the committer thread must see the new ones."""
-    return property(lambda self: getattr(self.committer, name), lambda self, v: setattr(self.committer, name, v))
+def checkpoint_groups(timeout: timedelta | None = None) -> tuple:
+    """(save group, agreement group); (None, None) outside a process group. `timeout`: how long a checkpoint
+    collective (DCP's plan/finish steps, the rank-0 commit, the agreement on a save's outcome) waits for a
+    stuck or dead rank before it raises; torch's default (30 min) when None. Checkpoint groups have their own,
+    as a save can take far longer than a step.
+
+    Which thread may use which group (the one place that says so). Checkpoint collectives run on gloo groups
+    of their own: they never queue behind training collectives, and async save has the CPU backend it needs
+    even when training runs on NCCL. The save group has one user at a time: the in-flight save's background
+    chain (DCP's upload thread, then the commit and the sweep on the committer thread), or the main thread
+    when nothing is in flight (save() and resume calls come after wait() or before any save), so the two never
+    interleave collectives on it. The agreement group is the main thread's only: rank agreement on save
+    outcomes while the background chain may be busy on the save group."""
+    if not dist.is_initialized():
+        return None, None
+    return dist.new_group(backend="gloo", timeout=timeout), dist.new_group(backend="gloo", timeout=timeout)
 
 
 class CheckpointManager:
-    # reads give the committer's guarded on_event (an event that fails to record is logged, never raised)
-    on_event = property(lambda self: self.committer.on_event, lambda self, v: setattr(self.committer, "_on_event", v))
-    on_log = _kept_by_committer("on_log")
-    keep_last = _kept_by_committer("keep_last")
-
     def __init__(self, ckpt_dir: str, async_mode: str = "thread", keep_last: int = 3,
                  on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop,
-                 timeout: timedelta | None = None, keep_best: int = 0):
-        """`timeout`: how long a checkpoint collective (DCP's plan/finish steps, the rank-0 commit, the
-        agreement on a save's outcome) waits for a stuck or dead rank before it raises; torch's default
-        (30 min) when None. Checkpoint groups have their own, as a save can take far longer than a step."""
+                 timeout: timedelta | None = None, keep_best: int = 0, groups: tuple | None = None,
+                 lock: DirLock | None = None):
+        """`groups`: checkpoint_groups(timeout), made here when None. `lock`: the ckpt.dir lock its caller took
+        on groups[0] (lock_for_job), released by close(); or acquire_lock() later."""
         if async_mode not in ("off", "thread", "process"):
             raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
         self.dir, self.async_mode = ckpt_dir, async_mode
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        # Which thread may use which group (the one place that says so). Checkpoint collectives run on gloo
-        # groups of their own: they never queue behind training collectives, and async save has the CPU
-        # backend it needs even when training runs on NCCL.
-        # self.pg has one user at a time: the in-flight save's background chain (DCP's upload thread, then the
-        # commit and the sweep on the committer thread), or the main thread when nothing is in flight (save()
-        # and resume calls come after wait() or before any save), so the two never interleave collectives on it.
-        self.pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
-        # main thread only: rank agreement on save outcomes while the background chain may be busy on self.pg
-        self._agree_pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self.pg, self._agree_pg = groups or checkpoint_groups(timeout)
         self.committer = Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log)
+        # events go through the committer's guard: an event that fails to record is logged, never raised
+        self.on_log, self.on_event = on_log, self.committer.on_event
         self._stager: DefaultStager | None = None
         self._inflight: Future | None = None  # the committer thread's work for the last save
         self._inflight_step: int | None = None
         self._staging: StagingWait | None = None  # the last async save's staging, until the training thread waited
-        self._lock: DirLock | None = None
+        self._lock = lock
         self.last_saved_step: int | None = None
-
-    def _on_rank0_then_share(self, fn: Callable[[], object]) -> object:
-        return on_rank0_then_share(fn, self.pg, CheckpointError)
 
     def acquire_lock(self) -> None:
         """Refuse to run if another live job owns this ckpt.dir (lock.py: flock, or a heartbeat where the
@@ -114,7 +112,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight; raises a previous save's error
         path = step_dir(self.dir, step)
-        if self._on_rank0_then_share(lambda: prepare_step_dir(self.dir, path, files, self.on_log)):
+        if on_rank0_then_share(lambda: prepare_step_dir(self.dir, path, files, self.on_log), self.pg, CheckpointError):
             self.committer.sweep_trash(step)  # rare (after a crash): free the leftover's space before this save writes
         if blocking or self.async_mode == "off":
             metadata = write_sync(state, path, step, self.pg, self.dir)
@@ -206,23 +204,9 @@ class CheckpointManager:
         """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
         return _resume.find_resume(self.dir, resume, self.pg, self.on_log, self.on_event)
 
-    def saved_config(self, path: str) -> str | None:
-        """The training config saved in `path` (rank 0 reads it, every rank receives it), None if it has none."""
-        return self._on_rank0_then_share(lambda: read_saved_config(path))
-
-    def verify(self, path: str) -> dict:
-        return _resume.verify(path, self.pg)
-
     def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:
         """Load `state` in place (resume.py); `model_state` is checked against the keys under `prefix` first."""
         _resume.load(path, state, self.pg, model_state, prefix)
         if os.path.realpath(os.path.dirname(os.path.normpath(path))) == os.path.realpath(self.dir):
             self.last_saved_step = step_of(path)  # a final save of this same step must not rewrite (and risk) it
 
-
-def latest_committed_step(ckpt_dir: str) -> int | None:
-    steps = [s for s, p in list_step_dirs(ckpt_dir) if is_marked_committed(p)]
-    return steps[-1] if steps else None
-
-
-__all__ = ["CheckpointManager", "CheckpointError", "DiskFullError", "collective_timed_out", "latest_committed_step"]

@@ -35,9 +35,10 @@ from torch.distributed.tensor import empty as dtensor_empty
 
 from common.dist import free_port
 from .checksum import ChecksummingWriter
-from .manifest import VerifyError, commit_checkpoint, verify_checkpoint
-from .describe import is_dim0_sharded, rng_world_size, world_size_problem
+from .describe import is_dim0_sharded, world_size_problem
 from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, read_meta, step_dir, step_of
+from .manifest import VerifyError, commit_checkpoint, verify_checkpoint
+from .state import rng_world_size
 
 
 class ReshardError(RuntimeError):

@@ -1,5 +1,6 @@
-"""Resume choice: which checkpoint to load (newest verified, or the one named), verified by all ranks
-together, and a load that names a model mismatch instead of failing inside DCP.
+"""Resume: which checkpoint to load (newest verified, or the one named), verified by all ranks together, a
+load that names a model mismatch instead of failing inside DCP, and `resume_state`, the whole sequence a
+trainer asks for (base check, its own config check, load, the RNG rule of state.py), returning what it loaded.
 
     python -m pytest tests/test_ckpt_unit.py tests/test_ckpt_resume.py -q
 
@@ -12,6 +13,7 @@ model check and for dcp.load, which would read it again (~20 s at 70B on 512 ran
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,9 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from common.dist import on_rank0_then_share
+from .adapter import check_same_base
 from .manifest import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
-from .layout import is_marked_committed, list_step_dirs
+from .layout import list_step_dirs, read_meta, read_saved_config, step_of
+from .state import DERIVED_SEED, ModelOptimizer, derived_seed, reseed_all, restores_rng, rng_key, rng_world_size
 
 
 def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None]) -> str | None:
@@ -137,7 +141,41 @@ def check_model_matches(path: str, model_state: dict, prefix: str) -> None:
                                   f"in the checkpoint but {list(tensor.shape)} in the model")
 
 
-def latest_committed_step(ckpt_dir: str) -> int | None:
-    steps = [s for s, p in list_step_dirs(ckpt_dir) if is_marked_committed(p)]
-    return steps[-1] if steps else None
+# ---------------------------------------------------------------- a trainer's resume, start to end
+
+@dataclass
+class Resumed:
+    """What resume_state did. `path` None: nothing to resume (a fresh start, RNG seeded for step 0)."""
+    path: str | None = None
+    step: int = 0
+    saved_world_size: int | None = None
+    rng: str = "seeded"  # "seeded" (fresh start), "restored" (each rank's saved RNG), "re-derived" (DERIVED_SEED)
+
+
+def resume_state(mgr, state: dict, resume: str, seed: int, lora_base: dict | None, log,
+                 check_config: Callable[[str, str | None], None] = lambda path, saved: None) -> Resumed:
+    """Load the newest committed checkpoint (`resume` "auto"), the one named, or none ("none") into `state`,
+    in place, at any world size (DCP reshards). Before the load: the LoRA base must be the checkpoint's
+    (`lora_base`: the run's meta "lora" entry, None for full fine-tuning; adapter.py check_same_base), and
+    `check_config(path, saved config.yaml text or None)`, the trainer's own rule, may refuse. The RNG follows
+    state.py's rule; without a checkpoint every rank seeds derived_seed(seed, rank). `log`: info and event."""
+    path = mgr.find_resume(resume)
+    if path is None:
+        reseed_all(derived_seed(seed, mgr.rank))
+        return Resumed()
+    check_same_base(path, lora_base)
+    check_config(path, on_rank0_then_share(lambda: read_saved_config(path), mgr.pg, CheckpointError))
+    meta = read_meta(path)
+    step, saved_world, restore = meta.get("step", step_of(path)), meta["world_size"], restores_rng(meta, mgr.world_size)
+    loaded = state if restore else {k: v for k, v in state.items() if k != rng_key(mgr.rank)}
+    model_key = next((k for k, v in state.items() if isinstance(v, ModelOptimizer)), None)
+    model_state = None if model_key is None else state[model_key].state_dict()[ModelOptimizer.MODEL]
+    mgr.load(path, loaded, model_state=model_state, prefix=f"{model_key}.{ModelOptimizer.MODEL}.")
+    if not restore:
+        reseed_all(derived_seed(seed, mgr.rank, step))
+        log.info(f"resume: RNG saved by {rng_world_size(meta)} ranks, now {mgr.world_size}: re-derived as "
+                 f"{DERIVED_SEED} (step {step})")
+    log.info(f"resume: loaded {path} at step {step} (saved by {saved_world} ranks, now {mgr.world_size})")
+    log.event("resume", step=step, path=path, world_size=mgr.world_size, saved_world_size=saved_world)
+    return Resumed(path, step, saved_world, "restored" if restore else "re-derived")
 

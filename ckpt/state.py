@@ -78,7 +78,22 @@ class RNGState:
                 torch.cuda.set_rng_state(cuda)
 
 
-DERIVED_SEED = "seed*1000 + rank + 7919*step"  # in words, for the logs of train_fsdp.py and `python -m ckpt inspect`
+# ---------------------------------------------------------------- the RNG rule of a resume (the one place)
+# If the checkpoint holds per-rank RNG of exactly this many ranks (meta.json `rng_world_size`, default
+# `world_size`; `python -m ckpt reshard` keeps the original's), rank r restores `rng_rank<r>`. Otherwise every
+# rank reseeds python/numpy/torch with derived_seed(seed, rank, step). A fresh start seeds with step 0.
+
+DERIVED_SEED = "seed*1000 + rank + 7919*step"  # in words, for the resume log and `python -m ckpt inspect`
+
+
+def rng_world_size(meta: dict) -> int | None:
+    """How many ranks' RNG blobs (rng_rank<r>) the checkpoint holds: a reshard keeps the original's."""
+    return meta.get("rng_world_size", meta.get("world_size"))
+
+
+def restores_rng(meta: dict, world_size: int) -> bool:
+    """Whether a resume at `world_size` ranks restores each rank's saved RNG (else: derived_seed)."""
+    return rng_world_size(meta) == world_size
 
 
 def derived_seed(seed: int, rank: int, step: int = 0) -> int:

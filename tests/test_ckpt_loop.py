@@ -72,8 +72,9 @@ def checkpoints(mgr, continue_on_save_error=False, save_at_end=True, interval="2
     options = SimpleNamespace(interval=interval, interval_minutes=0.0, mtbf_hours=24.0, save_at_end=save_at_end,
                               continue_on_save_error=continue_on_save_error)
     lines = [] if lines is None else lines
-    return TrainingCheckpoints(mgr, options, {}, lambda step: {"meta.json": "{}"}, 10, lines.append,
-                               lambda *a, **k: None)
+    ck = TrainingCheckpoints(mgr, options, 10, SimpleNamespace(info=lines.append, event=lambda *a, **k: None))
+    ck.track({}, lambda step: {"meta.json": "{}"})
+    return ck
 
 
 def test_interval_and_stop_request():
@@ -119,7 +120,7 @@ def test_emergency_save_rules(where, error, saved):
     with pytest.raises(type(error)):
         with ck.emergency_save_on_error(lambda: 4):
             if where == "mid step":
-                with ck.step_in_progress():
+                with ck.step_in_progress(5):
                     raise error
             raise error
     assert (("save", 4, True) in mgr.calls) == saved

@@ -128,7 +128,7 @@ def test_retention_never_touches_newest_or_inflight(tmp_path):
     mgr = CheckpointManager(str(tmp_path), "off", keep_last=2)
     mgr.committer.apply_retention(newest=6)
     assert [s for s, _ in list_step_dirs(str(tmp_path))] == [4, 6, 8]
-    mgr.keep_last = 1
+    mgr.committer.keep_last = 1
     mgr.committer.apply_retention(newest=6)
     assert [s for s, _ in list_step_dirs(str(tmp_path))] == [6, 8]
 

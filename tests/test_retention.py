@@ -9,6 +9,7 @@ One test runs 2 gloo processes (torch.multiprocessing, spawn); the others run in
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -124,8 +125,9 @@ def test_failed_retention_is_a_warning_and_the_committed_step_is_not_saved_again
     mgr.save(2, state, {"meta.json": "{}"})  # waits for save 1; its own sweep fails in the background
     options = type("Options", (), dict(interval=0, interval_minutes=0, mtbf_hours=0, save_at_end=True,
                                        continue_on_save_error=False))()
-    loop = TrainingCheckpoints(mgr, options, state, lambda step: {"meta.json": "{}"}, 2, logs.append,
-                               lambda n, **kw: events.append((n, kw)))
+    loop = TrainingCheckpoints(mgr, options, 2, SimpleNamespace(info=logs.append,
+                                                                event=lambda n, **kw: events.append((n, kw))))
+    loop.track(state, lambda step: {"meta.json": "{}"})
     loop.finish(2)  # drains save 2 (retention fails: a warning), does not save step 2 again
     assert [n for n, _ in events].count("checkpoint") == 2, events
     assert ("retention_failed", {"step": 2, "error": events[-1][1]["error"]}) == events[-1]
