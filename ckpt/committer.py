@@ -32,7 +32,7 @@ import torch.distributed as dist
 from common.dist import on_rank0_then_share
 from .manifest import commit_checkpoint
 from .errors import SAVE_ERRORS, CheckpointError, RetentionError, cause_line, collective_timed_out, save_failure
-from .faults import fault_point
+from .faults import fault_at
 from .retention import apply_retention, delete_share, list_trash, remove_trash
 from .saver import StagingWait
 
@@ -58,22 +58,34 @@ class Committer:
 
     # ------------------------------------------------------------ commit
 
+    @fault_at("before_commit")
+    def commit_on_rank0(self, path: str, step: int, metadata, own_files: list[str], share: bool) -> None:
+        """Every rank, once its data is durable: rank 0 commits; `share` (a sync save): every rank receives the
+        outcome, else (the committer thread) only rank 0 learns it, and the agreement in manager.py tells all."""
+        if share:
+            on_rank0_then_share(lambda: self.commit(path, step, metadata, own_files), self.pg, CheckpointError)
+        elif self.rank == 0:
+            self.commit(path, step, metadata, own_files)
+
     def commit(self, path: str, step: int, metadata, own_files: list[str]) -> None:
         """Rank 0: write the marker. The checkpoint is committed once it is durable."""
+        size = self._write_marker(path, step, metadata, own_files)
+        self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
+
+    @fault_at("after_commit", after=True)
+    def _write_marker(self, path: str, step: int, metadata, own_files: list[str]) -> int:
+        """The marker, durable; returns the checkpoint's bytes."""
         try:
             marker = commit_checkpoint(path, self.world_size, metadata.file_digests, metadata, own_files)
         except OSError as e:
             raise save_failure(e, self.dir, f"the commit marker of {path}") from e
-        fault_point("after_commit", step)
-        size = sum(f["size"] for f in marker["files"].values())
-        self.on_log(f"checkpoint step {step} committed: {path} ({size / 2**20:.1f} MiB)")
+        return sum(f["size"] for f in marker["files"].values())
 
     def commit_sync(self, path: str, step: int, metadata, own_files: list[str], t0: float, upload_s: float) -> float:
         """A sync save, on the calling thread of every rank: rank 0 commits, every rank receives the outcome.
         Returns the seconds since `t0`, the save's start: all of it blocked training."""
         try:
-            fault_point("before_commit", step)
-            on_rank0_then_share(lambda: self.commit(path, step, metadata, own_files), self.pg, CheckpointError)
+            self.commit_on_rank0(path, step, metadata, own_files, share=True)
         except SAVE_ERRORS as e:
             raise save_failure(e, self.dir, f"checkpoint {path}") from e
         blocking_s = time.perf_counter() - t0
@@ -92,9 +104,7 @@ class Committer:
         try:
             metadata = upload.result()
             upload_s = time.perf_counter() - t0
-            fault_point("before_commit", step)
-            if self.rank == 0:
-                self.commit(path, step, metadata, own_files)
+            self.commit_on_rank0(path, step, metadata, own_files, share=False)
         except SAVE_ERRORS as e:
             # The sweep is a collective: every rank joins it whatever its own outcome (DCP's upload fails on all
             # ranks alike, rank 0's commit or a fault point on one), unless the group itself is broken.
@@ -131,11 +141,7 @@ class Committer:
         their paths), lists .trash and shares the list; each rank deletes every W-th file; after a barrier
         rank 0 removes the rest. O(bytes / W) per rank. A `retention` event (rank 0) says what it deleted."""
         t0 = time.perf_counter()
-        try:
-            gone, files = on_rank0_then_share(lambda: (doom(), list_trash(self.dir)), self.pg, CheckpointError)
-        except CheckpointError as e:
-            raise CheckpointError(f"retention after checkpoint step {step}: {e}") from None
-        fault_point("sweep", step)
+        gone, files = self._doom_and_list(step, doom)
         if files is not None:  # None (no .trash) is the same answer on every rank
             delete_share(self.dir, files, self.rank, self.world_size)
             if self.pg is not None:
@@ -147,3 +153,11 @@ class Committer:
                 self.on_log(f"retention: deleted {path}")
             self.on_event("retention", step=step, deleted=gone, files=len(files or []),
                           seconds=time.perf_counter() - t0)
+
+    @fault_at("sweep", after=True)
+    def _doom_and_list(self, step: int, doom: Callable[[], list[str]]) -> tuple[list[str], list[str] | None]:
+        """Rank 0 runs `doom` and lists .trash (None: no .trash); every rank receives both."""
+        try:
+            return on_rank0_then_share(lambda: (doom(), list_trash(self.dir)), self.pg, CheckpointError)
+        except CheckpointError as e:
+            raise CheckpointError(f"retention after checkpoint step {step}: {e}") from None

@@ -10,8 +10,8 @@ a full disk), `sleep` (wait `secs`, to widen a window; with `file`, create it fi
 got there) and `wait_for` (wait until `file` exists, at most
 `secs`: e.g. an async save's commit marker, so a test does not depend on how loaded the machine is). Points, in the
 order a step and its save reach them:
-  mid_step       batch taken from the data stream, optimizer step not finished (train loop)
-  after_step     step finished and logged (train loop)
+  mid_step       a step begun (loop.py step_in_progress), its batch about to be taken, not finished
+  after_step     step finished and logged (loop.py after_step)
   staged         state copied for an async save, upload not started (training process)
   write          storage writer starts writing this rank's shards (the upload: in process async mode
                  this runs in the uploader process, so `kill` kills only the uploader)
@@ -20,12 +20,15 @@ order a step and its save reach them:
   after_commit   marker written (rank 0 only), retention not run yet
   sweep          retention moved the old folders into .trash, no file deleted yet (every rank, in the
                  background after a commit; also before a save whose folder held a leftover)
-Unset in normal runs: `fault_point` is then one environment lookup, and the writer is the plain one.
+The code marks its points with the `fault_at` decorator (or, inside step_in_progress, one fault_point call):
+unset in normal runs, a point is then one environment lookup, and the writer is the plain one.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import os
 import signal
 import time
@@ -49,6 +52,28 @@ def _parse(spec: str) -> list[dict]:
 def wants(point: str) -> bool:
     """Whether CKPT_FAULT names `point`: lets callers install a test-only hook only when it is asked for."""
     return any(f["point"] == point for f in _parse(os.environ.get("CKPT_FAULT", "")))
+
+
+def fault_at(point: str, after: bool = False):
+    """Decorator: CKPT_FAULT's `point` fires as the function starts (`after`: once it has returned), with the
+    call's `step` argument, or its object's `.step`. Unset CKPT_FAULT: one environment lookup per call."""
+    def decorate(fn):
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            if not os.environ.get("CKPT_FAULT"):
+                return fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            step = bound["step"] if "step" in bound else bound["self"].step
+            if not after:
+                fault_point(point, step)
+            out = fn(*args, **kwargs)
+            if after:
+                fault_point(point, step)
+            return out
+        return run
+    return decorate
 
 
 def fault_point(point: str, step: int | None = None) -> None:

@@ -39,7 +39,7 @@ from datetime import timedelta
 
 from .errors import CheckpointError, DiskFullError, collective_timed_out
 from .export import export_final
-from .faults import fault_point
+from .faults import fault_at, fault_point
 from .layout import step_dir
 from .lock import lock_for_job
 from .manager import CheckpointManager, checkpoint_groups
@@ -102,11 +102,11 @@ class TrainingCheckpoints:
         yield
         self.mid_step = False
 
+    @fault_at("after_step")
     def after_step(self, step: int, stop_requested: Callable[[], bool]) -> bool:
         """Raise a finished background save's error; save if an interval rule says so. Returns True when
         `stop_requested()` (collective: every rank gets the same answer) asks to stop at this step: the
         caller leaves the loop and `finish` saves it. A request at the last step just finishes."""
-        fault_point("after_step", step)
         self._tolerated(step, self.mgr.poll)
         if step < self.max_steps and stop_requested():
             return True

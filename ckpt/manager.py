@@ -30,7 +30,6 @@ from common.dist import on_rank0_then_share
 from . import resume as _resume
 from .committer import Committer
 from .errors import CheckpointError, RetentionError
-from .faults import fault_point
 from .layout import step_dir, step_of, trash_dir
 from .lock import DirLock, lock_for_job
 from .preflight import process_staging_shortfall
@@ -122,7 +121,6 @@ class CheckpointManager:
             if self._stager is None:  # reused: only the first save allocates the host buffers
                 self._stager = make_stager(self.async_mode)
             upload, self._staging = start_async(state, path, step, self.pg, self._stager, self.async_mode, self.dir)
-            fault_point("staged", step)
             blocking_s = time.perf_counter() - t0
             self._inflight = self.committer.start_async_commit(upload, path, step, self.async_mode, t0, blocking_s,
                                                                list(files), self._staging)

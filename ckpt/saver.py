@@ -30,8 +30,9 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from .errors import SAVE_ERRORS, save_failure
+from .faults import fault_at
 from .retention import clear_stale
-from .uploader import _planner, _preemption_signals_blocked, _Writer
+from .uploader import save_planner, preemption_signals_blocked, CheckpointWriter
 
 
 def prepare_step_dir(ckpt_dir: str, path: str, files: dict[str, str], on_log: Callable[[str], None]) -> bool:
@@ -53,7 +54,7 @@ def write_sync(state: dict, path: str, step: int, pg, ckpt_dir: str) -> Metadata
     """Every rank: write its shards of `state` (checksummed as written) and return DCP's metadata, which carries
     every rank's file digests for the marker."""
     try:
-        return dcp.save(state, storage_writer=_Writer(path, step), process_group=pg, planner=_planner(ckpt_dir, pg))
+        return dcp.save(state, storage_writer=CheckpointWriter(path, step), process_group=pg, planner=save_planner(ckpt_dir, pg))
     except SAVE_ERRORS as e:
         raise save_failure(e, ckpt_dir, f"checkpoint {path}") from e
 
@@ -79,6 +80,7 @@ class StagingWait:
             self.done.set()
 
 
+@fault_at("staged", after=True)
 def start_async(state: dict, path: str, step: int, pg, stager: DefaultStager, async_mode: str,
                 ckpt_dir: str) -> tuple[Future, StagingWait]:
     """Every rank: stage `state` and start its upload in DCP's uploader (`async_mode` thread or process, whose
@@ -86,9 +88,9 @@ def start_async(state: dict, path: str, step: int, pg, stager: DefaultStager, as
     the staging to wait for."""
     kind = AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
     try:
-        with _preemption_signals_blocked():
-            resp = dcp.async_save(state, storage_writer=_Writer(path, step), process_group=pg, async_stager=stager,
-                                  planner=_planner(ckpt_dir, pg), async_checkpointer_type=kind)
+        with preemption_signals_blocked():
+            resp = dcp.async_save(state, storage_writer=CheckpointWriter(path, step), process_group=pg, async_stager=stager,
+                                  planner=save_planner(ckpt_dir, pg), async_checkpointer_type=kind)
     except SAVE_ERRORS as e:  # staging: process mode copies into shared memory (/dev/shm)
         raise save_failure(e, "/dev/shm" if async_mode == "process" else ckpt_dir,
                            f"the staged copy of checkpoint {path}") from e

@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from .checksum import ChecksummingWriter
-from .faults import TornWriteFileSystem, fault_point, wants
+from .faults import TornWriteFileSystem, fault_at, wants
 
 
-class _Writer(ChecksummingWriter):
+class CheckpointWriter(ChecksummingWriter):
     """The checkpoint writer (fsync + checksums, checksum.py) with the `write` fault point for the tests.
 
     per_thread_copy_ahead=0: the staged state is already in host memory, and DCP's default (10 MB) sends
@@ -36,12 +36,12 @@ class _Writer(ChecksummingWriter):
         super().__init__(path, torn, per_thread_copy_ahead=0)
         self.step = step
 
+    @fault_at("write")
     def write_data(self, plan, planner):
-        fault_point("write", self.step)
         return super().write_data(plan, planner)
 
 
-def _planner(ckpt_dir: str, pg) -> DefaultSavePlanner:
+def save_planner(ckpt_dir: str, pg) -> DefaultSavePlanner:
     """Save-plan caching: from the second save on, a rank whose local plan is unchanged (same keys,
     shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan.
 
@@ -56,7 +56,7 @@ def _planner(ckpt_dir: str, pg) -> DefaultSavePlanner:
 
 
 @contextlib.contextmanager
-def _preemption_signals_blocked():
+def preemption_signals_blocked():
     """Block SIGTERM/SIGUSR1 while DCP starts its upload thread (and, in process mode, the uploader
     process): both inherit the mask, so a preemption signal sent to every process of the job (SLURM
     does) reaches only the training process, which finishes the in-flight upload before its emergency

@@ -316,7 +316,7 @@ def _w2_save(rank: int, port: int, ckpt_dir: str) -> None:
 def test_save_plan_cache_is_per_checkpoint_dir_and_world_size(tmp_path):
     """DCP caches save plans process-wide under the planner's class name, and forked processes inherit the
     cache: a W=2 save forked after a W=1 save in this process got the W=1 plan (gloo scatter: 'Incorrect input
-    list size 1') until the key named the checkpoint dir and the world size (ckpt/uploader.py _planner)."""
+    list size 1') until the key named the checkpoint dir and the world size (ckpt/uploader.py save_planner)."""
     from conftest import free_port
 
     mgr = CheckpointManager(str(tmp_path / "w1"), "off", keep_last=1)

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ckpt.uploader import _Writer
+from ckpt.uploader import CheckpointWriter
 from ckpt.state import RNGState
 
 
@@ -23,7 +23,7 @@ def test_uploader_never_takes_the_cuda_stream_loader(tmp_path, monkeypatch):
         raise AssertionError("the upload took DCP's CUDA loader")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(filesystem, "_OverlappingCpuLoader", no_cuda_loader)
-    dcp.save({"w": torch.arange(10.0)}, storage_writer=_Writer(str(tmp_path / "ok"), 1), no_dist=True)
+    dcp.save({"w": torch.arange(10.0)}, storage_writer=CheckpointWriter(str(tmp_path / "ok"), 1), no_dist=True)
     with pytest.raises(CheckpointException, match="CUDA loader"):  # the check can fail: DCP's default writer
         dcp.save({"w": torch.arange(10.0)}, storage_writer=filesystem.FileSystemWriter(str(tmp_path / "default")),
                  no_dist=True)
