@@ -1,0 +1,9 @@
+"""The fine-tuning parts train_fsdp.py assembles: the typed config (config.py), data (data.py), the model and
+its sharding (model.py), LoRA adapters (lora.py), the loss, metrics and loggers, evaluation, what a checkpoint
+holds (checkpoint_contents.py) and the memory planner (plan.py, `train_fsdp.py --plan`).
+
+    python -m pytest tests/test_config.py tests/test_data.py tests/test_model_init.py -q
+
+May import: ckpt/, common/, torch, transformers, peft and the other third-party packages of requirements.txt.
+Never train_fsdp.py (tests/test_layers.py checks it).
+"""
