@@ -26,6 +26,7 @@ import torch.distributed as dist
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints
 from ckpt.hf_load import load_hf_weights
 from common.dist import free_port, rank0_builds_others_wait
+from common.progress import phase
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
 from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
 from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path,
@@ -285,7 +286,7 @@ def resume(checkpoints: TrainingCheckpoints, cfg: Config, state: dict, files_for
         follow_config_schedule(optimizer, scheduler, cfg.train, log)
 
 
-def build_model(cfg: Config, device, world_size: int):
+def build_model(cfg: Config, device, world_size: int, log):
     """meta -> fully_shard -> to_empty -> init (random, or the HF weights; LoRA adapters on top)."""
     tokenizer = load_tokenizer(cfg.model)
     model = build_sharded_model(cfg.model, build_mesh(device, world_size, cfg.model.replicas), device)
@@ -294,7 +295,8 @@ def build_model(cfg: Config, device, world_size: int):
         raise DataError(f"data.seq_len={cfg.data.seq_len} is larger than the model allows "
                         f"(max_position_embeddings={max_pos})")
     if cfg.model.name_or_path:
-        load_hf_weights(model, cfg.model.name_or_path, file_name=base_file_name if cfg.model.lora.r else None)
+        with phase(log.info, f"model: loading the weights of {cfg.model.name_or_path}"):
+            load_hf_weights(model, cfg.model.name_or_path, file_name=base_file_name if cfg.model.lora.r else None)
         if cfg.model.lora.r:
             init_adapters(model, cfg.train.seed)
     else:
@@ -331,7 +333,7 @@ def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainPr
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
                                         lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
-    tokenizer, model = build_model(cfg, device, world_size)
+    tokenizer, model = build_model(cfg, device, world_size, log)
     optimizer, scheduler = build_optimizer(model, cfg)
     checkpoints.check_staging(model)
     plan, samples, eval_set, stream = build_data(cfg, tokenizer, model, rank, world_size, log)

@@ -37,6 +37,7 @@ from typing import Callable
 
 from datetime import timedelta
 
+from common.progress import phase
 from .errors import CheckpointError, DiskFullError, collective_timed_out
 from .export import export_final
 from .faults import fault_at, fault_point
@@ -143,7 +144,9 @@ class TrainingCheckpoints:
         share of the tensors (export.py export_final). One log line says what was written."""
         if self.mgr.last_saved_step != step:
             raise CheckpointError(f"export.at_end: no checkpoint of the final step {step} (ckpt.save_at_end=false?)")
-        self.log.info(export_final(step_dir(self.mgr.dir, step), out_dir, dtype))
+        with phase(self.log.info, f"export: writing step {step} to {out_dir}"):
+            line = export_final(step_dir(self.mgr.dir, step), out_dir, dtype)
+        self.log.info(line)
 
     def final_save(self, step: int, save_now: bool = True) -> None:
         """Drain the in-flight save, then save synchronously unless this step is already committed (or save_now

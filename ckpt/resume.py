@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from common.dist import on_rank0_then_share
+from common.progress import phase
 from .adapter import check_same_base
 from .manifest import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
@@ -170,7 +171,8 @@ def resume_state(mgr, state: dict, resume: str, seed: int, lora_base: dict | Non
     loaded = state if restore else {k: v for k, v in state.items() if k != rng_key(mgr.rank)}
     model_key = next((k for k, v in state.items() if isinstance(v, ModelOptimizer)), None)
     model_state = None if model_key is None else state[model_key].state_dict()[ModelOptimizer.MODEL]
-    mgr.load(path, loaded, model_state=model_state, prefix=f"{model_key}.{ModelOptimizer.MODEL}.")
+    with phase(log.info, f"resume: loading {path}"):
+        mgr.load(path, loaded, model_state=model_state, prefix=f"{model_key}.{ModelOptimizer.MODEL}.")
     if not restore:
         reseed_all(derived_seed(seed, mgr.rank, step))
         log.info(f"resume: RNG saved by {rng_world_size(meta)} ranks, now {mgr.world_size}: re-derived as "
