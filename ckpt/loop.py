@@ -33,9 +33,8 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from typing import Callable
-
 from datetime import timedelta
+from typing import Callable
 
 from common.progress import phase
 from .errors import CheckpointError, DiskFullError, collective_timed_out
@@ -65,8 +64,7 @@ class TrainingCheckpoints:
     def __init__(self, mgr, options, max_steps: int, log):
         """`mgr`: the CheckpointManager (how to save); `log`: the event sink (info and event)."""
         self.mgr, self.options, self.max_steps, self.log = mgr, options, max_steps, log
-        self.policy = SavePolicy(options.interval, options.interval_minutes, options.mtbf_hours, on_log=log.info)
-        self.state, self.files_for = {}, lambda step: {}
+        self.state, self.files_for, self.policy = {}, None, None  # track() sets them, right before the loop
         self.mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
         self.unmeasured: tuple[int, float] | None = None  # (step, blocking s) of a save whose staging wait is to come
 
@@ -76,15 +74,19 @@ class TrainingCheckpoints:
         self.mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
     def track(self, state: dict, files_for: Callable[[int], dict[str, str]]) -> None:
-        """`state`: the Statefuls every save writes; `files_for(step)`: the small files written beside them."""
+        """`state`: the Statefuls every save writes; `files_for(step)`: the small files written beside them.
+        The interval rules' wall clock starts here, where the loop is about to begin."""
         self.state, self.files_for = state, files_for
+        self.policy = SavePolicy(self.options.interval, self.options.interval_minutes, self.options.mtbf_hours,
+                                 on_log=self.log.info)
 
     def resume(self, state: dict, files_for: Callable[[int], dict[str, str]], seed: int, lora_base: dict | None,
                check_config: Callable[[str, str | None], None]) -> Resumed:
-        """Track `state`, and load into it what options.resume names (resume.py resume_state: the base check,
-        `check_config`, the RNG rule); returns what was loaded."""
+        """Load into `state` what options.resume names (resume.py resume_state: the base check, `check_config`,
+        the RNG rule), then track it; returns what was loaded."""
+        resumed = resume_state(self.mgr, state, self.options.resume, seed, lora_base, self.log, check_config)
         self.track(state, files_for)
-        return resume_state(self.mgr, state, self.options.resume, seed, lora_base, self.log, check_config)
+        return resumed
 
     def before_optimizer_step(self) -> None:
         """After the last backward: the staged copy must be complete before the optimizer changes parameters.
