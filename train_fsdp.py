@@ -31,7 +31,7 @@ from ckpt.state import DERIVED_SEED, derived_seed
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_schema, checkpoint_state, \
     model_state
 from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
-from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
+from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path, \
     check_loss_tokens, open_samples
 from finetune.dist import free_port, rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate, sample
@@ -332,7 +332,7 @@ def build_model(cfg: Config, device, world_size: int):
 
 def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
     """Tokenized once on rank 0; the global order does not depend on the world size."""
-    plan = BatchPlan.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
+    plan = BatchSplit.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
     samples = shared_samples(cfg, tokenizer, model)
     eval_set = shared_samples(cfg, tokenizer, model, eval_set=True) if cfg.train.eval_interval else None
     stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, plan, rank)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.data import IGNORE, ArraySamples, BatchPlan, BatchStream, DataError, GlobalOrder, build_cache, \
+from finetune.data import IGNORE, ArraySamples, BatchSplit, BatchStream, DataError, GlobalOrder, build_cache, \
     open_samples, tokenize_chat
 from finetune.config import DataConfig
 
@@ -26,8 +26,8 @@ def tok(repo_root):
 def _rows_by_rank(num_rows, global_batch, world, n_batches, seed=7):
     """For each global batch, the rows each rank consumed (ranks in order)."""
     ids = np.arange(num_rows, dtype=np.int32)[:, None].repeat(4, 1)
-    plan = BatchPlan.make(global_batch, micro_batch=2, world_size=world)
-    streams = [BatchStream(ArraySamples(ids, ids), seed, epochs=3, plan=plan, rank=r) for r in range(world)]
+    plan = BatchSplit.make(global_batch, micro_batch=2, world_size=world)
+    streams = [BatchStream(ArraySamples(ids, ids), seed, epochs=3, split=plan, rank=r) for r in range(world)]
     out = []
     for _ in range(n_batches):
         per_rank = []
@@ -56,20 +56,20 @@ def test_order_is_a_pure_function_of_seed_epoch_index():
 
 def test_resume_position_continues_the_same_stream():
     ids = np.arange(40, dtype=np.int32)[:, None].repeat(2, 1)
-    plan = BatchPlan.make(8, 4, 2)
+    plan = BatchSplit.make(8, 4, 2)
     straight = BatchStream(ArraySamples(ids, ids), 1, 2, plan, rank=1)
     batches = [straight.next_global_batch() for _ in range(6)]
-    resumed = BatchStream(ArraySamples(ids, ids), 1, 2, BatchPlan.make(8, 4, 1), rank=0)
+    resumed = BatchStream(ArraySamples(ids, ids), 1, 2, BatchSplit.make(8, 4, 1), rank=0)
     resumed.load_state_dict({"position": 3 * 8, "num_rows": 40, "seed": 1})
     assert resumed.global_rows() == straight.order.rows(3 * 8, 8)
     assert batches[3][0][0][:, 0].tolist() == straight.order.rows(3 * 8 + 4, 4)  # rank 1 takes the 2nd half
 
 
-def test_batch_plan_errors_name_sizes():
+def test_batch_split_errors_name_sizes():
     with pytest.raises(DataError, match=r"not divisible by world size 5.*\[1, 2, 3, 4, 6, 12\]"):
-        BatchPlan.make(12, 2, 5)
-    assert BatchPlan.make(12, 4, 2) == BatchPlan(12, 2, 3, 2)  # 6 per rank: micro 4 lowered to 3, no error
-    assert BatchPlan.make(12, 2, 2) == BatchPlan(12, 2, 2, 3)
+        BatchSplit.make(12, 2, 5)
+    assert BatchSplit.make(12, 4, 2) == BatchSplit(12, 2, 3, 2)  # 6 per rank: micro 4 lowered to 3, no error
+    assert BatchSplit.make(12, 2, 2) == BatchSplit(12, 2, 2, 3)
 
 
 def test_chat_prompt_tokens_are_masked(tok):
@@ -213,10 +213,10 @@ def generation_tok(repo_root):
 def test_generation_template_renders_once_and_masks_like_the_prefix_rule(tmp_path, tok, generation_tok, monkeypatch):
     """A template with {% generation %} renders each conversation once; its cache is byte-identical to the
     prefix rule's on the same conversations (the template renders the same strings)."""
-    import finetune.data as data
+    import finetune.data.chat as chat
     rendered = []
-    real_render = data._render
-    monkeypatch.setattr(data, "_render", lambda t, convs, *a, **k: (rendered.append(len(convs)), real_render(
+    real_render = chat._render
+    monkeypatch.setattr(chat, "_render", lambda t, convs, *a, **k: (rendered.append(len(convs)), real_render(
         t, convs, *a, **k))[1])
     rows = _conversations(300)
     path = _write_jsonl(tmp_path / "chat.jsonl", rows)
@@ -486,13 +486,13 @@ def test_hub_name_goes_to_load_dataset_with_subset_split_revision(monkeypatch):
 def test_full_disk_while_building_is_one_line_and_leaves_nothing(tmp_path, tok, monkeypatch):
     import errno
 
-    import finetune.data as data
+    import finetune.data.cache as cache
     path = _write_jsonl(tmp_path / "chat.jsonl", _conversations(20))
 
     def full_disk(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(data, "_write_cache", full_disk)
+    monkeypatch.setattr(cache, "_write_cache", full_disk)
     with pytest.raises(DataError, match=r"cannot build the data cache in .*No space left on device"):
         build_cache(DataConfig(path=path, cache_dir=str(tmp_path / "cache")), tok)
     assert os.listdir(tmp_path / "cache") == []
