@@ -32,7 +32,7 @@ from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkp
     model_state
 from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
 from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path, \
-    check_loss_tokens, open_samples
+    check_samples, open_samples
 from finetune.dist import free_port, rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.loggers import open_loggers
@@ -336,7 +336,7 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
     samples = shared_samples(cfg, tokenizer, model)
     eval_set = shared_samples(cfg, tokenizer, model, eval_set=True) if cfg.train.eval_interval else None
     stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, plan, rank)
-    loss_warning = check_loss_tokens(samples, cfg.data, rank, world_size)  # each rank counts 1/W of the samples
+    loss_warning = check_samples(samples, cfg.data, rank, world_size)  # each rank counts 1/W of the samples
     if loss_warning:
         log.info(loss_warning)
     if not stream.has_next():

@@ -183,4 +183,3 @@ def _draw_normal(param: torch.Tensor, std: float, seed: int, padding_idx: int | 
     if padding_idx is not None:
         full[padding_idx].zero_()
     return full
-

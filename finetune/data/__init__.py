@@ -25,9 +25,9 @@ from finetune.data.cache import COMMIT_FILE, build_cache, cache_path
 from finetune.data.chat import tokenize_chat, tokenize_chat_batch
 from finetune.data.errors import DataError
 from finetune.data.order import BATCH_KEY, BatchSplit, BatchStream, GlobalOrder
-from finetune.data.samples import IGNORE, ArraySamples, Samples, TokenCache, check_loss_tokens, open_samples
+from finetune.data.samples import IGNORE, ArraySamples, Samples, TokenCache, check_samples, open_samples
 from finetune.data.sources import load_documents
 
 __all__ = ["BATCH_KEY", "COMMIT_FILE", "IGNORE", "ArraySamples", "BatchSplit", "BatchStream", "DataError",
-           "GlobalOrder", "Samples", "TokenCache", "build_cache", "cache_path", "check_loss_tokens", "load_documents",
+           "GlobalOrder", "Samples", "TokenCache", "build_cache", "cache_path", "check_samples", "load_documents",
            "open_samples", "tokenize_chat", "tokenize_chat_batch"]

@@ -28,7 +28,7 @@ def prepare(argv: list[str]) -> int:
         cfg = load_config(args.config, args.overrides)
         tokenizer = load_tokenizer(cfg.model)
         for eval_set in (False, True) if cfg.data.eval_path else (False,):
-            cache = build_cache(cfg.data, tokenizer, eval_set, progress=True)
+            cache = build_cache(cfg.data, tokenizer, eval_set)
             samples = open_samples(cache, cfg.data)
             meta = samples.cache.meta
             print(f"{'eval' if eval_set else 'train'}: {cache} | {meta['n_docs']:,} documents | "

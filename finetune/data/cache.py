@@ -17,12 +17,14 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+import time
 
 import numpy as np
 
 from finetune.data.chat import check_fast_tokenizer, tokenize_chat_batch
 from finetune.data.errors import DataError, row_name
-from finetune.data.sources import SOURCE_COLUMNS, load_documents, sources
+from finetune.data.sources import SOURCE_COLUMNS, first_bad_line, load_documents, sources
 
 CACHE_VERSION = 3  # bump when the cache layout or the tokenization rule changes
 COMMIT_FILE = "COMMIT"
@@ -152,22 +154,10 @@ def build_cache(*args, **kwargs) -> str:
         cfg_data, eval_set = args[0], kwargs.get("eval_set", args[2] if len(args) > 2 else False)
         for src, _ in sources(cfg_data, eval_set):
             for file in (p.strip() for p in src.path.split(",") if p.strip()):
-                bad = _first_non_utf8_line(file) if os.path.isfile(file) else None
+                bad = first_bad_line(file)
                 if bad is not None:
-                    raise DataError(f"data file {file} line {bad[0]} is not valid UTF-8: {bad[1]}") from None
+                    raise DataError(bad) from None
         raise DataError(f"cannot read data: {type(e).__name__}: {e}") from None
-
-
-def _first_non_utf8_line(path: str) -> tuple[int, str] | None:
-    """(1-based line, reason) of the first line of `path` that is not UTF-8."""
-    if os.path.splitext(path)[1] != ".parquet":
-        with open(path, "rb") as f:
-            for number, line in enumerate(f, 1):
-                try:
-                    line.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    return number, f"byte {line[e.start:e.start + 1]!r} at column {e.start + 1} ({e.reason})"
-    return None
 
 
 @contextlib.contextmanager
@@ -184,55 +174,32 @@ def _gc_frozen():
 
 
 def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | None = None,
-                progress: bool = False) -> str:
+                 progress: bool | None = None) -> str:
     """Tokenize the data set (or the eval set) into its cache folder unless it is already committed.
 
     Atomic: everything is written into a temporary folder that gets its COMMIT file last and is then
     renamed into place, so a crash or a bad row never leaves a half cache that a later run would read.
+    Says what it tokenizes when it starts, and rows, tokens and time when it ends (a large file takes
+    minutes). datasets' progress bars only with progress=True, or by default when stderr is a terminal:
+    in a log file each update would be a line of its own.
     """
     cache = cache_path(cfg_data, tokenizer, eval_set)
     if os.path.exists(os.path.join(cache, COMMIT_FILE)):
         return cache
     import datasets
 
-    datasets.enable_progress_bars() if progress else datasets.disable_progress_bars()
+    show_bars = sys.stderr.isatty() if progress is None else progress
+    datasets.enable_progress_bars() if show_bars else datasets.disable_progress_bars()
+    names = [src.path for src, _ in sources(cfg_data, eval_set)]
+    print(f"data: tokenizing the {'eval' if eval_set else 'training'} data {' + '.join(names)} into {cache}",
+          flush=True)
+    t0 = time.perf_counter()
     tmp = f"{cache}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        ds, fmt, column, label = load_documents(cfg_data, eval_set, cache_dir=os.path.join(tmp, "hf"))
-        names = [src.path for src, _ in sources(cfg_data, eval_set)]
-        if fmt == "chat":  # before forking workers that would all fail on their first batch
-            check_fast_tokenizer(tokenizer)
-        procs = num_proc or cfg_data.num_proc
-        if not procs:  # automatic: every core, but forking workers for a few thousand rows costs more than it saves
-            procs = max(1, min(default_num_proc(), len(ds) // _ROWS_PER_PROC))
-        procs = min(procs, len(ds))
-        with _gc_frozen() if procs > 1 else contextlib.nullcontext():
-            mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
-                            num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
-                            fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label,
-                                       "names": names},
-                            features=_tokenized_features(len(names) > 1),
-                            cache_file_name=os.path.join(tmp, "tokenized.arrow"),
-                            desc="tokenize")
-        arrow_files, rows = [f["filename"] for f in mapped.cache_files], len(mapped)
-        del mapped, ds  # datasets memory-mapped (and touched) the files map wrote: unmapped, they leave our RSS
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        meta = _write_cache(arrow_files, rows, len(names) > 1, tmp, {
-            "version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad,
-            **({"sources": names} if len(names) > 1 else {})})
-        for name in os.listdir(tmp):  # the arrow intermediates: only the flat files stay
-            if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin", "doc_sources.bin"):
-                p = os.path.join(tmp, name)
-                shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
-            f.write("ok\n")
-        if os.path.exists(cache):  # an older layout, or a folder left by hand
-            shutil.rmtree(cache)
-        os.replace(tmp, cache)
+        meta = _tokenize_into(tmp, cfg_data, tokenizer, eval_set, num_proc or cfg_data.num_proc, names)
+        _commit(tmp, cache, meta)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, DataError) or not isinstance(e, Exception):
@@ -243,7 +210,49 @@ def _build_cache(cfg_data, tokenizer, eval_set: bool = False, num_proc: int | No
         if isinstance(e, OSError):  # e.g. a full disk: one line, and nothing half-written was kept
             raise DataError(f"cannot build the data cache in {cfg_data.cache_dir}: {e}") from None
         raise
+    print(f"data: tokenized {meta['n_docs']:,} rows into {meta['n_tokens']:,} tokens in "
+          f"{time.perf_counter() - t0:.1f}s", flush=True)
     return cache
+
+
+def _tokenize_into(tmp: str, cfg_data, tokenizer, eval_set: bool, procs: int, names: list[str]) -> dict:
+    """Load the documents, tokenize them with `procs` map workers (0: automatic) and write the flat files into
+    tmp; return the cache's meta."""
+    ds, fmt, column, label = load_documents(cfg_data, eval_set, cache_dir=os.path.join(tmp, "hf"))
+    if fmt == "chat":  # before forking workers that would all fail on their first batch
+        check_fast_tokenizer(tokenizer)
+    if not procs:  # automatic: every core, but forking workers for a few thousand rows costs more than it saves
+        procs = max(1, min(default_num_proc(), len(ds) // _ROWS_PER_PROC))
+    procs = min(procs, len(ds))
+    with _gc_frozen() if procs > 1 else contextlib.nullcontext():
+        mapped = ds.map(_tokenize_rows, batched=True, batch_size=_MAP_BATCH, with_indices=True,
+                        num_proc=procs if procs > 1 else None, remove_columns=ds.column_names,
+                        fn_kwargs={"tokenizer": tokenizer, "fmt": fmt, "column": column, "label": label,
+                                   "names": names},
+                        features=_tokenized_features(len(names) > 1),
+                        cache_file_name=os.path.join(tmp, "tokenized.arrow"),
+                        desc="tokenize")
+    arrow_files, rows = [f["filename"] for f in mapped.cache_files], len(mapped)
+    del mapped, ds  # datasets memory-mapped (and touched) the files map wrote: unmapped, they leave our RSS
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    return _write_cache(arrow_files, rows, len(names) > 1, tmp, {
+        "version": CACHE_VERSION, "format": fmt, "source": label, "pad_id": pad,
+        **({"sources": names} if len(names) > 1 else {})})
+
+
+def _commit(tmp: str, cache: str, meta: dict) -> None:
+    """Keep only the flat files, write meta.json, then the COMMIT file, then rename tmp into place."""
+    for name in os.listdir(tmp):  # the arrow intermediates: only the flat files stay
+        if name not in ("tokens.bin", "loss_mask.bin", "doc_offsets.bin", "doc_sources.bin"):
+            p = os.path.join(tmp, name)
+            shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)
+    with open(os.path.join(tmp, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+    with open(os.path.join(tmp, COMMIT_FILE), "w") as f:
+        f.write("ok\n")
+    if os.path.exists(cache):  # an older layout, or a folder left by hand
+        shutil.rmtree(cache)
+    os.replace(tmp, cache)
 
 
 def _data_error_in(e: BaseException) -> str | None:

@@ -115,37 +115,66 @@ def open_samples(cache: str, cfg_data, padding_free: bool = False) -> Samples:
     return samples
 
 
-def check_loss_tokens(samples: Samples, cfg_data, rank: int = 0, world_size: int = 1) -> str | None:
-    """Refuse samples of which none has a token that carries loss (every step would have loss 0 and no
-    gradient, e.g. data.seq_len shorter than every prompt); a warning line when some have none. Every rank
-    counts its 1/W of the samples and one all-reduce adds them up (O(data / W) a rank, nobody waits on a
-    rank 0 that reads everything); the count is kept per cache, seq_len and packing (a small json in the
-    cache folder), so a restart reads nothing again. Call it on every rank: it is collective when W > 1."""
-    name = f"loss-rows-s{cfg_data.seq_len}-{'pack' if cfg_data.pack else 'pad'}-t{int(cfg_data.truncation)}.json"
-    stats_path = os.path.join(samples.cache.path, name)
-    counted = all_ranks_reduce(int(os.path.exists(stats_path)), "min")  # all read, or all count
-    if counted:
-        with open(stats_path) as f:
-            without = json.load(f)["without_loss_tokens"]
-    else:
-        plain = Samples(samples.cache, cfg_data.seq_len, cfg_data.pack, cfg_data.truncation)  # one row per sample
-        lo, hi = len(plain) * rank // world_size, len(plain) * (rank + 1) // world_size
-        mine = sum(int((plain.batch(range(i, min(i + 4096, hi)))[1][:, 1:] == IGNORE).all(dim=1).sum())
-                   for i in range(lo, hi, 4096))
-        without = all_ranks_reduce(mine, "sum")
-        if rank == 0:
-            tmp = f"{stats_path}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump({"samples": len(plain), "without_loss_tokens": without}, f)
-            os.replace(tmp, stats_path)
-    n, where = len(samples), f"{samples.cache.meta['source']} at data.seq_len={cfg_data.seq_len}"
+def check_samples(samples: Samples, cfg_data, rank: int = 0, world_size: int = 1) -> str | None:
+    """What the samples leave out, said once at the start (lines for rank 0 to print, or None):
+    - the rows data.truncation cuts to data.seq_len (unpacked), and the share of the tokens that drops;
+    - packing's tail, the last tokens that do not fill a sample;
+    - samples without a token that carries loss (they end inside the prompt). None at all is refused:
+      every step would have loss 0 and no gradient (e.g. data.seq_len shorter than every prompt).
+    Call it on every rank: the counts are collective when W > 1 (`sample_stats`)."""
+    stats, n, seq_len = sample_stats(samples, cfg_data, rank, world_size), len(samples), cfg_data.seq_len
+    source, tokens, without = samples.cache.meta["source"], stats["tokens"], stats["without_loss_tokens"]
     if without == n:
-        raise DataError(f"no sample of {where} has a token that carries loss ({without} of {n} samples end before "
-                        "the first trained token, e.g. inside the prompt); raise data.seq_len")
+        raise DataError(f"no sample of {source} at data.seq_len={seq_len} has a token that carries loss ({without} of "
+                        f"{n} samples end before the first trained token, e.g. inside the prompt); raise data.seq_len")
+    lines = []
+    rows, cut = stats["truncated_rows"], stats["truncated_tokens"]
+    if rows:
+        lines.append(f"warning: {rows:,} of {n:,} rows ({_share(rows, n)}) of {source} are longer than data.seq_len="
+                     f"{seq_len} and cut to it (data.truncation): {cut:,} of {tokens:,} tokens ({_share(cut, tokens)}) "
+                     "are dropped; raise data.seq_len, or set data.pack=true to train on every token")
+    tail = tokens - n * seq_len if cfg_data.pack else 0
+    if tail:
+        lines.append(f"data: packing {source} into samples of data.seq_len={seq_len} drops the last {tail:,} of "
+                     f"{tokens:,} tokens ({_share(tail, tokens)}), too few to fill a sample")
     if without:
-        return (f"warning: {without} of {n} samples ({100 * without / n:.1f}%) of {where} have no token that carries "
-                "loss (they end inside the prompt) and add nothing to training")
-    return None
+        lines.append(f"warning: {without} of {n} samples ({100 * without / n:.1f}%) of {source} at data.seq_len="
+                     f"{seq_len} have no token that carries loss (they end inside the prompt) and add nothing to "
+                     "training")
+    return "\n".join(lines) or None
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if part * 1000 >= whole else "<0.1%"
+
+
+def sample_stats(samples: Samples, cfg_data, rank: int = 0, world_size: int = 1) -> dict:
+    """{samples, tokens, without_loss_tokens, truncated_rows, truncated_tokens}. Every rank counts its 1/W of
+    the samples and all-reduces add them up (O(data / W) a rank, nobody waits on a rank 0 that reads
+    everything); the counts are kept per cache, seq_len, packing and truncation (a small json in the cache
+    folder), so a restart reads nothing again and still reports them. Collective when W > 1."""
+    name = f"sample-stats-s{cfg_data.seq_len}-{'pack' if cfg_data.pack else 'pad'}-t{int(cfg_data.truncation)}.json"
+    stats_path = os.path.join(samples.cache.path, name)
+    if all_ranks_reduce(int(os.path.exists(stats_path)), "min"):  # all read, or all count
+        with open(stats_path) as f:
+            return json.load(f)
+    plain = Samples(samples.cache, cfg_data.seq_len, cfg_data.pack, cfg_data.truncation)  # one row per sample
+    lo, hi = len(plain) * rank // world_size, len(plain) * (rank + 1) // world_size
+    counts = {"without_loss_tokens": sum(int((plain.batch(range(i, min(i + 4096, hi)))[1][:, 1:] == IGNORE)
+                                             .all(dim=1).sum()) for i in range(lo, hi, 4096)),
+              "truncated_rows": 0, "truncated_tokens": 0}
+    if not cfg_data.pack:  # unpacked, sample i is document i
+        over = np.diff(np.asarray(plain.cache.offsets[lo: hi + 1])) - cfg_data.seq_len
+        over = over[over > 0]
+        counts.update(truncated_rows=len(over), truncated_tokens=int(over.sum()))
+    stats = {"samples": len(plain), "tokens": int(plain.cache.meta["n_tokens"]),
+             **{k: all_ranks_reduce(int(v), "sum") for k, v in counts.items()}}
+    if rank == 0:
+        tmp = f"{stats_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(stats, f)
+        os.replace(tmp, stats_path)
+    return stats
 
 
 class ArraySamples:

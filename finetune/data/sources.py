@@ -9,6 +9,9 @@ This is the file to change for a new data format or source. It yields a `dataset
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
 from dataclasses import dataclass
 
@@ -77,9 +80,67 @@ def _load_local_files(path: str, cache_dir: str | None):
     # json: datasets parses 10 MB chunks into Python objects first (~15x in memory); 1 MB bounds that to ~15 MB
     options = {"chunksize": 1 << 20} if builder == "json" else {}
     try:
-        return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **options)
-    except Exception as e:  # noqa: BLE001 - a parse error should name the file, not datasets' internals
+        with _quiet_json_loader():
+            return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cache_dir, **options)
+    except Exception as e:  # noqa: BLE001 - a parse error should name the file and line, not datasets' internals
+        for file in files:
+            bad = first_bad_line(file)
+            if bad:
+                raise DataError(bad) from None
         raise DataError(f"cannot read data file(s) {path}: {type(e).__name__}: {e}") from None
+
+
+@contextlib.contextmanager
+def _quiet_json_loader():
+    """datasets' JSON loader logs a parse error itself, on a line of its own, by its 0-based row and without
+    the file ("... in row 50"); the DataError raised instead gives the file and the 1-based line."""
+    logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def first_bad_line(path: str) -> str | None:
+    """'data file <path> line <n> is not valid UTF-8|JSON: <why>' for the first such line of a text or JSON
+    file (1-based, as an editor numbers it), or None. Read only after datasets failed on the file."""
+    ext = os.path.splitext(path)[1]
+    if ext not in (".jsonl", ".json", ".txt", ".text") or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"data file {path} line {number} is not valid UTF-8: byte {raw[e.start:e.start + 1]!r} "
+                        f"at column {e.start + 1} ({e.reason})")
+            why = _json_problem(line) if ext in (".jsonl", ".json") else None
+            if why and ext == ".json" and number == 1:  # not JSON lines: maybe one document over many lines
+                return _json_document_problem(path)
+            if why:
+                return f"data file {path} line {number} is not valid JSON: {why}"
+    return None
+
+
+def _json_problem(line: str) -> str | None:
+    """Why a non-blank line is not one JSON value, or None."""
+    try:
+        line.strip() and json.loads(line)
+    except json.JSONDecodeError as e:
+        return f"{e.msg} at column {e.colno}"
+    return None
+
+
+def _json_document_problem(path: str) -> str | None:
+    """The first error of the whole file read as one JSON document, or None when it is one."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        try:
+            json.load(f)
+        except json.JSONDecodeError as e:
+            return f"data file {path} line {e.lineno} is not valid JSON: {e.msg} at column {e.colno}"
+    return None
 
 
 def load_source(src: Source, cache_dir: str | None = None):
