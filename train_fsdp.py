@@ -29,8 +29,8 @@ from common.dist import free_port, rank0_builds_others_wait
 from common.progress import phase
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
 from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
-from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path,
-                           check_loss_tokens, open_samples)
+from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path,
+                           check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
@@ -306,17 +306,17 @@ def build_model(cfg: Config, device, world_size: int, log):
 
 def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
     """Tokenized once on rank 0; the global order does not depend on the world size."""
-    plan = BatchPlan.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
+    split = BatchSplit.make(cfg.data.global_batch_size, cfg.data.micro_batch_size, world_size)
     samples = shared_samples(cfg, tokenizer, model)
     eval_set = shared_samples(cfg, tokenizer, model, eval_set=True) if cfg.train.eval_interval else None
-    stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, plan, rank)
-    loss_warning = check_loss_tokens(samples, cfg.data, rank, world_size)  # each rank counts 1/W of the samples
-    if loss_warning:
-        log.info(loss_warning)
+    stream = BatchStream(samples, cfg.train.seed, cfg.data.epochs, split, rank)
+    warning = check_samples(samples, cfg.data, rank, world_size)  # each rank counts 1/W of the samples
+    if warning:
+        log.info(warning)
     if not stream.has_next():
         raise DataError(f"data set {cfg.data.path} has {len(samples)} samples x {cfg.data.epochs} epoch(s), "
-                        f"fewer than one global batch ({BATCH_KEY}={plan.global_batch})")
-    return plan, samples, eval_set, stream
+                        f"fewer than one global batch ({BATCH_KEY}={split.global_batch})")
+    return split, samples, eval_set, stream
 
 
 def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainProgress, device, log) -> None:
@@ -336,7 +336,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     tokenizer, model = build_model(cfg, device, world_size, log)
     optimizer, scheduler = build_optimizer(model, cfg)
     checkpoints.check_staging(model)
-    plan, samples, eval_set, stream = build_data(cfg, tokenizer, model, rank, world_size, log)
+    split, samples, eval_set, stream = build_data(cfg, tokenizer, model, rank, world_size, log)
     progress = TrainProgress()
     eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)
     state = checkpoint_state(model, optimizer, scheduler, progress, stream, rank, with_rng=True)
@@ -344,8 +344,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     resume(checkpoints, cfg, state, lambda step: checkpoint_files(cfg, step, world_size, eval_loss.get(step)),
            optimizer, scheduler, log)
     log.info(f"world {world_size} | device {device.type} | {param_summary(model)} | "
-             f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
-             f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
+             f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {split.global_batch} = "
+             f"{world_size} ranks x {split.accum_steps} accum x {split.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
     preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, plan, progress.step), 0
@@ -362,7 +362,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
                     progress.step += 1
-                    progress.tokens += plan.global_batch * cfg.data.seq_len
+                    progress.tokens += split.global_batch * cfg.data.seq_len
                     progress.loss_tokens += n_tok
                 steps_log.step(progress, stream, rows, loss, lr, gnorm)
                 if eval_set is not None and progress.step % cfg.train.eval_interval == 0:

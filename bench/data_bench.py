@@ -16,8 +16,8 @@ the same for both methods), and divided by the size of the finished cache. RSS a
 memory-mapped files (the arrow files datasets reads and writes), which are page cache the kernel can drop,
 so the last column gives the growth of anonymous memory alone: the process's `Anonymous` plus its
 workers' `Private_Dirty` (what they copied or allocated), over the process's `Anonymous` after imports.
-A last line gives the new pipeline's file-backed RSS (Rss - Anonymous) when finetune/data.py's _write_cache
-starts and ends: the pages of datasets' arrow files mapped into the process at that point.
+A last line gives the new pipeline's file-backed RSS (Rss - Anonymous) when finetune/data/cache.py's
+_write_cache starts and ends: the pages of datasets' arrow files mapped into the process at that point.
 """
 
 from __future__ import annotations
@@ -107,11 +107,11 @@ def _worker(method: str, path: str, cache_dir: str, num_proc: int, seq_len: int)
     import datasets  # noqa: F401 - every import before the baseline RSS, for both methods
     from transformers import AutoTokenizer
 
-    import finetune.data
+    import finetune.data.cache
     from finetune.config import DataConfig
     from finetune.data import build_cache
     datasets.disable_progress_bars()
-    file_backed = _watch_write_cache(finetune.data)
+    file_backed = _watch_write_cache(finetune.data.cache)
     tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
     cfg = DataConfig(path=path, seq_len=seq_len, cache_dir=cache_dir, num_proc=num_proc)
     old = _load_old_module() if method == "old" else None

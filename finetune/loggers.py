@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import uuid
 
+from finetune.config import ConfigError, to_dict
+
 # field of a metrics.jsonl record -> scalar name; step records and events ("eval", "checkpoint") alike
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "eval_loss": "eval/loss",
            "blocking_s": "checkpoint/blocking_s", "committed_s": "checkpoint/committed_s"}
@@ -58,7 +60,6 @@ class WandbLogger:
     def __init__(self, run_dir: str, mode: str, project: str, config: dict):
         import wandb
 
-        from finetune.config import ConfigError
         folder = os.path.join(run_dir, "wandb")
         os.makedirs(folder, exist_ok=True)
         id_file = os.path.join(folder, "run-id")
@@ -92,7 +93,6 @@ def open_loggers(cfg, rank: int) -> list:
     """The loggers the config asks for, on rank 0; [] elsewhere and by default."""
     if rank != 0:
         return []
-    from finetune.config import to_dict
     loggers = []
     if cfg.run.tensorboard:
         loggers.append(TensorBoardLogger(cfg.run.dir))

@@ -22,7 +22,8 @@ import os
 import torch
 import torch.nn as nn
 
-from finetune.model import ModelError, _copy_full_into, _seed_for
+from ckpt.adapter import base_fingerprint
+from finetune.shards import ModelError, copy_full_into, seed_for
 
 ADAPTER = "default"  # peft's adapter name; it appears in parameter names (lora_A.default.weight)
 
@@ -87,10 +88,10 @@ def init_adapters(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if ".lora_A." in name:
             full = torch.empty(param.shape, dtype=torch.float32)
-            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=torch.Generator().manual_seed(_seed_for(seed, name)))
-            _copy_full_into(param, full.to(param.device))  # drawn on CPU: the same numbers on any device
+            nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=torch.Generator().manual_seed(seed_for(seed, name)))
+            copy_full_into(param, full.to(param.device))  # drawn on CPU: the same numbers on any device
         elif ".lora_B." in name:
-            _copy_full_into(param, torch.zeros(param.shape, dtype=torch.float32, device=param.device))
+            copy_full_into(param, torch.zeros(param.shape, dtype=torch.float32, device=param.device))
 
 
 def param_summary(model: nn.Module) -> str:
@@ -105,8 +106,6 @@ def param_summary(model: nn.Module) -> str:
 
 def lora_meta(cfg_model) -> dict:
     """meta.json's "lora" entry: adapter settings, base folder and base fingerprint (cached per process)."""
-    from ckpt.adapter import base_fingerprint
-
     lora = cfg_model.lora
     fp = base_fingerprint(cfg_model.name_or_path)
     return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules,

@@ -94,11 +94,11 @@ def progress_bar(enabled: bool, total: int, initial: int):
 
 class StepLog:
     """Per step: one record (metrics.jsonl + loggers), a console line every run.log_interval, the progress bar.
-    `cfg`: the training Config; `plan`: its BatchPlan; `progress`: a TrainProgress; `stream`: the BatchStream."""
+    `cfg`: the training Config; `split`: its BatchSplit; `progress`: a TrainProgress; `stream`: the BatchStream."""
 
-    def __init__(self, cfg, log, rank: int, world_size: int, plan, start_step: int):
+    def __init__(self, cfg, log, rank: int, world_size: int, split, start_step: int):
         self.cfg, self.log, self.world_size, self.start_step = cfg, log, world_size, start_step
-        self.tokens_per_step = plan.global_batch * cfg.data.seq_len
+        self.tokens_per_step = split.global_batch * cfg.data.seq_len
         self.bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, start_step)
         self.t_start = time.perf_counter()
 

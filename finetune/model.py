@@ -9,20 +9,15 @@ weights (on the same device type: a GPU draws other numbers than a CPU from the 
 
 from __future__ import annotations
 
-import hashlib
 import os
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from common.dtypes import DTYPES  # the one name -> dtype map (model.param_dtype, reduce_dtype, export.dtype)
-
-
-
-class ModelError(ValueError):
-    """The model cannot be built or sharded as asked; the message names the model class."""
+from finetune.lora import add_adapters
+from finetune.shards import ModelError, copy_full_into, local_shard, seed_for
 
 
 def model_source(cfg_model) -> str:
@@ -122,7 +117,6 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
     with torch.device("meta"):
         model = causal_lm_from_config(cfg_model)
     if cfg_model.lora.r:  # adapters go in on meta, before fully_shard groups the parameters
-        from finetune.lora import add_adapters
         add_adapters(model, cfg_model.lora, src, base_dtype=resolve_param_dtype(cfg_model.param_dtype, device))
     if cfg_model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -161,10 +155,6 @@ def init_buffers(model: nn.Module) -> None:
                 del p._is_hf_initialized
 
 
-def _seed_for(seed: int, name: str) -> int:
-    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int, std: float) -> None:
     """Normal(0, std) for Linear/Embedding weights, zeros for biases, HF's own init for the rest (norms: ones,
@@ -177,10 +167,10 @@ def init_random(model: nn.Module, seed: int, std: float) -> None:
     for name, param in model.named_parameters():
         module = owners[name]
         if name.endswith("bias"):
-            _local(param).zero_()
+            local_shard(param).zero_()
         elif isinstance(module, (nn.Linear, nn.Embedding)):
-            full = _draw_normal(param, std, _seed_for(seed, name), getattr(module, "padding_idx", None))
-            _copy_full_into(param, full)
+            full = _draw_normal(param, std, seed_for(seed, name), getattr(module, "padding_idx", None))
+            copy_full_into(param, full)
         else:  # constants, so sharding does not matter; HF knows each model's (e.g. Gemma's zero-centred norms)
             model._init_weights(module)
 
@@ -193,15 +183,3 @@ def _draw_normal(param: torch.Tensor, std: float, seed: int, padding_idx: int | 
     if padding_idx is not None:
         full[padding_idx].zero_()
     return full
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
-def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    if isinstance(param, DTensor):
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(shard.to_local())
-    else:
-        param.copy_(full)

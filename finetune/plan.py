@@ -19,6 +19,13 @@ import os
 import sys
 from dataclasses import dataclass
 
+import torch
+
+from finetune.config import ModelConfig
+from finetune.data import BatchSplit, DataError
+from finetune.lora import add_adapters
+from finetune.model import decoder_blocks
+
 GIB = 2 ** 30
 ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per trainable parameter
 MASTER_BYTES = 4  # fp32 master weights and fp32 sharded gradients
@@ -62,7 +69,6 @@ class Shapes:
 
 def config_dir(cfg_model) -> tuple[str, str]:
     """(folder whose config.json describes the model, a note on where it came from)."""
-    from finetune.config import ModelConfig
     if cfg_model.name_or_path and os.path.isfile(os.path.join(cfg_model.name_or_path, "config.json")):
         return cfg_model.name_or_path, ""
     if cfg_model.name_or_path and cfg_model.config_path == ModelConfig().config_path:
@@ -75,10 +81,7 @@ def config_dir(cfg_model) -> tuple[str, str]:
 
 
 def model_shapes(cfg_model) -> Shapes:
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    from finetune.model import decoder_blocks
 
     src, note = config_dir(cfg_model)
     hf = AutoConfig.from_pretrained(src)
@@ -86,7 +89,6 @@ def model_shapes(cfg_model) -> Shapes:
         model = AutoModelForCausalLM.from_config(hf)
     lora = getattr(cfg_model, "lora", None)
     if lora is not None and lora.r:  # the adapters exactly as training adds them (peft, on meta)
-        from finetune.lora import add_adapters
         add_adapters(model, lora, src, base_dtype=torch.bfloat16)
     blocks = decoder_blocks(model)
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -224,8 +226,6 @@ def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
 
 def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     """(report lines, problems): an empty problem list means the config fits the stated hardware."""
-    from finetune.data import BatchPlan, DataError
-
     s = model_shapes(cfg.model)
     world = args.nodes * args.gpus_per_node
     lines = [f"plan: {args.nodes} node(s) x {args.gpus_per_node} GPUs = world size {world}",
@@ -235,7 +235,7 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     problems = []
     g = cfg.data.global_batch_size
     try:
-        batch = BatchPlan.make(g, cfg.data.micro_batch_size, world)
+        batch = BatchSplit.make(g, cfg.data.micro_batch_size, world)
         lines.append(f"batch: global {g} = {world} ranks x {batch.accum_steps} accum x {batch.micro_batch} micro, "
                      f"seq {cfg.data.seq_len}; world sizes that divide it: {divisors(g)}")
         micro, accum = batch.micro_batch, batch.accum_steps

@@ -3,6 +3,7 @@
     python -m pytest tests/test_data.py -q
 """
 
+import json
 import os
 import re
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.data import IGNORE, ArraySamples, BatchPlan, BatchStream, DataError, GlobalOrder, build_cache, \
+from finetune.data import IGNORE, ArraySamples, BatchSplit, BatchStream, DataError, GlobalOrder, build_cache, \
     open_samples, tokenize_chat
 from finetune.config import DataConfig
 
@@ -26,8 +27,8 @@ def tok(repo_root):
 def _rows_by_rank(num_rows, global_batch, world, n_batches, seed=7):
     """For each global batch, the rows each rank consumed (ranks in order)."""
     ids = np.arange(num_rows, dtype=np.int32)[:, None].repeat(4, 1)
-    plan = BatchPlan.make(global_batch, micro_batch=2, world_size=world)
-    streams = [BatchStream(ArraySamples(ids, ids), seed, epochs=3, plan=plan, rank=r) for r in range(world)]
+    plan = BatchSplit.make(global_batch, micro_batch=2, world_size=world)
+    streams = [BatchStream(ArraySamples(ids, ids), seed, epochs=3, split=plan, rank=r) for r in range(world)]
     out = []
     for _ in range(n_batches):
         per_rank = []
@@ -56,20 +57,20 @@ def test_order_is_a_pure_function_of_seed_epoch_index():
 
 def test_resume_position_continues_the_same_stream():
     ids = np.arange(40, dtype=np.int32)[:, None].repeat(2, 1)
-    plan = BatchPlan.make(8, 4, 2)
+    plan = BatchSplit.make(8, 4, 2)
     straight = BatchStream(ArraySamples(ids, ids), 1, 2, plan, rank=1)
     batches = [straight.next_global_batch() for _ in range(6)]
-    resumed = BatchStream(ArraySamples(ids, ids), 1, 2, BatchPlan.make(8, 4, 1), rank=0)
+    resumed = BatchStream(ArraySamples(ids, ids), 1, 2, BatchSplit.make(8, 4, 1), rank=0)
     resumed.load_state_dict({"position": 3 * 8, "num_rows": 40, "seed": 1})
     assert resumed.global_rows() == straight.order.rows(3 * 8, 8)
     assert batches[3][0][0][:, 0].tolist() == straight.order.rows(3 * 8 + 4, 4)  # rank 1 takes the 2nd half
 
 
-def test_batch_plan_errors_name_sizes():
+def test_batch_split_errors_name_sizes():
     with pytest.raises(DataError, match=r"not divisible by world size 5.*\[1, 2, 3, 4, 6, 12\]"):
-        BatchPlan.make(12, 2, 5)
-    assert BatchPlan.make(12, 4, 2) == BatchPlan(12, 2, 3, 2)  # 6 per rank: micro 4 lowered to 3, no error
-    assert BatchPlan.make(12, 2, 2) == BatchPlan(12, 2, 2, 3)
+        BatchSplit.make(12, 2, 5)
+    assert BatchSplit.make(12, 4, 2) == BatchSplit(12, 2, 3, 2)  # 6 per rank: micro 4 lowered to 3, no error
+    assert BatchSplit.make(12, 2, 2) == BatchSplit(12, 2, 2, 3)
 
 
 def test_chat_prompt_tokens_are_masked(tok):
@@ -213,10 +214,10 @@ def generation_tok(repo_root):
 def test_generation_template_renders_once_and_masks_like_the_prefix_rule(tmp_path, tok, generation_tok, monkeypatch):
     """A template with {% generation %} renders each conversation once; its cache is byte-identical to the
     prefix rule's on the same conversations (the template renders the same strings)."""
-    import finetune.data as data
+    import finetune.data.chat as chat
     rendered = []
-    real_render = data._render
-    monkeypatch.setattr(data, "_render", lambda t, convs, *a, **k: (rendered.append(len(convs)), real_render(
+    real_render = chat._render
+    monkeypatch.setattr(chat, "_render", lambda t, convs, *a, **k: (rendered.append(len(convs)), real_render(
         t, convs, *a, **k))[1])
     rows = _conversations(300)
     path = _write_jsonl(tmp_path / "chat.jsonl", rows)
@@ -486,13 +487,105 @@ def test_hub_name_goes_to_load_dataset_with_subset_split_revision(monkeypatch):
 def test_full_disk_while_building_is_one_line_and_leaves_nothing(tmp_path, tok, monkeypatch):
     import errno
 
-    import finetune.data as data
+    import finetune.data.cache as cache
     path = _write_jsonl(tmp_path / "chat.jsonl", _conversations(20))
 
     def full_disk(*_args, **_kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(data, "_write_cache", full_disk)
+    monkeypatch.setattr(cache, "_write_cache", full_disk)
     with pytest.raises(DataError, match=r"cannot build the data cache in .*No space left on device"):
         build_cache(DataConfig(path=path, cache_dir=str(tmp_path / "cache")), tok)
     assert os.listdir(tmp_path / "cache") == []
+
+
+# ---------------------------------------------------------------- what a run tells a person about its data
+
+@pytest.fixture(scope="module")
+def readme_like_runs(tmp_path_factory):
+    """Two W=1 training runs on text rows of which most are longer than seq_len=32 (like the README's example):
+    the first tokenizes, the second finds the cache (and its counts) committed."""
+    import json
+
+    from conftest import run_train
+    tmp = tmp_path_factory.mktemp("readme-like")
+    path = tmp / "lines.jsonl"
+    words = "fully sharded data parallel keeps one shard of every parameter on each rank".split()
+    path.write_text("".join(json.dumps({"text": " ".join(words[: 1 + i % len(words)] * (1 + i % 5))}) + "\n"
+                            for i in range(150)))
+    args = [f"data.path={path}", "data.eval_path=", "train.eval_interval=0", "train.sample_prompts=",
+            "train.max_steps=1", "ckpt.interval=0", "ckpt.save_at_end=false", f"data.cache_dir={tmp}/cache"]
+    runs = [run_train(tmp / f"run{k}", nproc=0, overrides=args, timeout=300) for k in range(2)]
+    (cache,) = [c for c in (tmp / "cache").iterdir() if (c / "COMMIT").exists()]
+    return path, cache, runs
+
+
+def test_truncated_rows_are_reported_once_at_the_start_also_from_the_cache(readme_like_runs):
+    """The count of rows cut to seq_len and the share of tokens dropped, checked against the cache's own
+    document lengths; the second run (cache and counts already there) says the same."""
+    path, cache, runs = readme_like_runs
+    lengths = np.diff(np.fromfile(cache / "doc_offsets.bin", dtype=np.int64))
+    over = lengths[lengths > 32] - 32
+    assert len(over) > len(lengths) // 2, "the data must have rows longer than seq_len"
+    rows, cut, total = len(over), int(over.sum()), int(lengths.sum())
+    expected = (f"warning: {rows:,} of {len(lengths):,} rows ({100 * rows / len(lengths):.1f}%) of {path} are "
+                f"longer than data.seq_len=32 and cut to it (data.truncation): {cut:,} of {total:,} tokens "
+                f"({100 * cut / total:.1f}%) are dropped; raise data.seq_len, or set data.pack=true to train on "
+                "every token")
+    for proc in runs:
+        lines = proc.stdout.splitlines()
+        assert lines.count(expected) == 1, proc.stdout[-3000:]
+        first_step = min(i for i, line in enumerate(lines) if line.startswith("step "))
+        assert lines.index(expected) < first_step, "not said at the start"
+
+
+def test_packing_tail_is_reported(tmp_path, tok):
+    """Packing drops the tokens after the last full sample: how many, and their share."""
+    from finetune.data import check_samples
+    f = tmp_path / "d.txt"
+    f.write_text("hello world\nsecond line here\nand a third one\n")
+    cfg = DataConfig(path=str(f), seq_len=8, pack=True, cache_dir=str(tmp_path / "cache"))
+    samples = open_samples(build_cache(cfg, tok), cfg)
+    total = samples.cache.meta["n_tokens"]
+    tail = total - 8 * len(samples)
+    assert 0 < tail < 8
+    assert check_samples(samples, cfg) == (f"data: packing {f} into samples of data.seq_len=8 drops the last {tail} of "
+                                           f"{total} tokens ({100 * tail / total:.1f}%), too few to fill a sample")
+
+
+def test_tokenizing_in_a_run_says_what_and_how_long_without_a_bar_in_a_log(readme_like_runs):
+    """stdout is not a terminal here: a start line naming the file, an end line with rows, tokens and time,
+    and no progress bar in either stream; the run that finds the cache says neither."""
+    path, cache, (first, cached) = readme_like_runs
+    meta = json.loads((cache / "meta.json").read_text())
+    lines = first.stdout.splitlines()
+    start = [i for i, line in enumerate(lines) if line == f"data: tokenizing the training data {path} into {cache}"]
+    end = [i for i, line in enumerate(lines)
+           if re.fullmatch(rf"data: tokenized 150 rows into {meta['n_tokens']:,} tokens in \d+\.\ds", line)]
+    assert len(start) == len(end) == 1 and start[0] < end[0], first.stdout[-3000:]
+    for out in (first.stdout, first.stderr):
+        assert "\r" not in out and "tokenize:" not in out and "examples/s" not in out, out[-3000:]
+    assert "data: tokeniz" not in cached.stdout, cached.stdout[-3000:]
+
+
+def test_a_line_that_is_not_json_is_one_error_line_with_file_and_line(tmp_path):
+    """datasets reports it as 'row 50' (0-based) on a line of its own; the one `error:` line gives the file and
+    the 1-based line an editor shows. A .json file that is one document over many lines is parsed as such."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from finetune.data.sources import first_bad_line
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join('{"text": "row %d"}\n' % i if i != 50 else '{"text": oops}\n' for i in range(60)))
+    proc = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
+                           f"run.dir={tmp_path / 'run'}", f"data.path={path}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2
+    assert [line for line in proc.stderr.splitlines() if line.strip()] == [
+        f"error: data file {path} line 51 is not valid JSON: Expecting value at column 10"], proc.stderr
+    doc = tmp_path / "doc.json"
+    doc.write_text('[\n {"text": "a"},\n {"text": b}\n]\n')
+    assert first_bad_line(str(doc)) == f"data file {doc} line 3 is not valid JSON: Expecting value at column 11"
+    doc.write_text('[\n {"text": "a"}\n]\n')
+    assert first_bad_line(str(doc)) is None
