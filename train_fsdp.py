@@ -348,7 +348,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
              f"{world_size} ranks x {split.accum_steps} accum x {split.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
-    preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, plan, progress.step), 0
+    preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
     model.train()
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         try:
