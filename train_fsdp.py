@@ -35,12 +35,13 @@ from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream
     check_loss_tokens, open_samples
 from finetune.dist import free_port, rank0_builds_others_wait
 from finetune.evaluate import eval_rows, evaluate, sample
+from finetune.inputs import check_inputs
+from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
-from finetune.model import ModelError, build_mesh, build_sharded_model, check_attn_implementation, init_random, \
-    load_tokenizer
+from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
 from finetune.plan import add_plan_arguments, print_plan
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
@@ -267,10 +268,10 @@ def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, s
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_config(sys.argv[1:] if argv is None else argv)
-        if not args.plan:  # a flash attention this machine cannot run: refused before any process group
-            check_attn_implementation(cfg.model)
-    except (ConfigError, ModelError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not args.plan:  # launch, model folder, attention kernel, data files: before any process group
+            check_inputs(cfg)
+    except USER_ERRORS as e:
+        report_bad_input(str(e), EXIT_BAD_INPUT)  # once, from rank 0, however many ranks the launcher started
         return EXIT_BAD_INPUT
     if args.plan:  # memory, staging, checkpoint size and save time for this config; no process group
         return print_plan(cfg, args)
