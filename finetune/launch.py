@@ -49,7 +49,7 @@ def _write_elastic_error_file(message: str, exit_code: int) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    text = f"bad input (exit {exit_code}), see the error: line above: {message}"
+    text = f"bad input (exit {exit_code}; its one-line message is above): {message}"
     try:
         with open(path, "w") as f:
             json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
