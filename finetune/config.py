@@ -349,6 +349,7 @@ RESUME_REFUSED = {
     "data.global_batch_size": "steps, the schedule and the data position count other batches",
     "train.seed": "the saved data position is only meaningful in the order made with its seed",
 }
+_MOVABLE = ("model.name_or_path", "model.config_path", "model.tokenizer_path")  # compared by content if moved
 _RESUME_EFFECT = {  # what applying a change means, where it is more than "takes effect"
     "train.lr": "the LR schedule follows the new config from the resumed step on",
     "train.min_lr_ratio": "the LR schedule follows the new config from the resumed step on",
@@ -386,9 +387,12 @@ def _same(key: str, a, b) -> bool:
     return False
 
 
-def resume_changes(saved_yaml: str, cfg: Config) -> list[ConfigChange]:
+def resume_changes(saved_yaml: str, cfg: Config,
+                   same_content: typing.Callable[[str, str], bool] | None = None) -> list[ConfigChange]:
     """Every field whose value differs between a checkpoint's config.yaml and `cfg`, with its rule.
-    Fields that only one side knows (another version of this file) are not compared."""
+    Fields that only one side knows (another version of this file) are not compared. A model folder key whose
+    path changed but whose content is the same (`same_content(key, saved path)`, finetune/model_identity.py)
+    is applied, not refused: the model moved, it did not change."""
     try:
         saved = _flatten(yaml.safe_load(saved_yaml) or {})
     except (yaml.YAMLError, AttributeError) as e:
@@ -399,6 +403,8 @@ def resume_changes(saved_yaml: str, cfg: Config) -> list[ConfigChange]:
             continue
         if key not in RESUME_REFUSED:
             verdict, why = "applied", _RESUME_EFFECT.get(key, "takes effect")
+        elif key in _MOVABLE and same_content is not None and same_content(key, saved[key]):
+            verdict, why = "applied", "the same files at another path (their fingerprints match the checkpoint's)"
         elif cfg.ckpt.resume_config_check == "refuse":
             verdict, why = "refused", RESUME_REFUSED[key]
         else:
