@@ -27,10 +27,11 @@ from ckpt import CheckpointError, CheckpointManager, TrainingCheckpoints, check_
     reseed_all, step_dir
 from ckpt.adapter import check_same_base
 from ckpt.faults import fault_point
+from ckpt.words import plural
 from ckpt.state import DERIVED_SEED, derived_seed
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_schema, checkpoint_state, \
     model_state
-from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
+from finetune.config import ArgumentParser, Config, ConfigError, config_help, load_config, resume_changes, to_yaml
 from finetune.data import BATCH_KEY, COMMIT_FILE, IGNORE, BatchPlan, BatchStream, DataError, build_cache, cache_path, \
     check_loss_tokens, open_samples
 from finetune.dist import free_port, rank0_builds_others_wait
@@ -43,7 +44,7 @@ from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
 from finetune.model_identity import same_content_as
-from finetune.plan import add_plan_arguments, print_plan
+from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
@@ -52,11 +53,17 @@ USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
 # ---------------------------------------------------------------- config and process group
 
 def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="YAML preset, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. train.max_steps=20 run.dir=runs/a")
+    p.add_argument("--help-config", action="store_true", help="list every config key: type, default, meaning")
     add_plan_arguments(p)
     args = p.parse_args(argv)
+    if args.help_config:
+        print(config_help())
+        raise SystemExit(0)
+    if plan_flags_without_plan(args):
+        raise ConfigError(plan_flags_without_plan(args))
     return load_config(args.config, args.overrides), args
 
 
@@ -200,9 +207,9 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
     follow_config_schedule(optimizer, scheduler, cfg.train, log)
     if rng_world != world_size:
         reseed_all(derived_seed(cfg.train.seed, rank, progress.step))
-        log.info(f"resume: RNG saved by {rng_world} ranks, now {world_size}: re-derived as {DERIVED_SEED} "
+        log.info(f"resume: RNG saved by {plural(rng_world, 'rank')}, now {world_size}: re-derived as {DERIVED_SEED} "
                  f"(step {progress.step})")
-    log.info(f"resume: loaded {path} at step {progress.step} (saved by {saved_world} ranks, now {world_size})")
+    log.info(f"resume: loaded {path} at step {progress.step} (saved by {plural(saved_world, 'rank')}, now {world_size})")
     log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
 
 
@@ -374,7 +381,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, world_size)
     log.info(f"world {world_size} | device {device.type} | {param_summary(model)} | "
              f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {plan.global_batch} = "
-             f"{world_size} ranks x {plan.accum_steps} accum x {plan.micro_batch} micro")
+             f"{plural(world_size, 'rank')} x {plan.accum_steps} accum x {plan.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
     eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)

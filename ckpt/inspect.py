@@ -29,6 +29,7 @@ from .commit import VerifyError, verify_checkpoint
 from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, step_of
 from .schema import schema_of
 from .state import DERIVED_SEED, rng_key
+from .words import plural
 
 
 
@@ -131,7 +132,7 @@ def list_checkpoints(ckpt_dir: str) -> int:
 def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     meta = read_meta(path, missing_ok=True)
     ok, status = checkpoint_status(path)
-    print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
+    print(f"{path}: step {meta.get('step', step_of(path))}, saved by {plural(meta.get('world_size', '?'), 'rank')}, {status}")
     if "score" in meta:
         print(f"  score (eval loss) {meta['score']:.6f}")
     from .adapter import describe
@@ -139,7 +140,7 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     if lora_line:
         print(f"  {lora_line}")
     if meta.get("resharded_from"):
-        print(f"  resharded from {meta['resharded_from']} (RNG blobs of {rng_world_size(meta)} ranks)")
+        print(f"  resharded from {meta['resharded_from']} (RNG blobs of {plural(rng_world_size(meta), 'rank')})")
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or broken .metadata is the whole answer
@@ -153,8 +154,8 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
         for k, v in sorted(read_items(path, wanted).items()):
             print(f"  {k} = {v}")
     tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
-    print(f"{len(tensors)} tensors ({_mib(sum(_nbytes(v) for v in tensors.values()))}), "
-          f"{len(md) - len(tensors)} bytes items")
+    print(f"{plural(len(tensors), 'tensor')} ({_mib(sum(_nbytes(v) for v in tensors.values()))}), "
+          f"{plural(len(md) - len(tensors), 'other item')} (bytes: train state, RNG)")
     if tensors_too:
         _print_all_keys(md)
     else:
@@ -194,7 +195,7 @@ def _print_key_groups(md: dict, optim_prefix: str) -> None:
             g[2].add("bytes")
     width = max(len(name) for name in groups)
     for name, (count, nbytes, dtypes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {name:<{width}}  {count:>6} items  {_mib(nbytes):>12}  {','.join(sorted(dtypes))}")
+        print(f"  {name:<{width}}  {plural(count, 'item'):>12}  {_mib(nbytes):>12}  {','.join(sorted(dtypes))}")
     print("  (--tensors lists every key with its shape and dtype)")
 
 
@@ -211,8 +212,8 @@ def dry_run(path: str, world_size: int) -> int:
     """Would `train_fsdp.py` resume `path` at `world_size` ranks, and what moves? Mirrors train_fsdp.resume."""
     meta = read_meta(path, missing_ok=True)
     saved = meta.get("world_size", "?")
-    print(f"dry run: resume {path} (step {meta.get('step', step_of(path))}, saved by {saved} ranks) "
-          f"at {world_size} ranks")
+    print(f"dry run: resume {path} (step {meta.get('step', step_of(path))}, saved by {plural(saved, 'rank')}) "
+          f"at {plural(world_size, 'rank')}")
     ok, status = checkpoint_status(path)
     problem = None if ok else f"checkpoint is {status}"
     problem = problem or world_size_problem(path, world_size)
@@ -221,7 +222,7 @@ def dry_run(path: str, world_size: int) -> int:
         return 1
     schema = schema_of(path)
     for key, value in schema.divides.items():
-        print(f"  {key} {value} = {world_size} ranks x {value // world_size} (micro batches adapt)")
+        print(f"  {key} {value} = {plural(world_size, 'rank')} x {value // world_size} (micro batches adapt)")
     state = read_items(path, [k for k in (schema.position_key, schema.step_key)
                               if k in FileSystemReader(path).read_metadata().state_dict_metadata])
     if schema.position_key in state:
@@ -233,9 +234,9 @@ def dry_run(path: str, world_size: int) -> int:
         print(f"  RNG: restored per rank from rng_rank0..{world_size - 1}")
     else:
         step = state.get(schema.step_key, meta.get("step"))
-        print(f"  RNG: saved by {rng_world} ranks, so re-derived on each rank as {DERIVED_SEED} "
+        print(f"  RNG: saved by {plural(rng_world, 'rank')}, so re-derived on each rank as {DERIVED_SEED} "
               f"(seed {meta.get('seed', '?')}, step {step}); dropout-free training follows the same trajectory")
-    print(f"  OK: resume with {world_size} ranks and ckpt.resume={path}")
+    print(f"  OK: resume with {plural(world_size, 'rank')} and ckpt.resume={path}")
     return 0
 
 

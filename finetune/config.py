@@ -8,12 +8,16 @@ naming the key, before any process group exists.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
+import difflib
 import importlib.util
+import inspect
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -24,6 +28,14 @@ from ckpt.policy import parse_interval
 
 class ConfigError(ValueError):
     """A config problem the user must fix; the message names the key."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Command-line mistakes raise ConfigError, so they are reported like config mistakes: one `error:` line,
+    once under torchrun (finetune/launch.py), instead of argparse's usage + error on every rank."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (python {self.prog} --help lists the arguments)")
 
 
 @dataclass
@@ -89,9 +101,9 @@ class TrainConfig:
     lr: float = 1e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10  # linear warmup from 0
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
@@ -224,12 +236,52 @@ def _apply(cfg: Config, key: str, value) -> None:
     for i, part in enumerate(parts[:-1]):  # model.lora.r walks into a nested section
         sub = getattr(sub, part, None)
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"unknown config key '{key}': no section '{'.'.join(parts[:i + 1])}'")
+            raise ConfigError(f"unknown config key '{key}': no section '{'.'.join(parts[:i + 1])}'{_did_you_mean(key)}")
     name = parts[-1]
     hints = typing.get_type_hints(type(sub))
     if name not in hints or dataclasses.is_dataclass(getattr(sub, name)):
-        raise ConfigError(f"unknown config key '{key}'")
+        raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key)}")
     setattr(sub, name, _coerce(key, value, hints[name]))
+
+
+def _fields(section, prefix: str = "") -> list[tuple[str, dataclasses.Field, type]]:
+    """(key, field, type) of every config key under `section`, in the order of this file."""
+    out, hints = [], typing.get_type_hints(section)
+    for f in dataclasses.fields(section):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", f, hints[f.name]))
+    return out
+
+
+def _field_docs(section) -> dict[str, str]:
+    """{field name: its one-line doc}: the comment after each field in this file's source."""
+    docs = {}
+    for line in inspect.getsource(section).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=.*?  # (.*)$", line)
+        if m:
+            docs[m.group(1)] = m.group(2).strip()
+    return docs
+
+
+def all_keys() -> list[str]:
+    return [key for key, _, _ in _fields(Config)]
+
+
+def config_help() -> str:
+    """`train_fsdp.py --help-config`: every key with its type, default and one-line doc, from the dataclasses."""
+    lines, default = [], Config()
+    for key, f, typ in _fields(Config):
+        owner = _get(default, key.rsplit(".", 1)[0])
+        doc = _field_docs(type(owner)).get(f.name, "")
+        lines.append(f"{key} ({typ.__name__}, default {getattr(owner, f.name)!r}): {doc}")
+    return "\n".join(lines)
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1)
+    return f"; did you mean '{close[0]}'?" if close else " (train_fsdp.py --help-config lists every key)"
 
 
 def _get(cfg: Config, key: str):

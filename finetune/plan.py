@@ -26,17 +26,46 @@ LOGITS_COPIES = 3.3  # logits + their gradient + fp32 chunks of the chunked loss
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not a measurement
 
 
+def _positive(typ):
+    """An argparse type: a finite number > 0 (a negative GPU memory or bandwidth is a typo, not a plan)."""
+    def parse(text: str):
+        try:
+            value = typ(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a {typ.__name__} > 0, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a {typ.__name__} > 0, got {text!r}")
+        return value
+    parse.__name__ = typ.__name__
+    return parse
+
+
+PLAN_FLAGS = {"nodes": 1, "gpus_per_node": 8, "gpu_memory": None, "host_memory": None, "write_gbps": 10.0,
+              "copy_gbps": 10.0}  # dest -> default: given without --plan they would be silently ignored
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (--plan: print the plan and exit, no process group)")
     g.add_argument("--plan", action="store_true", help="print memory per GPU, host staging, checkpoint size, save time")
-    g.add_argument("--nodes", type=int, default=1, help="nodes to plan for (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
-    g.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU: exit 1 when the plan needs more")
-    g.add_argument("--host-memory", type=float, default=None, help="GiB of RAM (and of /dev/shm) per node to check")
-    g.add_argument("--write-gbps", type=float, default=10.0,
+    g.add_argument("--nodes", type=_positive(int), default=1, help="nodes to plan for (default 1)")
+    g.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs (ranks) per node (default 8)")
+    g.add_argument("--gpu-memory", type=_positive(float), default=None,
+                   help="GiB per GPU: exit 1 when the plan needs more")
+    g.add_argument("--host-memory", type=_positive(float), default=None,
+                   help="GiB of RAM (and of /dev/shm) per node to check")
+    g.add_argument("--write-gbps", type=_positive(float), default=10.0,
                    help="aggregate write bandwidth of ckpt.dir's filesystem, GB/s (default 10)")
-    g.add_argument("--copy-gbps", type=float, default=10.0,
+    g.add_argument("--copy-gbps", type=_positive(float), default=10.0,
                    help="GPU-to-host copy bandwidth per GPU while staging, GB/s (default 10)")
+
+
+def plan_flags_without_plan(args: argparse.Namespace) -> str | None:
+    """The planner flags given without --plan (they only change the plan), as one message, or None."""
+    given = [f"--{dest.replace('_', '-')}" for dest, default in PLAN_FLAGS.items() if getattr(args, dest) != default]
+    if args.plan or not given:
+        return None
+    one = len(given) == 1
+    return f"{', '.join(given)} only change{'s' if one else ''} the plan: add --plan (or drop {'it' if one else 'them'})"
 
 
 # ---------------------------------------------------------------- the model's shapes, from config.json

@@ -281,4 +281,4 @@ def test_adapter_and_merged_exports(root, straight, tmp_path):
     full = root / "base" / "checkpoints" / "step-000200"
     cli = subprocess.run([sys.executable, "-m", "ckpt", "export", str(full), str(tmp_path / "x"), "--adapter"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 1 and cli.stderr.startswith("error:") and "full fine-tuning checkpoint" in cli.stderr
+    assert cli.returncode == 2 and cli.stderr.startswith("error:") and "full fine-tuning checkpoint" in cli.stderr
