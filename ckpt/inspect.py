@@ -259,7 +259,7 @@ def inspect_path(path: str, world_size: int | None = None, tensors: bool = False
     a checkpoint shows a summary of its contents (every tensor with `tensors`), or with world_size, the dry run."""
     if not os.path.isdir(path):
         print(f"error: {path}: not a directory", file=sys.stderr)
-        return 1
+        return 2  # bad input
     is_checkpoint = any(os.path.exists(os.path.join(path, n)) for n in (".metadata", META_FILE, "commit.json"))
     if is_checkpoint:
         return show_checkpoint(path, tensors) if world_size is None else dry_run(path, world_size)
