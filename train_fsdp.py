@@ -287,9 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, device = init_distributed(collective_timeout(cfg.train.collective_timeout_minutes))
     try:
         return train(cfg, rank, world_size, device)
-    except USER_ERRORS as e:
-        if rank == 0 or not isinstance(e, CheckpointError):
-            print(f"error: {e}", file=sys.stderr, flush=True)
+    except USER_ERRORS as e:  # most are raised on every rank alike (rank 0's data error is shared): printed once
+        report_bad_input(str(e), EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
     except RuntimeError as e:
         if not collective_timed_out(e):
