@@ -29,7 +29,8 @@ def model_source(cfg_model) -> str:
     return cfg_model.name_or_path or cfg_model.config_path
 
 
-# One of these is a tokenizer's vocabulary; without any, transformers ends in advice to install sentencepiece
+# One of these (or a *.model / *.tiktoken file) is a tokenizer's vocabulary; without any, transformers ends in
+# advice to install sentencepiece or tiktoken
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
 
 
@@ -47,7 +48,8 @@ def check_model_folder(cfg_model) -> None:
             raise ModelError(f"{key}={path}: no such model folder")
     if not os.path.isfile(os.path.join(model_source(cfg_model), "config.json")):
         raise ModelError(f"{src_key}={model_source(cfg_model)}: the folder has no config.json (not a HF model folder)")
-    if not any(os.path.isfile(os.path.join(tokenizer_dir(cfg_model), f)) for f in TOKENIZER_FILES):
+    names = os.listdir(tokenizer_dir(cfg_model))
+    if not any(f in TOKENIZER_FILES or f.endswith((".model", ".tiktoken")) for f in names):
         raise ModelError(f"{tok_key}={tokenizer_dir(cfg_model)}: the folder has no tokenizer file (one of "
                          f"{', '.join(TOKENIZER_FILES)}); point model.tokenizer_path at the folder that has it")
 
