@@ -209,7 +209,8 @@ def resume(mgr, cfg, log, model, optimizer, scheduler, progress, stream, rank, w
         reseed_all(derived_seed(cfg.train.seed, rank, progress.step))
         log.info(f"resume: RNG saved by {plural(rng_world, 'rank')}, now {world_size}: re-derived as {DERIVED_SEED} "
                  f"(step {progress.step})")
-    log.info(f"resume: loaded {path} at step {progress.step} (saved by {plural(saved_world, 'rank')}, now {world_size})")
+    log.info(f"resume: loaded {path} at step {progress.step} (saved by {plural(saved_world, 'rank')}, "
+             f"now {world_size})")
     log.event("resume", step=progress.step, path=path, world_size=world_size, saved_world_size=saved_world)
 
 

@@ -132,7 +132,8 @@ def list_checkpoints(ckpt_dir: str) -> int:
 def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     meta = read_meta(path, missing_ok=True)
     ok, status = checkpoint_status(path)
-    print(f"{path}: step {meta.get('step', step_of(path))}, saved by {plural(meta.get('world_size', '?'), 'rank')}, {status}")
+    saved_by = plural(meta.get('world_size', '?'), 'rank')
+    print(f"{path}: step {meta.get('step', step_of(path))}, saved by {saved_by}, {status}")
     if "score" in meta:
         print(f"  score (eval loss) {meta['score']:.6f}")
     from .adapter import describe

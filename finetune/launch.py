@@ -10,8 +10,9 @@ Bad input (config, model folder, data files) is checked by every rank, identical
 Only global rank 0 prints its `error:` line. The others stay silent and wait: torchrun stops every worker as soon
 as one exits, so a silent rank that exited first could cut off the one that prints. A rank that is still alive
 after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs) prints its own line, naming its rank.
-All ranks exit with the same code. train_fsdp.py reports a user error found later (after the process group)
-the same way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late. Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does),
+All ranks exit with the same code. train_fsdp.py reports a user error found after the process group the same
+way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late.
+Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does),
 so torchrun's failure summary shows it for each rank instead of a link on how to enable tracebacks.
 """
 
