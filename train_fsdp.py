@@ -23,22 +23,25 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints
+from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
 from ckpt.hf_load import load_hf_weights
 from common.dist import free_port, rank0_builds_others_wait
 from common.progress import phase
+from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
-from finetune.config import Config, ConfigError, load_config, resume_changes, to_yaml
+from finetune.config import ArgumentParser, Config, ConfigError, config_help, load_config, resume_changes, to_yaml
 from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path,
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
+from finetune.inputs import check_inputs
+from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
-from finetune.model import (ModelError, build_mesh, build_sharded_model, check_attn_implementation, init_random,
-                            load_tokenizer)
-from finetune.plan import add_plan_arguments, print_plan
+from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
+from finetune.model_identity import same_content_as
+from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
@@ -47,11 +50,17 @@ USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
 # ---------------------------------------------------------------- config and process group
 
 def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None, help="YAML preset, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. train.max_steps=20 run.dir=runs/a")
+    p.add_argument("--help-config", action="store_true", help="list every config key: type, default, meaning")
     add_plan_arguments(p)
     args = p.parse_args(argv)
+    if args.help_config:
+        print(config_help())
+        raise SystemExit(0)
+    if plan_flags_without_plan(args):
+        raise ConfigError(plan_flags_without_plan(args))
     return load_config(args.config, args.overrides), args
 
 
@@ -180,7 +189,7 @@ def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
         return
-    changes = resume_changes(saved, cfg)
+    changes = resume_changes(saved, cfg, same_content_as(read_meta(path), cfg.model))  # a moved model is no change
     for change in changes:
         log.info(f"resume: config changed since {path}: {change.line()}")
     if changes:
@@ -236,10 +245,10 @@ def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, s
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg, args = parse_config(sys.argv[1:] if argv is None else argv)
-        if not args.plan:  # a flash attention this machine cannot run: refused before any process group
-            check_attn_implementation(cfg.model)
-    except (ConfigError, ModelError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not args.plan:  # launch, model folder, attention kernel, data files: before any process group
+            check_inputs(cfg)
+    except USER_ERRORS as e:
+        report_bad_input(str(e), EXIT_BAD_INPUT)  # once, from rank 0, however many ranks the launcher started
         return EXIT_BAD_INPUT
     if args.plan:  # memory, staging, checkpoint size and save time for this config; no process group
         return print_plan(cfg, args)
@@ -247,9 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, device = init_distributed(collective_timeout(cfg.train.collective_timeout_minutes))
     try:
         return train(cfg, rank, world_size, device)
-    except USER_ERRORS as e:
-        if rank == 0 or not isinstance(e, CheckpointError):
-            print(f"error: {e}", file=sys.stderr, flush=True)
+    except USER_ERRORS as e:  # most are raised on every rank alike (rank 0's data error is shared): printed once
+        report_bad_input(str(e), EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
     except RuntimeError as e:
         if not collective_timed_out(e):
@@ -345,7 +353,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
            optimizer, scheduler, log)
     log.info(f"world {world_size} | device {device.type} | {param_summary(model)} | "
              f"{len(samples)} samples x {cfg.data.seq_len} tokens | global batch {split.global_batch} = "
-             f"{world_size} ranks x {split.accum_steps} accum x {split.micro_batch} micro")
+             f"{plural(world_size, 'rank')} x {split.accum_steps} accum x {split.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
     preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0

@@ -8,21 +8,42 @@
     python -m ckpt export  <checkpoint> <out_dir> [--dtype auto|fp32|bf16|fp16] [--jobs 4]
     python -m ckpt export  <checkpoint> <out_dir> --adapter            # LoRA: PEFT adapter folder (default: merged)
 
-Exit status 0 on success, 1 when a checkpoint is invalid or a command fails; errors go to stderr.
+Exit status 0 on success, 1 when a checkpoint is invalid or a command fails, 2 for bad input (a path that is
+no checkpoint, bad arguments); errors go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from common.words import plural
 from .describe import inspect_path
 from .export import export_cli
+from .layout import COMMIT_FILE, META_FILE, list_step_dirs
 from .manifest import VerifyError, verify_checkpoint
 from .reshard import reshard
 
 
+def not_a_checkpoint(path: str) -> str | None:
+    """Why `path` is no checkpoint folder at all (rather than a damaged or uncommitted one), or None."""
+    if not os.path.isdir(path):
+        return f"{path}: no such folder"
+    if any(os.path.exists(os.path.join(path, f)) for f in (COMMIT_FILE, META_FILE, ".metadata")):
+        return None  # a checkpoint, committed or not: verify says what is wrong with it
+    steps = list_step_dirs(path)
+    if steps:
+        return (f"{path} is a checkpoints folder ({plural(len(steps), 'step-* folder')}), not a checkpoint: verify one "
+                f"of them, e.g. the newest: python -m ckpt verify {steps[-1][1]}")
+    return f"{path} is not a checkpoint folder (no {COMMIT_FILE}, {META_FILE} or .metadata in it)"
+
+
 def cmd_verify(args) -> int:
+    problem = not_a_checkpoint(args.path)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         marker = verify_checkpoint(args.path, jobs=args.jobs)
     except VerifyError as e:
@@ -50,22 +71,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ckpt", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     v = sub.add_parser("verify", help="check commit marker, manifest, sizes and checksums")
-    v.add_argument("path")
+    v.add_argument("path", help="one checkpoint folder, e.g. runs/tiny/checkpoints/step-000200")
     v.add_argument("--jobs", type=int, default=1, help="threads hashing files in parallel")
     v.set_defaults(fn=cmd_verify)
     i = sub.add_parser("inspect", help="list checkpoints of a directory, or show one checkpoint")
-    i.add_argument("path")
+    i.add_argument("path", help="a ckpt.dir (lists its checkpoints) or one step-NNNNNN checkpoint folder")
     i.add_argument("--world-size", type=int, default=None, help="dry run: can this checkpoint resume at W ranks?")
     i.add_argument("--tensors", action="store_true", help="list every key with its shape and dtype")
     i.set_defaults(fn=cmd_inspect)
     r = sub.add_parser("reshard", help="rewrite a checkpoint as if saved by W ranks")
-    r.add_argument("src")
-    r.add_argument("dst")
-    r.add_argument("--world-size", type=int, required=True)
+    r.add_argument("src", help="the checkpoint folder to read (step-NNNNNN)")
+    r.add_argument("dst", help="the new checkpoint folder to write (must not exist)")
+    r.add_argument("--world-size", type=int, required=True, help="the number of ranks the new checkpoint is saved as")
     r.set_defaults(fn=cmd_reshard)
     e = sub.add_parser("export", help="write a Hugging Face model folder from a checkpoint")
-    e.add_argument("checkpoint")
-    e.add_argument("out_dir")
+    e.add_argument("checkpoint", help="the checkpoint folder to export (step-NNNNNN)")
+    e.add_argument("out_dir", help="the Hugging Face model folder to write")
     e.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), default="auto",
                    help="auto: the source model's torch_dtype (fp32 for a random init)")
     e.add_argument("--jobs", type=int, default=1, help="processes writing tensors in parallel")

@@ -22,13 +22,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from common.dist import divisibility_problem
+from common.words import plural
 from .adapter import describe_lora
 from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, step_of
 from .manifest import VerifyError, verify_checkpoint
 from .reading import read_items
 from .schema import schema_of
 from .state import DERIVED_SEED, restores_rng, rng_key, rng_world_size
-
 
 # ---------------------------------------------------------------- reading one checkpoint
 
@@ -113,14 +113,15 @@ def list_checkpoints(ckpt_dir: str) -> int:
 def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     meta = read_meta(path, missing_ok=True)
     ok, status = checkpoint_status(path)
-    print(f"{path}: step {meta.get('step', step_of(path))}, saved by {meta.get('world_size', '?')} ranks, {status}")
+    saved_by = plural(meta.get('world_size', '?'), 'rank')
+    print(f"{path}: step {meta.get('step', step_of(path))}, saved by {saved_by}, {status}")
     if "score" in meta:
         print(f"  score (eval loss) {meta['score']:.6f}")
     lora_line = describe_lora(meta, _dir_bytes(path))
     if lora_line:
         print(f"  {lora_line}")
     if meta.get("resharded_from"):
-        print(f"  resharded from {meta['resharded_from']} (RNG blobs of {rng_world_size(meta)} ranks)")
+        print(f"  resharded from {meta['resharded_from']} (RNG blobs of {plural(rng_world_size(meta), 'rank')})")
     try:
         metadata = FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - a missing or broken .metadata is the whole answer
@@ -134,8 +135,8 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
         for k, v in sorted(read_items(path, wanted).items()):
             print(f"  {k} = {v}")
     tensors = {k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)}
-    print(f"{len(tensors)} tensors ({_mib(sum(_nbytes(v) for v in tensors.values()))}), "
-          f"{len(md) - len(tensors)} bytes items")
+    print(f"{plural(len(tensors), 'tensor')} ({_mib(sum(_nbytes(v) for v in tensors.values()))}), "
+          f"{plural(len(md) - len(tensors), 'other item')} (bytes: train state, RNG)")
     if tensors_too:
         _print_all_keys(md)
     else:
@@ -175,7 +176,7 @@ def _print_key_groups(md: dict, optim_prefix: str) -> None:
             g[2].add("bytes")
     width = max(len(name) for name in groups)
     for name, (count, nbytes, dtypes) in sorted(groups.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {name:<{width}}  {count:>6} items  {_mib(nbytes):>12}  {','.join(sorted(dtypes))}")
+        print(f"  {name:<{width}}  {plural(count, 'item'):>12}  {_mib(nbytes):>12}  {','.join(sorted(dtypes))}")
     print("  (--tensors lists every key with its shape and dtype)")
 
 
@@ -193,8 +194,8 @@ def dry_run(path: str, world_size: int) -> int:
     state.py (the RNG rule)."""
     meta = read_meta(path, missing_ok=True)
     saved = meta.get("world_size", "?")
-    print(f"dry run: resume {path} (step {meta.get('step', step_of(path))}, saved by {saved} ranks) "
-          f"at {world_size} ranks")
+    print(f"dry run: resume {path} (step {meta.get('step', step_of(path))}, saved by {plural(saved, 'rank')}) "
+          f"at {plural(world_size, 'rank')}")
     ok, status = checkpoint_status(path)
     problem = None if ok else f"checkpoint is {status}"
     problem = problem or world_size_problem(path, world_size)
@@ -203,7 +204,7 @@ def dry_run(path: str, world_size: int) -> int:
         return 1
     schema = schema_of(path)
     for key, value in schema.divides.items():
-        print(f"  {key} {value} = {world_size} ranks x {value // world_size} (micro batches adapt)")
+        print(f"  {key} {value} = {plural(world_size, 'rank')} x {value // world_size} (micro batches adapt)")
     state = read_items(path, [k for k in (schema.position_key, schema.step_key)
                               if k in FileSystemReader(path).read_metadata().state_dict_metadata])
     if schema.position_key in state:
@@ -214,9 +215,9 @@ def dry_run(path: str, world_size: int) -> int:
         print(f"  RNG: restored per rank from rng_rank0..{world_size - 1}")
     else:
         step = state.get(schema.step_key, meta.get("step"))
-        print(f"  RNG: saved by {rng_world_size(meta)} ranks, so re-derived on each rank as {DERIVED_SEED} "
+        print(f"  RNG: saved by {plural(rng_world_size(meta), 'rank')}, so re-derived on each rank as {DERIVED_SEED} "
               f"(seed {meta.get('seed', '?')}, step {step}); dropout-free training follows the same trajectory")
-    print(f"  OK: resume with {world_size} ranks and ckpt.resume={path}")
+    print(f"  OK: resume with {plural(world_size, 'rank')} and ckpt.resume={path}")
     return 0
 
 
@@ -239,7 +240,7 @@ def inspect_path(path: str, world_size: int | None = None, tensors: bool = False
     a checkpoint shows a summary of its contents (every tensor with `tensors`), or with world_size, the dry run."""
     if not os.path.isdir(path):
         print(f"error: {path}: not a directory", file=sys.stderr)
-        return 1
+        return 2  # bad input
     is_checkpoint = any(os.path.exists(os.path.join(path, n)) for n in (".metadata", META_FILE, "commit.json"))
     if is_checkpoint:
         return show_checkpoint(path, tensors) if world_size is None else dry_run(path, world_size)

@@ -303,12 +303,12 @@ def export_final(ckpt_path: str, out_dir: str, dtype: str = "auto") -> str:
 
 def export_cli(checkpoint: str, out_dir: str, dtype: str = "auto", max_shard_size: str = "2GB", jobs: int = 1,
                adapter: bool = False) -> int:
-    """`python -m ckpt export`: 0 and one OK line, or 1 and one error line."""
+    """`python -m ckpt export`: 0 and one OK line, or 2 (bad input, as everywhere) and one error line."""
     try:
         info = export_checkpoint(checkpoint, out_dir, dtype, max_shard_size, jobs=jobs, adapter=adapter)
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     print(f"OK: {checkpoint} -> {info['path']}: {info['class']}, {info['tensors']} tensors in {info['files']} "
           f"safetensors file(s), {info['bytes'] / 2**20:.1f} MiB {info['dtype']}, "
           f"{info.get('extras', 'with config, generation config, tokenizer')}")

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import resource
 
+from common.words import plural
+
 FD_MARGIN = 256  # descriptors the rank needs besides staging: sockets, data files, pipes, libraries
 
 
@@ -54,10 +56,10 @@ def shortfall(n_tensors: int, nbytes: int, local_ranks: int, fd_limit: int, shm_
         return (f"{n_tensors} staged tensors need ~{n_tensors + FD_MARGIN} open files per rank, the limit is "
                 f"{fd_limit} (raise the hard limit: ulimit -Hn)")
     if node_bytes > shm_free:
-        return (f"{local_ranks} ranks x {nbytes / 2**30:.2f} GiB staged need {node_bytes / 2**30:.2f} GiB in "
+        return (f"{plural(local_ranks, 'rank')} x {nbytes / 2**30:.2f} GiB staged need {node_bytes / 2**30:.2f} GiB in "
                 f"/dev/shm, {shm_free / 2**30:.2f} GiB free")
     if node_bytes > mem_available:
-        return (f"{local_ranks} ranks x {nbytes / 2**30:.2f} GiB staged need {node_bytes / 2**30:.2f} GiB of RAM, "
+        return (f"{plural(local_ranks, 'rank')} x {nbytes / 2**30:.2f} GiB staged need {node_bytes / 2**30:.2f} GiB of RAM, "
                 f"{mem_available / 2**30:.2f} GiB available")
     return None
 

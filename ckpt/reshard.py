@@ -34,6 +34,7 @@ from torch.distributed.tensor import Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from common.dist import free_port
+from common.words import plural
 from .checksum import ChecksummingWriter
 from .describe import is_dim0_sharded, world_size_problem
 from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, read_meta, step_dir, step_of
@@ -154,6 +155,6 @@ def reshard(src: str, dst: str, world_size: int) -> int:
         print(f"error: reshard to {dst} failed (left uncommitted, so never resumed from): {e}", file=sys.stderr)
         return 1
     saved = read_meta(src, missing_ok=True).get("world_size", "?")
-    print(f"resharded {src} ({saved} ranks) -> {dst} ({world_size} ranks), committed in "
+    print(f"resharded {src} ({plural(saved, 'rank')}) -> {dst} ({plural(world_size, 'rank')}), committed in "
           f"{time.perf_counter() - t0:.1f}s")
     return 0

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from common.dist import on_rank0_then_share
 from common.progress import phase
+from common.words import plural
 from .adapter import check_same_base
 from .manifest import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
@@ -175,9 +176,9 @@ def resume_state(mgr, state: dict, resume: str, seed: int, lora_base: dict | Non
         mgr.load(path, loaded, model_state=model_state, prefix=f"{model_key}.{ModelOptimizer.MODEL}.")
     if not restore:
         reseed_all(derived_seed(seed, mgr.rank, step))
-        log.info(f"resume: RNG saved by {rng_world_size(meta)} ranks, now {mgr.world_size}: re-derived as "
+        log.info(f"resume: RNG saved by {plural(rng_world_size(meta), 'rank')}, now {mgr.world_size}: re-derived as "
                  f"{DERIVED_SEED} (step {step})")
-    log.info(f"resume: loaded {path} at step {step} (saved by {saved_world} ranks, now {mgr.world_size})")
+    log.info(f"resume: loaded {path} at step {step} (saved by {plural(saved_world, 'rank')}, now {mgr.world_size})")
     log.event("resume", step=step, path=path, world_size=mgr.world_size, saved_world_size=saved_world)
     return Resumed(path, step, saved_world, "restored" if restore else "re-derived")
 

@@ -8,12 +8,16 @@ naming the key, before any process group exists.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
+import difflib
 import importlib.util
+import inspect
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -24,6 +28,14 @@ from ckpt.policy import parse_interval
 
 class ConfigError(ValueError):
     """A config problem the user must fix; the message names the key."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """Command-line mistakes raise ConfigError, so they are reported like config mistakes: one `error:` line,
+    once under torchrun (finetune/launch.py), instead of argparse's usage + error on every rank."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (python {self.prog} --help lists the arguments)")
 
 
 @dataclass
@@ -89,9 +101,9 @@ class TrainConfig:
     lr: float = 1e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 10  # linear warmup from 0
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.95
+    weight_decay: float = 0.01  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
@@ -224,12 +236,52 @@ def _apply(cfg: Config, key: str, value) -> None:
     for i, part in enumerate(parts[:-1]):  # model.lora.r walks into a nested section
         sub = getattr(sub, part, None)
         if sub is None or not dataclasses.is_dataclass(sub):
-            raise ConfigError(f"unknown config key '{key}': no section '{'.'.join(parts[:i + 1])}'")
+            raise ConfigError(f"unknown config key '{key}': no section '{'.'.join(parts[:i + 1])}'{_did_you_mean(key)}")
     name = parts[-1]
     hints = typing.get_type_hints(type(sub))
     if name not in hints or dataclasses.is_dataclass(getattr(sub, name)):
-        raise ConfigError(f"unknown config key '{key}'")
+        raise ConfigError(f"unknown config key '{key}'{_did_you_mean(key)}")
     setattr(sub, name, _coerce(key, value, hints[name]))
+
+
+def _fields(section, prefix: str = "") -> list[tuple[str, dataclasses.Field, type]]:
+    """(key, field, type) of every config key under `section`, in the order of this file."""
+    out, hints = [], typing.get_type_hints(section)
+    for f in dataclasses.fields(section):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += _fields(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append((f"{prefix}{f.name}", f, hints[f.name]))
+    return out
+
+
+def _field_docs(section) -> dict[str, str]:
+    """{field name: its one-line doc}: the comment after each field in this file's source."""
+    docs = {}
+    for line in inspect.getsource(section).splitlines():
+        m = re.match(r"\s+(\w+): [^=]+=.*?  # (.*)$", line)
+        if m:
+            docs[m.group(1)] = m.group(2).strip()
+    return docs
+
+
+def all_keys() -> list[str]:
+    return [key for key, _, _ in _fields(Config)]
+
+
+def config_help() -> str:
+    """`train_fsdp.py --help-config`: every key with its type, default and one-line doc, from the dataclasses."""
+    lines, default = [], Config()
+    for key, f, typ in _fields(Config):
+        owner = _get(default, key.rsplit(".", 1)[0])
+        doc = _field_docs(type(owner)).get(f.name, "")
+        lines.append(f"{key} ({typ.__name__}, default {getattr(owner, f.name)!r}): {doc}")
+    return "\n".join(lines)
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1)
+    return f"; did you mean '{close[0]}'?" if close else " (train_fsdp.py --help-config lists every key)"
 
 
 def _get(cfg: Config, key: str):
@@ -349,6 +401,7 @@ RESUME_REFUSED = {
     "data.global_batch_size": "steps, the schedule and the data position count other batches",
     "train.seed": "the saved data position is only meaningful in the order made with its seed",
 }
+_MOVABLE = ("model.name_or_path", "model.config_path", "model.tokenizer_path")  # compared by content if moved
 _RESUME_EFFECT = {  # what applying a change means, where it is more than "takes effect"
     "train.lr": "the LR schedule follows the new config from the resumed step on",
     "train.min_lr_ratio": "the LR schedule follows the new config from the resumed step on",
@@ -386,9 +439,12 @@ def _same(key: str, a, b) -> bool:
     return False
 
 
-def resume_changes(saved_yaml: str, cfg: Config) -> list[ConfigChange]:
+def resume_changes(saved_yaml: str, cfg: Config,
+                   same_content: typing.Callable[[str, str], bool] | None = None) -> list[ConfigChange]:
     """Every field whose value differs between a checkpoint's config.yaml and `cfg`, with its rule.
-    Fields that only one side knows (another version of this file) are not compared."""
+    Fields that only one side knows (another version of this file) are not compared. A model folder key whose
+    path changed but whose content is the same (`same_content(key, saved path)`, finetune/model_identity.py)
+    is applied, not refused: the model moved, it did not change."""
     try:
         saved = _flatten(yaml.safe_load(saved_yaml) or {})
     except (yaml.YAMLError, AttributeError) as e:
@@ -399,6 +455,8 @@ def resume_changes(saved_yaml: str, cfg: Config) -> list[ConfigChange]:
             continue
         if key not in RESUME_REFUSED:
             verdict, why = "applied", _RESUME_EFFECT.get(key, "takes effect")
+        elif key in _MOVABLE and same_content is not None and same_content(key, saved[key]):
+            verdict, why = "applied", "the same files at another path (their fingerprints match the checkpoint's)"
         elif cfg.ckpt.resume_config_check == "refuse":
             verdict, why = "refused", RESUME_REFUSED[key]
         else:

@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(plot_metrics(args.metrics, out))
     except (OSError, ValueError, KeyError) as e:
         print(f"error: cannot plot {args.metrics}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+        return 2  # bad input, as everywhere
     return 0
 
 

@@ -24,13 +24,36 @@ def model_source(cfg_model) -> str:
     return cfg_model.name_or_path or cfg_model.config_path
 
 
+# One of these (or a *.model / *.tiktoken file) is a tokenizer's vocabulary; without any, transformers ends in
+# advice to install sentencepiece or tiktoken
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
+
+
+def tokenizer_dir(cfg_model) -> str:
+    return cfg_model.tokenizer_path or model_source(cfg_model)
+
+
+def check_model_folder(cfg_model) -> None:
+    """The model folder has config.json and the tokenizer folder a vocabulary file, or one line names the folder,
+    the key and the missing file (before any process group, on every rank alike)."""
+    src_key = "model.name_or_path" if cfg_model.name_or_path else "model.config_path"
+    tok_key = "model.tokenizer_path" if cfg_model.tokenizer_path else src_key
+    for key, path in ((src_key, model_source(cfg_model)), (tok_key, tokenizer_dir(cfg_model))):
+        if not os.path.isdir(path):
+            raise ModelError(f"{key}={path}: no such model folder")
+    if not os.path.isfile(os.path.join(model_source(cfg_model), "config.json")):
+        raise ModelError(f"{src_key}={model_source(cfg_model)}: the folder has no config.json (not a HF model folder)")
+    names = os.listdir(tokenizer_dir(cfg_model))
+    if not any(f in TOKENIZER_FILES or f.endswith((".model", ".tiktoken")) for f in names):
+        raise ModelError(f"{tok_key}={tokenizer_dir(cfg_model)}: the folder has no tokenizer file (one of "
+                         f"{', '.join(TOKENIZER_FILES)}); point model.tokenizer_path at the folder that has it")
+
+
 def load_tokenizer(cfg_model):
     from transformers import AutoTokenizer
 
-    path = cfg_model.tokenizer_path or model_source(cfg_model)
-    if not os.path.isdir(path):
-        raise ModelError(f"tokenizer directory not found: {path}")
-    return AutoTokenizer.from_pretrained(path)
+    check_model_folder(cfg_model)
+    return AutoTokenizer.from_pretrained(tokenizer_dir(cfg_model))
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:

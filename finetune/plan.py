@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common.words import plural
 from finetune.config import ModelConfig
 from finetune.data import BatchSplit, DataError
 from finetune.lora import add_adapters
@@ -33,17 +34,46 @@ LOGITS_COPIES = 3.3  # logits + their gradient + fp32 chunks of the chunked loss
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not a measurement
 
 
+def _positive(typ):
+    """An argparse type: a finite number > 0 (a negative GPU memory or bandwidth is a typo, not a plan)."""
+    def parse(text: str):
+        try:
+            value = typ(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a {typ.__name__} > 0, got {text!r}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a {typ.__name__} > 0, got {text!r}")
+        return value
+    parse.__name__ = typ.__name__
+    return parse
+
+
+PLAN_FLAGS = {"nodes": 1, "gpus_per_node": 8, "gpu_memory": None, "host_memory": None, "write_gbps": 10.0,
+              "copy_gbps": 10.0}  # dest -> default: given without --plan they would be silently ignored
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (--plan: print the plan and exit, no process group)")
     g.add_argument("--plan", action="store_true", help="print memory per GPU, host staging, checkpoint size, save time")
-    g.add_argument("--nodes", type=int, default=1, help="nodes to plan for (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs (ranks) per node (default 8)")
-    g.add_argument("--gpu-memory", type=float, default=None, help="GiB per GPU: exit 1 when the plan needs more")
-    g.add_argument("--host-memory", type=float, default=None, help="GiB of RAM (and of /dev/shm) per node to check")
-    g.add_argument("--write-gbps", type=float, default=10.0,
+    g.add_argument("--nodes", type=_positive(int), default=1, help="nodes to plan for (default 1)")
+    g.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs (ranks) per node (default 8)")
+    g.add_argument("--gpu-memory", type=_positive(float), default=None,
+                   help="GiB per GPU: exit 1 when the plan needs more")
+    g.add_argument("--host-memory", type=_positive(float), default=None,
+                   help="GiB of RAM (and of /dev/shm) per node to check")
+    g.add_argument("--write-gbps", type=_positive(float), default=10.0,
                    help="aggregate write bandwidth of ckpt.dir's filesystem, GB/s (default 10)")
-    g.add_argument("--copy-gbps", type=float, default=10.0,
+    g.add_argument("--copy-gbps", type=_positive(float), default=10.0,
                    help="GPU-to-host copy bandwidth per GPU while staging, GB/s (default 10)")
+
+
+def plan_flags_without_plan(args: argparse.Namespace) -> str | None:
+    """The planner flags given without --plan (they only change the plan), as one message, or None."""
+    given = [f"--{dest.replace('_', '-')}" for dest, default in PLAN_FLAGS.items() if getattr(args, dest) != default]
+    if args.plan or not given:
+        return None
+    one = len(given) == 1
+    return f"{', '.join(given)} only change{'s' if one else ''} the plan: add --plan (or drop {'it' if one else 'them'})"
 
 
 # ---------------------------------------------------------------- the model's shapes, from config.json
@@ -213,7 +243,7 @@ def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
     else:
         where = "/dev/shm (and of RAM)" if mode == "process" else "pinned RAM"
         lines = [f"host per node: {size(staged)} of {where} to stage async saves (ckpt.async_mode={mode}: "
-                 f"{ranks_per_node} ranks x {size(rank_bytes)})"]
+                 f"{plural(ranks_per_node, 'rank')} x {size(rank_bytes)})"]
     if offloaded:
         lines.append(f"host per node: {size(offloaded)} of pinned RAM for the offloaded parameters, gradients "
                      "and AdamW state (model.cpu_offload)")
@@ -236,7 +266,7 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     g = cfg.data.global_batch_size
     try:
         batch = BatchSplit.make(g, cfg.data.micro_batch_size, world)
-        lines.append(f"batch: global {g} = {world} ranks x {batch.accum_steps} accum x {batch.micro_batch} micro, "
+        lines.append(f"batch: global {g} = {plural(world, 'rank')} x {batch.accum_steps} accum x {batch.micro_batch} micro, "
                      f"seq {cfg.data.seq_len}; world sizes that divide it: {divisors(g)}")
         micro, accum = batch.micro_batch, batch.accum_steps
     except DataError as e:

@@ -263,4 +263,4 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
     # a non-empty destination is refused with one line, exit status 1
-    assert export_cli(ckpt, str(out), "fp32", "2GB") == 1
+    assert export_cli(ckpt, str(out), "fp32", "2GB") == 2

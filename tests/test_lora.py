@@ -9,6 +9,7 @@ off for the world-size changes (there each rank's RNG is re-derived, see the REA
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -156,6 +157,19 @@ def test_resume_on_another_base_is_refused(root, straight, tmp_path):
     verify_checkpoint(str(ckpt))  # the committed checkpoint is untouched
 
 
+def test_resume_on_a_moved_copy_of_the_base_continues(root, straight, tmp_path):
+    """The base copied to another path (the run continued on another machine): the same content, so the resume
+    goes on and the path change is logged as applied (meta.json's model_content), not refused."""
+    moved = tmp_path / "moved-base"
+    shutil.copytree(base_of(root), moved)
+    ckpt = straight / "checkpoints" / "step-000006"
+    proc = run_train(tmp_path / "r", 0, [f"model.name_or_path={moved}", *KILL_RUN, f"ckpt.resume={ckpt}",
+                                         "train.max_steps=7"], check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"model.name_or_path: '{base_of(root)}' -> '{moved}' (applied: the same files at another path" in proc.stdout
+    assert max(losses(tmp_path / "r")) == 7
+
+
 def test_check_same_base_rules(tmp_path):
     from ckpt import CheckpointError
     from ckpt.adapter import check_same_base
@@ -281,4 +295,4 @@ def test_adapter_and_merged_exports(root, straight, tmp_path):
     full = root / "base" / "checkpoints" / "step-000200"
     cli = subprocess.run([sys.executable, "-m", "ckpt", "export", str(full), str(tmp_path / "x"), "--adapter"],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 1 and cli.stderr.startswith("error:") and "full fine-tuning checkpoint" in cli.stderr
+    assert cli.returncode == 2 and cli.stderr.startswith("error:") and "full fine-tuning checkpoint" in cli.stderr

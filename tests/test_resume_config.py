@@ -6,6 +6,7 @@ after the resume is the new config's (docs/resume-rules.md).
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -72,3 +73,44 @@ def test_seed_change_refused_then_continues_the_saved_order_with_warn(tmp_path):
     order = GlobalOrder(rows, 11)  # the saved order, not seed 12's
     assert [metrics(run)[s]["sample_ids"] for s in (3, 4)] == [order.rows(24, 12), order.rows(36, 12)]
     assert "train.seed" in [c["key"] for c in events(run, "resume_config_changes")[-1]["changes"]]
+
+
+def copy_model(dst, edit: dict | None = None) -> str:
+    shutil.copytree(os.path.join(ROOT, "assets", "tiny-llama"), dst)
+    if edit:
+        cfg = json.load(open(os.path.join(dst, "config.json")))
+        cfg.update(edit)
+        json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
+    return str(dst)
+
+
+def test_moved_model_folder_resumes_an_edited_one_is_refused(tmp_path):
+    """Continuing on another machine: model.config_path names an identical copy elsewhere. What the model is
+    (its config.json, recorded in meta.json) decides, not where it lives."""
+    run = tmp_path / "run"
+    first = copy_model(tmp_path / "machine-a" / "tiny")
+    run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=2", f"model.config_path={first}"])
+    moved = copy_model(tmp_path / "machine-b" / "tiny")
+    edited = copy_model(tmp_path / "edited", edit={"rms_norm_eps": 1e-3})
+    refused = run_train(run, nproc=0, check=False, timeout=TIMEOUT,
+                        overrides=[*BASE, "train.max_steps=4", f"model.config_path={edited}"])
+    assert refused.returncode == 2 and "with a changed model.config_path (" in refused.stderr, refused.stderr[-2000:]
+    assert "the architecture trained is another one" in refused.stderr
+    shutil.rmtree(first)  # the old machine's folder is gone: the fingerprint in meta.json decides
+    proc = run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=4", f"model.config_path={moved}"])
+    assert f"model.config_path: '{first}' -> '{moved}' (applied: the same files at another path" in proc.stdout
+    assert max(metrics(run)) == 4
+
+
+def test_moved_model_of_an_older_checkpoint_compared_by_its_saved_folder(tmp_path):
+    """A checkpoint without meta.json's model_content: compared with the saved folder while it exists."""
+    from finetune.config import ConfigChange
+    from finetune.model_identity import same_content_as
+    first, moved = copy_model(tmp_path / "a"), copy_model(tmp_path / "b")
+    edited = copy_model(tmp_path / "c", edit={"hidden_act": "gelu"})
+    saved = to_yaml(load_config(None, [f"model.config_path={first}"]))
+    for folder, verdict in ((moved, "applied"), (edited, "refused")):
+        cfg = load_config(None, [f"model.config_path={folder}"])
+        changes = resume_changes(saved, cfg, same_content_as({}, cfg.model))
+        assert [(c.key, c.verdict) for c in changes] == [("model.config_path", verdict)], changes
+        assert isinstance(changes[0], ConfigChange)

@@ -58,9 +58,9 @@ def test_every_command_has_working_help(tmp_path, capsys):
 
 def test_ckpt_errors_go_to_stderr(tmp_path, capsys):
     from ckpt.__main__ import main as ckpt_cli
-    for args in (["verify", str(tmp_path / "nope")], ["inspect", str(tmp_path / "nope")],
-                 ["inspect", str(tmp_path)], ["export", str(tmp_path / "nope"), str(tmp_path / "out")]):
-        assert ckpt_cli(args) == 1, args
+    for args, code in ((["verify", str(tmp_path / "nope")], 2), (["inspect", str(tmp_path / "nope")], 2),
+                       (["inspect", str(tmp_path)], 1), (["export", str(tmp_path / "nope"), str(tmp_path / "out")], 2)):
+        assert ckpt_cli(args) == code, args  # 2: bad input (a path that is no checkpoint), as README says
         out, err = capsys.readouterr()
         assert out == "" and len(err.strip().splitlines()) == 1, (args, out, err)
 

@@ -56,7 +56,7 @@ def sources(cfg_data, eval_set: bool = False) -> list[tuple[Source, float]]:
     return pairs
 
 
-def _is_local(path: str) -> bool:
+def is_local_path(path: str) -> bool:
     """An existing path, or file names with a data extension (missing ones then get a clear error). A hub
     name ("org/name") has a slash too, so a slash alone does not make a path local."""
     files = [p.strip() for p in path.split(",") if p.strip()]
@@ -155,7 +155,7 @@ def load_source(src: Source, cache_dir: str | None = None):
             if src.split not in ds:
                 raise DataError(f"data set {src.path} has no split '{src.split}' (splits: {sorted(ds)})")
             ds = ds[src.split]
-    elif os.path.isdir(src.path) or not _is_local(src.path):
+    elif os.path.isdir(src.path) or not is_local_path(src.path):
         try:
             ds = datasets.load_dataset(src.path, src.name or None, split=src.split, revision=src.revision or None,
                                        cache_dir=cache_dir if os.path.isdir(src.path) else None)  # hub: HF's cache

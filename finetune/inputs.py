@@ -1,0 +1,42 @@
+"""The checks of a run's inputs that every rank makes, identically and in milliseconds, before any process group:
+the launch, the model and tokenizer folders, the attention kernel, the local data files.
+
+    python -m pytest tests/test_launch.py -q
+
+A mistake found here costs no model build and no tokenization, and under torchrun it is reported once
+(finetune/launch.py). What needs the data's contents (empty rows, columns, sizes) is found later, on rank 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+from finetune.config import Config, ConfigError
+from finetune.data.errors import DataError
+from finetune.data.sources import is_local_path, sources
+from finetune.launch import accelerate_world_problem
+from finetune.model import check_attn_implementation, check_model_folder
+
+
+def check_inputs(cfg: Config) -> None:
+    """Raise ConfigError / ModelError / DataError for the first input that cannot work."""
+    problem = accelerate_world_problem()
+    if problem:
+        raise ConfigError(problem)
+    check_attn_implementation(cfg.model)
+    check_model_folder(cfg.model)
+    check_data_files(cfg)
+
+
+def check_data_files(cfg: Config) -> None:
+    """Every local data file named by data.path / data.mixture / data.eval_path exists (hub names are not checked:
+    only `datasets` can resolve them)."""
+    pairs = sources(cfg.data)
+    if cfg.data.eval_path and not cfg.data.eval_path.startswith("split:"):
+        pairs += sources(cfg.data, eval_set=True)
+    for src, _ in pairs:
+        if not is_local_path(src.path):
+            continue
+        for path in (p.strip() for p in src.path.split(",") if p.strip()):
+            if not os.path.exists(path):
+                raise DataError(f"data file not found: {path}")

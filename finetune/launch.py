@@ -1,0 +1,73 @@
+"""How this process was launched, and how bad input is reported once however many ranks it started.
+
+    python -m pytest tests/test_launch.py -q
+
+Supported launchers: torchrun, `python -m torch.distributed.run`, srun via slurm/train.sbatch (one torchrun per
+node), `accelerate launch --multi_gpu` (torch's elastic launcher underneath). Each sets RANK/WORLD_SIZE in every
+worker. Plain `python train_fsdp.py` is a world of one.
+
+Bad input (config, model folder, data files) is checked by every rank, identically, before any process group.
+Only global rank 0 prints its `error:` line. The others stay silent and wait: torchrun stops every worker as soon
+as one exits, so a silent rank that exited first could cut off the one that prints. A rank that is still alive
+after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs) prints its own line, naming its rank.
+All ranks exit with the same code. train_fsdp.py reports a user error found after the process group the same
+way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late.
+Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does),
+so torchrun's failure summary shows it for each rank instead of a link on how to enable tracebacks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+BAD_INPUT_WAIT_S = 30.0  # how long a silent rank waits for torchrun to stop it after rank 0's error
+
+
+def launch_rank() -> int:
+    """The global rank the launcher gave this process (0 without one)."""
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAIT_S) -> None:
+    """Print `error: message` on rank 0 only; see the module docstring for the other ranks, which end with
+    `exit_code` too (SystemExit), stopped by torchrun or after `wait_s`."""
+    rank = launch_rank()
+    _write_elastic_error_file(message, exit_code)
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code))  # torchrun stopping us: the same exit code
+    time.sleep(wait_s)
+    print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+def _write_elastic_error_file(message: str, exit_code: int) -> None:
+    """torchrun's summary prints the file's py_callstack as `traceback :`; without "error:" it is not a second
+    `error:` line to grep."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    text = f"bad input (exit {exit_code}; its one-line message is above): {message}"
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the summary then shows torchrun's default text; the error: line is what matters
+
+
+def accelerate_world_problem() -> str | None:
+    """`accelerate launch --num_processes N` without --multi_gpu (e.g. with --cpu) starts ONE process through
+    its simple launcher, which sets MASTER_ADDR/MASTER_PORT (for N > 1) and ACCELERATE_* but no RANK/WORLD_SIZE:
+    the run would silently train at world size 1. None when the launch is fine."""
+    accelerate = "ACCELERATE_MIXED_PRECISION" in os.environ or "ACCELERATE_USE_CPU" in os.environ
+    if not accelerate or "RANK" in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    return ("accelerate launch asked for several processes but started one process without RANK/WORLD_SIZE (its "
+            "simple launcher, used for --cpu or without --multi_gpu): this run would train at world size 1. Use "
+            "`torchrun --nproc_per_node N train_fsdp.py ...` (CPU or GPU), or `accelerate launch --multi_gpu "
+            "--num_processes N train_fsdp.py ...` without --cpu")
