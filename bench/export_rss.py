@@ -6,7 +6,8 @@ in the CheckpointManager layout, then exported by `python -m ckpt export` in a f
 
 Prints the exporting process's peak RSS above its baseline (torch, transformers and the Llama code
 imported), beside the model's size and, for contrast, a naive export that loads the whole state dict
-and writes it with safetensors' save_file. Nothing is downloaded.
+and writes it with safetensors' save_file. Nothing is downloaded. Writes bench/results/export_rss.{json,md} (--out)
+and keeps the run under bench/results/runs/ (bench/provenance.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 # Run inside the measured process: baseline after the imports, peak reset, export, peak read back.
 # Peak RSS comes from VmHWM after resetting it (clear_refs 5); where that is refused, a 1 ms sampler.
@@ -111,22 +113,32 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--keep", default="", help="work in this folder and keep it (default: a temp folder, deleted)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args()
+    started = provenance.start()
     root = args.keep or tempfile.mkdtemp(prefix="export-rss-")
+    mib = 2 ** 20
     try:
         ckpt, params, model_bytes = save_checkpoint(root)
-        mib = 2 ** 20
-        print(f"model: {params / 1e6:.1f}M params, {model_bytes / mib:.0f} MiB fp32; largest tensor "
-              f"(embeddings) {32000 * 768 * 4 / mib:.0f} MiB; checkpoint saved by 1 rank")
+        res = {"params": params, "model_bytes": model_bytes, "dtype": args.dtype, "modes": {}}
         for mode in ("stream", "naive"):
             r = measure(mode, ckpt, os.path.join(root, f"hf-{mode}"), args.dtype)
             above = r["peak"] - r["baseline"]
-            print(f"{mode:>6} export ({args.dtype}): peak RSS {above / mib:.0f} MiB above a baseline of "
-                  f"{r['baseline'] / mib:.0f} MiB = {100 * above / model_bytes:.0f}% of the model, "
-                  f"{r['seconds']:.1f}s{' (sampled)' if r['sampled'] else ''}")
+            res["modes"][mode] = {**r, "peak_above_baseline_MiB": above / mib,
+                                  "peak_above_baseline_over_model": above / model_bytes}
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+    provenance.record(res, "export_rss", args.out, started)
+    lines = [f"model: {params / 1e6:.1f}M params, {model_bytes / mib:.0f} MiB fp32; largest tensor (embeddings) "
+             f"{32000 * 768 * 4 / mib:.0f} MiB; checkpoint saved by 1 rank. " + provenance.markdown_line(res), "",
+             "| export | peak RSS above baseline | baseline | of the model | seconds |", "|---|---|---|---|---|"]
+    for mode, r in res["modes"].items():
+        lines.append(f"| {mode} ({args.dtype}) | {r['peak_above_baseline_MiB']:.0f} MiB | {r['baseline'] / mib:.0f} MiB "
+                     f"| {r['peak_above_baseline_over_model']:.0%} | {r['seconds']:.1f}{' (sampled)' if r['sampled'] else ''} |")
+    with open(os.path.join(args.out, "export_rss.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
     return 0
 
 
