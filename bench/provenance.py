@@ -4,7 +4,8 @@
     ls /tmp/r/runs/checksum_bench/                                     # one JSON per run, never overwritten
 
 `start()` at the top of a script's main notes the load average before the run; `record()` at the end adds
-the code (git commit, and whether the worktree had uncommitted changes outside bench/results/), the UTC
+the code (git commit, and whether the worktree had uncommitted changes to code: outside bench/results/, docs/,
+tests/ and *.md), the UTC
 date, the machine (CPU model, cores, RAM, kernel), the load average after, and the exact command line.
 It writes the run twice: `<out>/runs/<name>/<UTC time>-<commit>.json`, which no later run overwrites (so a
 claim like "met in N of M runs" can be checked against the M files), and `<out>/<name>.json`, the latest run,
@@ -65,8 +66,9 @@ def start(argv: list[str] | None = None) -> dict:
 
 
 def provenance(started: dict) -> dict:
-    # bench/results/ is what the run writes: results changed there do not make the measured code "dirty"
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
+    # dirty: uncommitted changes to what a run can execute; results, docs and tests do not change a measurement
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results",
+                 ":(exclude)docs", ":(exclude)tests", ":(exclude)*.md")
     return {"git_commit": _git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(dirty), **started,
             "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_after": os.getloadavg(), "machine": machine()}
