@@ -79,6 +79,7 @@ def save_checkpoint(root: str) -> tuple[str, int, int]:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
+    from ckpt.checksum import ChecksummingWriter
     from ckpt.commit import commit_checkpoint
 
     model_dir, ckpt = os.path.join(root, "model"), os.path.join(root, "checkpoints", "step-000001")
@@ -90,12 +91,13 @@ def save_checkpoint(root: str) -> tuple[str, int, int]:
     params = sum(p.numel() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: saving in a single process" is the intent
-        dcp.save({"app": {"model": model.state_dict()}}, checkpoint_id=ckpt, no_dist=True)
+        # the writer CheckpointManager uses: it hashes each file as written, for the commit marker
+        metadata = dcp.save({"app": {"model": model.state_dict()}}, no_dist=True, storage_writer=ChecksummingWriter(ckpt))
     with open(os.path.join(ckpt, "meta.json"), "w") as f:
         json.dump({"step": 1, "world_size": 1, "model": model_dir}, f)
     with open(os.path.join(ckpt, "config.yaml"), "w") as f:
         f.write(f"model:\n  name_or_path: {model_dir}\n")
-    commit_checkpoint(ckpt, 1)
+    commit_checkpoint(ckpt, 1, metadata.file_digests, metadata, ["meta.json", "config.yaml"])
     return ckpt, params, params * 4
 
 
