@@ -61,16 +61,20 @@ def start(argv: list[str] | None = None) -> dict:
     under."""
     script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
     args = sys.argv[1:] if argv is None else list(argv)
-    return {"command": "python " + shlex.join([script, *args]),
+    return {**code(), "command": "python " + shlex.join([script, *args]),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average_before": os.getloadavg()}
 
 
-def provenance(started: dict) -> dict:
+def code() -> dict:
+    """The commit checked out when the run starts (a commit made during the run is not what it measured)."""
     # dirty: uncommitted changes to what a run can execute; results, docs and tests do not change a measurement
     dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results",
                  ":(exclude)docs", ":(exclude)tests", ":(exclude)*.md")
-    return {"git_commit": _git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(dirty), **started,
-            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    return {"git_commit": _git("rev-parse", "HEAD") or "unknown", "git_dirty": bool(dirty)}
+
+
+def provenance(started: dict) -> dict:
+    return {**started, "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_average_after": os.getloadavg(), "machine": machine()}
 
 
