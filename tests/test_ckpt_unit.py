@@ -281,7 +281,8 @@ def test_model_check_refuses_saved_tensors_the_model_lacks(tmp_path):
 
 def test_resume_unpickles_metadata_once(tmp_path, monkeypatch):
     """verify (its reference check), the model check and dcp.load share one unpickled .metadata: at 70B on 512
-    ranks that file is ~155 MB and ~20 s to unpickle, which rank 0 used to do three times (ckpt/resume.py)."""
+    ranks that file would be ~155 MB and tens of seconds to unpickle (extrapolated from W=64 by
+    bench/ckpt_scale.py, not measured), which rank 0 used to do three times (ckpt/resume.py)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     mgr = CheckpointManager(str(tmp_path), "off", keep_last=2)
