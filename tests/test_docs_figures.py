@@ -26,7 +26,9 @@ SCALE_BEFORE = "runs/ckpt_scale/2026-11-24T234537Z-ca4f07c-before-provenance.jso
 SUM_BEFORE = "runs/checksum_bench/2026-11-24T230419Z-f3c8b99-before-provenance.json"
 LORA_BEFORE = "runs/lora_bench/2026-11-22T094701Z-a3ffeaa-before-provenance.json"
 LOSS_FP32 = "runs/loss_memory/2026-11-25T083001Z-a2fee93f3.json"
+EXPORT_FP32 = "runs/export_rss/2026-11-25T083411Z-496f60d3e.json"
 PERF, INTEGRITY, LORA, GPU = "docs/performance.md", "docs/checkpoint-integrity.md", "docs/lora.md", "docs/gpu.md"
+CHECKPOINTS = "docs/checkpoints.md"
 MB = 1048576
 
 
@@ -136,6 +138,15 @@ FIGURES = [
         (results, "methods.plain.logits_copies", ".2f"), (results, "methods.chunked.peak_median_MiB", ".0f"),
         (results, "methods.chunked.logits_copies", ".2f")])
       for dtype, results in (("fp32", LOSS_FP32), ("bf16", "loss_memory.json"))],
+    # the Hugging Face export's peak memory, fp32 and bf16 runs
+    (CHECKPOINTS, "peak RSS above the baseline: {} MiB for fp32 and {} MiB for bf16, against {} / {} MiB for loading",
+     [(EXPORT_FP32, "modes.stream.peak_above_baseline_MiB", ".0f"),
+      ("export_rss.json", "modes.stream.peak_above_baseline_MiB", ".0f"),
+      (EXPORT_FP32, "modes.naive.peak_above_baseline_MiB", ".0f"),
+      ("export_rss.json", "modes.naive.peak_above_baseline_MiB", ".0f")]),
+    (PERF, "the streaming export peaked {} MiB above its baseline ({} of the model), against {} MiB ({}) for",
+     [(EXPORT_FP32, "modes.stream.peak_above_baseline_MiB", ".0f"), (EXPORT_FP32, "modes.stream.peak_above_baseline_over_model", ".0%"),
+      (EXPORT_FP32, "modes.naive.peak_above_baseline_MiB", ".0f"), (EXPORT_FP32, "modes.naive.peak_above_baseline_over_model", ".0%")]),
 ]
 
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
