@@ -138,9 +138,7 @@ def main() -> int:
     for mode, r in res["modes"].items():
         lines.append(f"| {mode} ({args.dtype}) | {r['peak_above_baseline_MiB']:.0f} MiB | {r['baseline'] / mib:.0f} MiB "
                      f"| {r['peak_above_baseline_over_model']:.0%} | {r['seconds']:.1f}{' (sampled)' if r['sampled'] else ''} |")
-    with open(os.path.join(args.out, "export_rss.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    provenance.write_markdown(args.out, "export_rss", lines)
     return 0
 
 

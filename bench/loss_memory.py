@@ -99,9 +99,7 @@ def main() -> None:
     for method, m in res["methods"].items():
         lines.append(f"| {method} | {m['peak_median_MiB']:.0f} | {min(m['peak_bytes']) / 2**20:.0f}-"
                      f"{max(m['peak_bytes']) / 2**20:.0f} | {m['logits_copies']:.2f} | {m['loss']:.6g} |")
-    with open(os.path.join(a.out, "loss_memory.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    provenance.write_markdown(a.out, "loss_memory", lines)
 
 
 if __name__ == "__main__":

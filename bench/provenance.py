@@ -95,6 +95,14 @@ def record(result: dict, name: str, out_dir: str, started: dict) -> dict:
     return result
 
 
+def write_markdown(out_dir: str, name: str, lines: list[str]) -> None:
+    """`<out>/<name>.md`, the run's table, which is also printed."""
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(out_dir, name + ".md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
 def markdown_line(result: dict) -> str:
     """One line for the top of a results table: what code, when, where, under what load, by which command."""
     p, m = result["provenance"], result["provenance"]["machine"]
