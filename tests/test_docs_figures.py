@@ -28,7 +28,8 @@ LORA_BEFORE = "runs/lora_bench/2026-11-22T094701Z-a3ffeaa-before-provenance.json
 LOSS_FP32 = "runs/loss_memory/2026-11-25T083001Z-a2fee93f3.json"
 EXPORT_FP32 = "runs/export_rss/2026-11-25T083411Z-496f60d3e.json"
 PERF, INTEGRITY, LORA, GPU = "docs/performance.md", "docs/checkpoint-integrity.md", "docs/lora.md", "docs/gpu.md"
-CHECKPOINTS = "docs/checkpoints.md"
+CHECKPOINTS, PLANNER, DATA = "docs/checkpoints.md", "docs/planner.md", "docs/data.md"
+DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
 MB = 1048576
 
 
@@ -138,6 +139,11 @@ FIGURES = [
         (results, "methods.plain.logits_copies", ".2f"), (results, "methods.chunked.peak_median_MiB", ".0f"),
         (results, "methods.chunked.logits_copies", ".2f")])
       for dtype, results in (("fp32", LOSS_FP32), ("bf16", "loss_memory.json"))],
+    (PLANNER, "`bench/loss_memory.py` measured {} copies above the logits in bf16",
+     [("loss_memory.json", "methods.chunked.logits_copies", ".1f")]),
+    # data.md: the tenth-size run (its table is checked through these ratios; the 200k run's in TABLES)
+    *[(DATA, f"{kind}: new / old = {{}}x rows/s", [(DATA_20K, f"new_over_old_rows_per_s.{kind}", ".2f")])
+      for kind in ("chat", "text")],
     # the Hugging Face export's peak memory, fp32 and bf16 runs
     (CHECKPOINTS, "peak RSS above the baseline: {} MiB for fp32 and {} MiB for bf16, against {} / {} MiB for loading",
      [(EXPORT_FP32, "modes.stream.peak_above_baseline_MiB", ".0f"),
