@@ -144,6 +144,9 @@ FIGURES = [
     # data.md: the tenth-size run (its table is checked through these ratios; the 200k run's in TABLES)
     *[(DATA, f"{kind}: new / old = {{}}x rows/s", [(DATA_20K, f"new_over_old_rows_per_s.{kind}", ".2f")])
       for kind in ("chat", "text")],
+    (DATA, "met at the issue's 200k conversations, {}x", [("data_bench.json", "new_over_old_rows_per_s.chat", ".2f")]),
+    (DATA, "At 20k conversations, {}x", [(DATA_20K, "new_over_old_rows_per_s.chat", ".2f")]),
+    (DATA, "Text, for reference, at 100k lines: {}x", [(DATA_20K, "new_over_old_rows_per_s.text", ".2f")]),
     # the Hugging Face export's peak memory, fp32 and bf16 runs
     (CHECKPOINTS, "peak RSS above the baseline: {} MiB for fp32 and {} MiB for bf16, against {} / {} MiB for loading",
      [(EXPORT_FP32, "modes.stream.peak_above_baseline_MiB", ".0f"),
@@ -156,7 +159,8 @@ FIGURES = [
 ]
 
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
-TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md")]
+TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
+          (DATA, "data_bench.md")]
 
 
 def value_at(results: dict, path: str) -> float:
