@@ -6,14 +6,14 @@
 Each round runs every algorithm once, in a rotated order, so load from other processes spreads over
 all of them; the table gives the median GB/s and the min-max spread. "file" hashes a file in the
 page cache through ckpt.checksum's reader (8 MiB reads), as resume verification does with warm data.
-Writes bench/results/checksum_bench.{json,md}; docs/checkpoint-integrity.md explains the choice.
+Writes bench/results/checksum_bench.{json,md} and keeps the run under bench/results/runs/ (bench/provenance.py);
+docs/checkpoint-integrity.md explains the choice.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -21,6 +21,8 @@ import tempfile
 import time
 
 import xxhash
+
+import provenance  # bench/provenance.py, beside this script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HASHERS = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
@@ -70,6 +72,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
+    started = provenance.start(argv)
     nbytes = args.mib << 20
     buf = memoryview(os.urandom(nbytes))
     with tempfile.NamedTemporaryFile(delete=False) as f:
@@ -92,13 +95,9 @@ def main(argv=None):
     for key, s in secs.items():
         rates = [nbytes / 1e9 / x for x in s]
         rows[key] = {"median_GBps": statistics.median(rates), "min_GBps": min(rates), "max_GBps": max(rates)}
-    result = {"bytes": nbytes, "rounds": args.rounds, "load_avg": os.getloadavg(), "cpus": os.cpu_count(),
-              "rates": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "checksum_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    lines = [f"{args.mib} MiB, {args.rounds} interleaved rounds, {os.cpu_count()} CPUs, load average at the end "
-             f"{result['load_avg'][0]:.1f}", "", "| algorithm | memory GB/s (median, min-max) | file in page cache GB/s |",
+    result = provenance.record({"bytes": nbytes, "rounds": args.rounds, "rates": rows}, "checksum_bench", args.out,
+                               started)
+    lines = [f"{args.mib} MiB, {args.rounds} interleaved rounds. " + provenance.markdown_line(result), "", "| algorithm | memory GB/s (median, min-max) | file in page cache GB/s |",
              "|---|---|---|"]
     for n in [*names, "read only"]:
         m, fl = rows.get(f"{n}/memory"), rows[f"{n}/file"]

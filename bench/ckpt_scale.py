@@ -18,7 +18,8 @@ The manifest costs are measured, not assumed: for each (model, W) this script wr
 with the model's real tensor count (Llama: 9 tensors per layer + 3, each x3 with the two AdamW
 moments, plus one `step` per tensor), every sharded tensor in W chunks as FSDP2 saves it, and times
 ckpt.manifest's commit_checkpoint (hash .metadata + manifest of W digests + fsyncs) and check_manifest,
-up to --measure-max; above it they are scaled by W from the largest measured W, and the table says so.
+up to --measure-max; above it they are extrapolated (scaled by W from the largest measured W), and the JSON
+(`manifest_costs`) and the table say so. The run is also kept under bench/results/runs/ (bench/provenance.py).
 Rates are this machine's page-cache rates, so the old scheme's figures are lower bounds: its rank 0
 must really read the whole checkpoint over the network, which is slower still.
 """
@@ -36,6 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 # name: (parameters, layers), Llama-2 shapes
 MODELS = {"7B": (7e9, 32), "70B": (70e9, 80)}
 BYTES_PER_PARAM = 12
@@ -45,11 +47,14 @@ TENSORS_PER_LAYER = 9  # q, k, v, o, gate, up, down, two norms
 def rates(results: str) -> dict:
     """Per-byte rates from the two benchmarks' JSON (this machine, page cache, under the shared load)."""
     with open(os.path.join(results, "checksum_bench.json")) as f:
-        c = json.load(f)["rates"]
+        checksum = json.load(f)
     with open(os.path.join(results, "ckpt_bench.json")) as f:
         b = json.load(f)
-    sync = b["methods"]["dcp_sync"]
-    return {"sha256_file_GBps": c["sha256/file"]["median_GBps"], "xxh3_file_GBps": c["xxh3_128/file"]["median_GBps"],
+    c, sync = checksum["rates"], b["methods"]["dcp_sync"]
+    # which runs the rates come from (older results files carry no provenance)
+    source = {name: {k: r.get("provenance", {}).get(k) for k in ("git_commit", "finished_utc")}
+              for name, r in (("checksum_bench", checksum), ("ckpt_bench", b))}
+    return {"source": source, "sha256_file_GBps": c["sha256/file"]["median_GBps"], "xxh3_file_GBps": c["xxh3_128/file"]["median_GBps"],
             "xxh3_memory_GBps": c["xxh3_128/memory"]["median_GBps"],
             "write_GBps_per_rank": b["rank_state_GB"] / sync["upload_s"]["median"]}
 
@@ -123,7 +128,10 @@ def row(name: str, params: float, world: int, r: dict, m: dict) -> dict:
             "new_hash_in_upload_s": per_rank / r["xxh3_memory_GBps"],
             "new_commit_s": m["commit_s"], "new_verify_s": m["check_manifest_s"] + per_rank / r["xxh3_file_GBps"],
             "metadata_MB": m["metadata_MB"], "check_manifest_s": m["check_manifest_s"],
-            "manifest_costs_scaled_from_W": m["scaled_from"]}
+            "manifest_costs_scaled_from_W": m["scaled_from"],
+            # new_commit_s, check_manifest_s (so new_verify_s in part) and metadata_MB: timed here, or not
+            "manifest_costs": "measured" if m["scaled_from"] is None else
+                              f"extrapolated: W={m['scaled_from']} measured x {world // m['scaled_from']}"}
 
 
 def fmt(secs: float) -> str:
@@ -133,22 +141,25 @@ def fmt(secs: float) -> str:
 
 
 def star(x: dict) -> str:
-    return "" if x["manifest_costs_scaled_from_W"] is None else f" (x{x['world_size'] // x['manifest_costs_scaled_from_W']} of W={x['manifest_costs_scaled_from_W']})"
+    """The mark on a cell that holds a manifest cost: nothing if measured, else how it was extrapolated."""
+    w = x["manifest_costs_scaled_from_W"]
+    return "" if w is None else f" (extrapolated: W={w} x {x['world_size'] // w})"
 
 
 def to_markdown(res: dict) -> str:
-    r = res["rates"]
+    r, measure_max = res["rates"], res["measure_max"]
     lines = [f"Rates measured here: SHA-256 {r['sha256_file_GBps']:.2f} GB/s and XXH3-128 {r['xxh3_file_GBps']:.2f} "
              f"GB/s from a file in page cache, XXH3-128 {r['xxh3_memory_GBps']:.2f} GB/s in memory, DCP write "
-             f"{r['write_GBps_per_rank']:.2f} GB/s per rank (sync upload); manifest costs measured per row "
-             f"(1-min load average {res['load_average_1min']:.1f}).", "",
+             f"{r['write_GBps_per_rank']:.2f} GB/s per rank (sync upload). Manifest costs (rank 0's commit, "
+             f"resume's manifest check, .metadata size) timed per row up to W={measure_max}; rows above it are "
+             "that W's figures scaled by W, marked extrapolated. " + provenance.markdown_line(res), "",
              "| model | checkpoint | W | upload per rank | commit after upload, old: rank 0 SHA-256s all | "
-             "new: rank 0 manifest (measured) | new: XXH3 inside each rank's upload | resume verify, old | "
+             "new: rank 0 manifest | new: XXH3 inside each rank's upload | resume verify, old | "
              "resume verify, new | .metadata |", "|---|---|---|---|---|---|---|---|---|---|"]
     for x in res["rows"]:
         lines.append(f"| {x['model']} | {x['checkpoint_GB']:.0f} GB | {x['world_size']} | {fmt(x['upload_per_rank_s'])} "
-                     f"| {fmt(x['old_commit_s'])} | {fmt(x['new_commit_s'])} | {fmt(x['new_hash_in_upload_s'])} | "
-                     f"{fmt(x['old_verify_s'])} | {fmt(x['new_verify_s'])} | {x['metadata_MB']:.1f} MB{star(x)} |")
+                     f"| {fmt(x['old_commit_s'])} | {fmt(x['new_commit_s'])}{star(x)} | {fmt(x['new_hash_in_upload_s'])} | "
+                     f"{fmt(x['old_verify_s'])} | {fmt(x['new_verify_s'])}{star(x)} | {x['metadata_MB']:.1f} MB{star(x)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -161,6 +172,7 @@ def main(argv=None):
     p.add_argument("--measure-max", type=int, default=64,
                    help="largest W whose .metadata is built and timed (W=512 of 70B is 1.1M chunks: minutes here)")
     args = p.parse_args(argv)
+    started = provenance.start(argv)
     r = rates(args.results)
     work = tempfile.mkdtemp(prefix="ckpt-scale-")
     try:
@@ -168,11 +180,8 @@ def main(argv=None):
                 for name in args.models for w, costs in measured_or_scaled(MODELS[name][1], args, work)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    res = {"rates": r, "bytes_per_param": BYTES_PER_PARAM, "rows": rows, "load_average_1min": os.getloadavg()[0],
-           "command": "python bench/ckpt_scale.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "ckpt_scale.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    res = provenance.record({"rates": r, "bytes_per_param": BYTES_PER_PARAM, "measure_max": args.measure_max,
+                             "rows": rows}, "ckpt_scale", args.out, started)
     md = to_markdown(res)
     with open(os.path.join(args.out, "ckpt_scale.md"), "w") as f:
         f.write(md)

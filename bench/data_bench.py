@@ -1,7 +1,10 @@
 """Tokenizing throughput and peak memory: the old one-process loop vs the datasets pipeline (docs/data.md).
 
     python bench/data_bench.py --conversations 200000 --lines 1000000 --repeats 3 --num-proc 2
-    python bench/data_bench.py --old-rows 40000 --repeats 2 --md bench/results/data_bench.md --json ...
+    python bench/data_bench.py --conversations 20000 --lines 100000 --old-rows 10000 --repeats 2   # ~5 min
+
+Writes bench/results/data_bench.{json,md} (--out) and keeps every run under bench/results/runs/data_bench/
+(bench/provenance.py).
 
 Generates a chat jsonl (conversations of 1-4 turns) and a text file, then tokenizes each with the tiny
 tokenizer, alternating old and new, each run in a fresh process. "old" is finetune/data.py as of commit
@@ -34,6 +37,8 @@ import sys
 import tempfile
 import threading
 import time
+
+import provenance  # bench/provenance.py, beside this script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OLD_COMMIT = "7e96d2e"
@@ -217,10 +222,10 @@ def main() -> None:
     p.add_argument("--num-proc", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--old-rows", type=int, default=0, help="old loop on the first N rows only (0: all)")
-    p.add_argument("--md", default=None, help="also write the table here")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--work", default=None, help="scratch folder (default: a temp dir, removed at the end)")
-    p.add_argument("--json", default=None, help="also write every measurement here")
     args = p.parse_args()
+    started = provenance.start()
     work = args.work or tempfile.mkdtemp(prefix="data_bench-")
     os.makedirs(work, exist_ok=True)
     files = {"chat": (os.path.join(work, "chat.jsonl"), args.conversations, make_chat),
@@ -238,25 +243,25 @@ def main() -> None:
                 results.setdefault(f"{kind}/{method}", []).append(r)
                 print(f"{kind} {method} rep {rep}: {r['rows_per_s']:,.0f} rows/s, peak RSS "
                       f"{r['peak_rss_kib'] / 1024:,.0f} MiB, load {r['load_before']:.1f}", file=sys.stderr, flush=True)
-    lines = [f"{args.conversations:,} conversations, {args.lines:,} text lines (old loop on the first "
-             f"{f'{args.old_rows:,}' if args.old_rows else 'all'} rows), {args.repeats} repeats interleaved, new with num_proc={args.num_proc}, "
-             f"{len(os.sched_getaffinity(0))} cores available", "", HEADER]
-    lines += [summarize(name, runs) for name, runs in results.items()]
-    lines += [""] + [file_backed_line(name, runs) for name, runs in results.items() if name.endswith("/new")]
+    ratios, pair_words = {}, {}
     for kind in files:
         if f"{kind}/old" in results:
             old = [r["rows_per_s"] for r in results[f"{kind}/old"]]
             new = [r["rows_per_s"] for r in results[f"{kind}/new"]]
-            pairs = ", ".join(f"{b / a:.2f}x" for a, b in zip(old, new))
-            lines.append(f"\n{kind}: new / old = {statistics.median(new) / statistics.median(old):.2f}x rows/s "
-                         f"(medians; per interleaved pair: {pairs})")
+            ratios[kind] = statistics.median(new) / statistics.median(old)
+            pair_words[kind] = ", ".join(f"{b / a:.2f}x" for a, b in zip(old, new))
+    res = provenance.record({"args": vars(args), "runs": results, "new_over_old_rows_per_s": ratios}, "data_bench",
+                            args.out, started)
+    lines = [provenance.markdown_line(res), "", f"{args.conversations:,} conversations, {args.lines:,} text lines "
+             f"(old loop on the first {f'{args.old_rows:,}' if args.old_rows else 'all'} rows), {args.repeats} repeats "
+             f"interleaved, new with num_proc={args.num_proc}", "", HEADER]
+    lines += [summarize(name, runs) for name, runs in results.items()]
+    lines += [""] + [file_backed_line(name, runs) for name, runs in results.items() if name.endswith("/new")]
+    lines += [f"\n{kind}: new / old = {ratio:.2f}x rows/s (medians; per interleaved pair: {pair_words[kind]})"
+              for kind, ratio in ratios.items()]
     print("\n" + "\n".join(lines))
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "cores": len(os.sched_getaffinity(0)), "runs": results}, f, indent=1)
+    with open(os.path.join(args.out, "data_bench.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -6,7 +6,8 @@ in the CheckpointManager layout, then exported by `python -m ckpt export` in a f
 
 Prints the exporting process's peak RSS above its baseline (torch, transformers and the Llama code
 imported), beside the model's size and, for contrast, a naive export that loads the whole state dict
-and writes it with safetensors' save_file. Nothing is downloaded.
+and writes it with safetensors' save_file. Nothing is downloaded. Writes bench/results/export_rss.{json,md} (--out)
+and keeps the run under bench/results/runs/ (bench/provenance.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 # Run inside the measured process: baseline after the imports, peak reset, export, peak read back.
 # Peak RSS comes from VmHWM after resetting it (clear_refs 5); where that is refused, a 1 ms sampler.
@@ -77,6 +79,7 @@ def save_checkpoint(root: str) -> tuple[str, int, int]:
     import torch.distributed.checkpoint as dcp
     from transformers import AutoModelForCausalLM
 
+    from ckpt.checksum import ChecksummingWriter
     from ckpt.manifest import commit_checkpoint
 
     model_dir, ckpt = os.path.join(root, "model"), os.path.join(root, "checkpoints", "step-000001")
@@ -88,12 +91,13 @@ def save_checkpoint(root: str) -> tuple[str, int, int]:
     params = sum(p.numel() for p in model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: saving in a single process" is the intent
-        dcp.save({"app": {"model": model.state_dict()}}, checkpoint_id=ckpt, no_dist=True)
+        # the writer CheckpointManager uses: it hashes each file as written, for the commit marker
+        metadata = dcp.save({"app": {"model": model.state_dict()}}, no_dist=True, storage_writer=ChecksummingWriter(ckpt))
     with open(os.path.join(ckpt, "meta.json"), "w") as f:
         json.dump({"step": 1, "world_size": 1, "model": model_dir}, f)
     with open(os.path.join(ckpt, "config.yaml"), "w") as f:
         f.write(f"model:\n  name_or_path: {model_dir}\n")
-    commit_checkpoint(ckpt, 1)
+    commit_checkpoint(ckpt, 1, metadata.file_digests, metadata, ["meta.json", "config.yaml"])
     return ckpt, params, params * 4
 
 
@@ -111,22 +115,30 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--keep", default="", help="work in this folder and keep it (default: a temp folder, deleted)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args()
+    started = provenance.start()
     root = args.keep or tempfile.mkdtemp(prefix="export-rss-")
+    mib = 2 ** 20
     try:
         ckpt, params, model_bytes = save_checkpoint(root)
-        mib = 2 ** 20
-        print(f"model: {params / 1e6:.1f}M params, {model_bytes / mib:.0f} MiB fp32; largest tensor "
-              f"(embeddings) {32000 * 768 * 4 / mib:.0f} MiB; checkpoint saved by 1 rank")
+        res = {"params": params, "model_bytes": model_bytes, "dtype": args.dtype, "modes": {}}
         for mode in ("stream", "naive"):
             r = measure(mode, ckpt, os.path.join(root, f"hf-{mode}"), args.dtype)
             above = r["peak"] - r["baseline"]
-            print(f"{mode:>6} export ({args.dtype}): peak RSS {above / mib:.0f} MiB above a baseline of "
-                  f"{r['baseline'] / mib:.0f} MiB = {100 * above / model_bytes:.0f}% of the model, "
-                  f"{r['seconds']:.1f}s{' (sampled)' if r['sampled'] else ''}")
+            res["modes"][mode] = {**r, "peak_above_baseline_MiB": above / mib,
+                                  "peak_above_baseline_over_model": above / model_bytes}
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+    provenance.record(res, "export_rss", args.out, started)
+    lines = [f"model: {params / 1e6:.1f}M params, {model_bytes / mib:.0f} MiB fp32; largest tensor (embeddings) "
+             f"{32000 * 768 * 4 / mib:.0f} MiB; checkpoint saved by 1 rank. " + provenance.markdown_line(res), "",
+             "| export | peak RSS above baseline | baseline | of the model | seconds |", "|---|---|---|---|---|"]
+    for mode, r in res["modes"].items():
+        lines.append(f"| {mode} ({args.dtype}) | {r['peak_above_baseline_MiB']:.0f} MiB | {r['baseline'] / mib:.0f} MiB "
+                     f"| {r['peak_above_baseline_over_model']:.0%} | {r['seconds']:.1f}{' (sampled)' if r['sampled'] else ''} |")
+    provenance.write_markdown(args.out, "export_rss", lines)
     return 0
 
 

@@ -7,7 +7,8 @@ Launches itself under torchrun. Each rank builds the model twice, sharded like t
 parameter trained, AdamW on all) and LoRA (r=--rank on every attention and MLP projection, base frozen),
 takes one optimizer step so AdamW state exists, then saves both through CheckpointManager, sync (`off`) and
 async (`thread`), interleaved round by round so load on the machine hits both alike. Reports median and
-min-max of blocking seconds, and checkpoint bytes. Writes bench/results/lora_bench.{json,md}.
+min-max of blocking seconds, and checkpoint bytes. Writes bench/results/lora_bench.{json,md}
+and keeps the run under bench/results/runs/ (bench/provenance.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.dist import free_port  # noqa: E402 - after the path insert
+
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 
 def parse_args(argv=None):
@@ -122,7 +125,9 @@ def summarize(raw: dict, args) -> dict:
 
 
 def table(res: dict) -> str:
-    lines = ["| checkpoint | mode | size | blocking median (min-max) |", "|---|---|---|---|"]
+    lines = [f"{res['model']['params'] / 1e6:.0f}M params, LoRA r={res['model']['lora_r']}, {res['world_size']} ranks, "
+             f"{res['rounds']} rounds. " + provenance.markdown_line(res), "",
+             "| checkpoint | mode | size | blocking median (min-max) |", "|---|---|---|---|"]
     for name, c in res["cases"].items():
         kind, mode = name.split("/")
         lines.append(f"| {kind} | {'sync' if mode == 'off' else 'async ' + mode} | {c['bytes'] / 2**20:.2f} MiB | "
@@ -135,6 +140,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
+    started = provenance.start(argv)
     work = args.work_dir or tempfile.mkdtemp(prefix="lora_bench_")
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
@@ -148,9 +154,7 @@ def main(argv=None) -> int:
     finally:
         if args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "lora_bench.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    provenance.record(res, "lora_bench", args.out, started)
     with open(os.path.join(args.out, "lora_bench.md"), "w") as f:
         f.write(table(res))
     print(table(res))

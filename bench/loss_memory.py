@@ -6,6 +6,7 @@
 Each measurement runs in a fresh subprocess. On CUDA it reads torch.cuda.max_memory_allocated; on CPU
 the rise of the process's peak RSS (VmHWM) above its RSS with the logits already allocated. Methods are
 interleaved over --repeats rounds; the table gives the median and the spread, in units of one logits copy.
+Writes bench/results/loss_memory.{json,md} (--out) and keeps the run under bench/results/runs/ (bench/provenance.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import statistics
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 
 def _rss_kib(field: str) -> int:
@@ -66,11 +69,13 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.worker:
         print(json.dumps(measure(a.worker, a.batch, a.seq, a.vocab, a.dtype)))
         return
+    started = provenance.start()
     rows = {"plain": [], "chunked": []}
     for _ in range(a.repeats):
         for method in rows:  # interleaved, so drift on a shared machine hits both alike
@@ -79,15 +84,22 @@ def main() -> None:
                                  capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             rows[method].append(json.loads(out.stdout.strip().splitlines()[-1]))
     first = rows["plain"][0]
-    print(f"loss memory, {first['device']}: batch {a.batch} x seq {a.seq} x vocab {a.vocab} {a.dtype} "
-          f"(one logits copy = {first['logits_bytes'] / 2**20:.0f} MiB), {a.repeats} interleaved runs")
-    print("| method | peak above logits, MiB (median) | min-max | copies of the logits | loss |")
-    print("|---|---|---|---|---|")
+    res = {"device": first["device"], "batch": a.batch, "seq": a.seq, "vocab": a.vocab, "dtype": a.dtype,
+           "repeats": a.repeats, "logits_bytes": first["logits_bytes"], "methods": {}}
     for method, rs in rows.items():
-        peaks = [r["peak_bytes"] / 2**20 for r in rs]
-        med = statistics.median(peaks)
-        print(f"| {method} | {med:.0f} | {min(peaks):.0f}-{max(peaks):.0f} | "
-              f"{med * 2**20 / first['logits_bytes']:.2f} | {rs[0]['loss']:.6g} |")
+        peaks = [r["peak_bytes"] for r in rs]
+        res["methods"][method] = {"peak_bytes": peaks, "peak_median_MiB": statistics.median(peaks) / 2**20,
+                                  "logits_copies": statistics.median(peaks) / first["logits_bytes"],
+                                  "loss": rs[0]["loss"]}
+    provenance.record(res, "loss_memory", a.out, started)
+    lines = [f"loss memory, {first['device']}: batch {a.batch} x seq {a.seq} x vocab {a.vocab} {a.dtype} "
+             f"(one logits copy = {first['logits_bytes'] / 2**20:.0f} MiB), {a.repeats} interleaved runs. "
+             + provenance.markdown_line(res), "",
+             "| method | peak above logits, MiB (median) | min-max | copies of the logits | loss |", "|---|---|---|---|---|"]
+    for method, m in res["methods"].items():
+        lines.append(f"| {method} | {m['peak_median_MiB']:.0f} | {min(m['peak_bytes']) / 2**20:.0f}-"
+                     f"{max(m['peak_bytes']) / 2**20:.0f} | {m['logits_copies']:.2f} | {m['loss']:.6g} |")
+    provenance.write_markdown(a.out, "loss_memory", lines)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ class CkptConfig:
     interval: str = "50"  # save every N optimizer steps (0: none), or auto: Young/Daly sqrt(2 x save cost x MTBF)
     interval_minutes: float = 0.0  # also save once this many minutes of wall clock passed since the last save (0: off)
     mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
-    async_mode: str = "process"  # off | thread | process (process: fastest steady state in bench/, see README)
+    async_mode: str = "thread"  # off | thread | process (thread: commits sooner, cheap first save; docs/performance.md)
     keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
     keep_best: int = 0  # also keep the k checkpoints with the lowest eval loss (needs train.eval_interval)
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>

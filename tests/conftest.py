@@ -15,6 +15,7 @@ import warnings
 from contextlib import contextmanager
 
 import pytest
+import torch.multiprocessing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -27,9 +28,23 @@ FAST = ["run.log_interval=1", "run.progress_bar=false", "train.sample_at_end=fal
 
 
 def free_port() -> int:
+    """A port free now; released before the caller binds it, so use it through start_on_free_port (retried)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_on_free_port(fn, args_of_port, nprocs: int, start_method: str = "spawn", tries: int = 3) -> None:
+    """torch.multiprocessing.start_processes(fn, args_of_port(port), ...) on a free port; when rank 0's store
+    finds the port taken (another test bound it between free_port() and the bind: EADDRINUSE), again on another."""
+    for attempt in range(tries):
+        try:
+            torch.multiprocessing.start_processes(fn, args=args_of_port(free_port()), nprocs=nprocs,
+                                                  start_method=start_method)
+            return
+        except torch.multiprocessing.ProcessRaisedException as e:
+            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+                raise
 
 
 def train_cmd(nproc: int, overrides: list[str]) -> list[str]:
@@ -37,8 +52,9 @@ def train_cmd(nproc: int, overrides: list[str]) -> list[str]:
     cfg = ["--config", os.path.join(ROOT, "configs", "tiny.yaml")]
     if nproc == 0:  # plain python: a world of one without torchrun
         return [sys.executable, script, *cfg, *overrides]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script, *cfg, *overrides]
+    # --standalone: torchrun's own store binds port 0 and the ranks use it, so no two tests can pick one port
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+            script, *cfg, *overrides]
 
 
 def kill_workers(parent_pid: int) -> None:

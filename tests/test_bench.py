@@ -1,4 +1,5 @@
-"""The checkpoint benchmark and the scale table run end to end at a tiny size and report every figure they promise.
+"""The benchmarks run end to end at a tiny size, report every figure they promise, and say where each figure came
+from (bench/provenance.py): commit, date, machine, load before and after, command; a second run is kept beside the first.
 
     python -m pytest tests/test_bench.py -q
 """
@@ -10,14 +11,55 @@ import sys
 
 from conftest import ROOT
 
+PROVENANCE = {"git_commit", "git_dirty", "started_utc", "finished_utc", "load_average_before", "load_average_after",
+              "machine", "command"}
+
+
+def check_provenance(out, name: str, args: list[str]) -> dict:
+    """The latest results file names its run, and the run is also kept under runs/<name>/; returns the result."""
+    r = json.loads((out / f"{name}.json").read_text())
+    p = r["provenance"]
+    assert PROVENANCE <= set(p) and set(p["machine"]) >= {"cpu", "cores", "ram_GiB", "kernel"}
+    assert len(p["git_commit"]) == 40 and isinstance(p["git_dirty"], bool) and p["finished_utc"].endswith("Z")
+    assert len(p["load_average_before"]) == 3 and len(p["load_average_after"]) == 3 and p["machine"]["cores"] >= 1
+    assert p["command"] == " ".join(["python", f"bench/{name}.py", *args])
+    assert r in [json.loads(f.read_text()) for f in (out / "runs" / name).glob("*.json")]
+    return r
+
+
+def run(name: str, args: list[str], timeout: int) -> None:
+    proc = subprocess.run([sys.executable, f"bench/{name}.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_second_run_is_kept_beside_the_first(tmp_path):
+    args = ["--mib", "1", "--rounds", "1", "--out", str(tmp_path)]
+    run("checksum_bench", args, 60)
+    first = check_provenance(tmp_path, "checksum_bench", args)
+    run("checksum_bench", args, 60)
+    second = check_provenance(tmp_path, "checksum_bench", args)
+    runs = [json.loads(f.read_text()) for f in (tmp_path / "runs" / "checksum_bench").glob("*.json")]
+    assert len(runs) == 2 and first in runs and second in runs and first != second
+    assert "| xxh3_128 |" in (tmp_path / "checksum_bench.md").read_text()
+
+
+def test_loss_memory_tiny(tmp_path):
+    args = ["--vocab", "512", "--seq", "32", "--repeats", "1", "--out", str(tmp_path)]
+    run("loss_memory", args, 120)
+    r = check_provenance(tmp_path, "loss_memory", args)
+    assert set(r["methods"]) == {"plain", "chunked"} and r["logits_bytes"] == 32 * 512 * 4
+    plain, chunked = r["methods"]["plain"]["loss"], r["methods"]["chunked"]["loss"]
+    assert abs(plain - chunked) <= 1e-5 * abs(plain)  # same loss, however the memory is spent
+    assert "| chunked |" in (tmp_path / "loss_memory.md").read_text()
+
 
 def test_ckpt_bench_tiny(tmp_path):
     out = tmp_path / "res"
-    proc = subprocess.run([sys.executable, "bench/ckpt_bench.py", "--hidden", "64", "--layers", "1", "--vocab", "256",
-                           "--saves", "2", "--train-steps", "4", "--every", "2", "--seq-len", "16", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((out / "ckpt_bench.json").read_text())
+    args = ["--hidden", "64", "--layers", "1", "--vocab", "256", "--saves", "2", "--train-steps", "4", "--every", "2",
+            "--seq-len", "16", "--out", str(out)]
+    run("ckpt_bench", args, 300)
+    r = check_provenance(out, "ckpt_bench", args)
     assert set(r["methods"]) == {"rank0_torch_save", "rank0_torch_save_keep_old", "dcp_plain", "dcp_plain_keep_old",
                                  "dcp_async_bare", "dcp_sync", "dcp_async_thread", "dcp_async_process"}
     for m in r["methods"].values():
@@ -26,24 +68,32 @@ def test_ckpt_bench_tiny(tmp_path):
         assert m["checkpoint_GB"] > 0 and m["retention_s"]["min"] >= 0
     assert r["memcpy_floor_s"] > 0 and r["load_s"]["world_1"] > 0 and r["load_s"]["same_world"] > 0
     assert set(r["verify_s"]) == {"w1", "w2"} and all(v["parallel_xxh3_s"] > 0 for v in r["verify_s"].values())
-    for key in ("commit_overhead_over_upload", "rank0_torch_save_over_dcp_sync", "async_committed_over_plain_dcp",
-                "rank0_torch_save_keep_old_over_dcp_sync", "async_committed_over_bare_async",
-                "bare_async_committed_over_plain_dcp"):
+    for key in ("commit_overhead_over_upload", "rank0_torch_save_over_dcp_sync",
+                "rank0_torch_save_keep_old_over_dcp_sync", "bare_async_committed_over_plain_dcp"):
         assert r["ratios"][key] > 0
+    for mode in ("thread", "process"):  # each async mode against the controls, not the better of the two
+        m = r["methods"][f"dcp_async_{mode}"]
+        assert r["ratios"][f"async_blocking_over_sync_{mode}"] == \
+            m["blocking_s"]["median"] / r["methods"]["dcp_sync"]["blocking_s"]["median"]
+        assert r["ratios"][f"async_committed_over_plain_dcp_{mode}"] == \
+            m["committed_s"]["median"] / r["methods"]["dcp_plain"]["committed_s"]["median"]
+        assert r["ratios"][f"async_committed_over_bare_async_{mode}"] > 0
+        assert r["ratios"][f"async_blocking_over_memcpy_{mode}"] > 0
     assert set(r["throughput_steps_per_s"]) == {"none", "thread", "process"}
     assert "| dcp_async_thread |" in (out / "ckpt_bench.md").read_text()
 
-    # the scale table from those rates (plus the committed checksum rates): one measured W, one scaled by W
+    # the scale table from those rates (plus the committed checksum rates): one measured W, one extrapolated
     shutil.copy(ROOT + "/bench/results/checksum_bench.json", out)
-    proc = subprocess.run([sys.executable, "bench/ckpt_scale.py", "--results", str(out), "--out", str(out),
-                           "--models", "7B", "--worlds", "2", "4", "--measure-max", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    s = json.loads((out / "ckpt_scale.json").read_text())
+    args = ["--results", str(out), "--out", str(out), "--models", "7B", "--worlds", "2", "4", "--measure-max", "2"]
+    run("ckpt_scale", args, 120)
+    s = check_provenance(out, "ckpt_scale", args)
     measured, scaled = s["rows"]
     assert (measured["world_size"], scaled["world_size"]) == (2, 4) and measured["checkpoint_GB"] == 84
     assert measured["manifest_costs_scaled_from_W"] is None and scaled["manifest_costs_scaled_from_W"] == 2
+    assert measured["manifest_costs"] == "measured" and scaled["manifest_costs"] == "extrapolated: W=2 measured x 2"
+    assert s["rates"]["source"]["ckpt_bench"]["git_commit"] == r["provenance"]["git_commit"]
     for x in s["rows"]:
         assert 0 < x["new_commit_s"] and 0 < x["new_verify_s"] < x["old_verify_s"] and x["metadata_MB"] > 0
     assert scaled["per_rank_GB"] == measured["per_rank_GB"] / 2 and scaled["old_commit_s"] == measured["old_commit_s"]
-    assert "| 7B | 84 GB | 4 |" in (out / "ckpt_scale.md").read_text()
+    md = (out / "ckpt_scale.md").read_text()
+    assert "| 7B | 84 GB | 4 |" in md and md.count("(extrapolated: W=2 x 2)") == 3

@@ -7,10 +7,9 @@ import json
 import math
 
 import pytest
-import torch.multiprocessing as mp
 
 from ckpt.policy import SavePolicy, parse_interval, young_daly_s
-from conftest import events, free_port, run_train
+from conftest import events, start_on_free_port, run_train
 
 
 def test_young_daly_and_parse():
@@ -67,7 +66,7 @@ def _agree_worker(rank, world_size, port, out):
 
 def test_wall_clock_rules_save_at_the_same_step_on_every_rank(tmp_path):
     out = str(tmp_path / "agree")
-    mp.start_processes(_agree_worker, args=(2, free_port(), out), nprocs=2, start_method="spawn")
+    start_on_free_port(_agree_worker, lambda port: (2, port, out), nprocs=2)
     r0, r1 = (json.load(open(f"{out}.{r}")) for r in range(2))
     assert r0["minutes"]["steps"] == r1["minutes"]["steps"] == [3, 6, 9, 12]  # rank 0's clock: 1 s per step
     # auto: first save measures C, then every sqrt(2 C M) = 4 s of rank 0's clock

@@ -281,7 +281,8 @@ def test_model_check_refuses_saved_tensors_the_model_lacks(tmp_path):
 
 def test_resume_unpickles_metadata_once(tmp_path, monkeypatch):
     """verify (its reference check), the model check and dcp.load share one unpickled .metadata: at 70B on 512
-    ranks that file is ~155 MB and ~20 s to unpickle, which rank 0 used to do three times (ckpt/resume.py)."""
+    ranks that file would be ~155 MB and tens of seconds to unpickle (extrapolated from W=64 by
+    bench/ckpt_scale.py, not measured), which rank 0 used to do three times (ckpt/resume.py)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     mgr = CheckpointManager(str(tmp_path), "off", keep_last=2)
@@ -317,11 +318,10 @@ def test_save_plan_cache_is_per_checkpoint_dir_and_world_size(tmp_path):
     """DCP caches save plans process-wide under the planner's class name, and forked processes inherit the
     cache: a W=2 save forked after a W=1 save in this process got the W=1 plan (gloo scatter: 'Incorrect input
     list size 1') until the key named the checkpoint dir and the world size (ckpt/uploader.py save_planner)."""
-    from conftest import free_port
+    from conftest import start_on_free_port
 
     mgr = CheckpointManager(str(tmp_path / "w1"), "off", keep_last=1)
     mgr.save(1, {"w": torch.arange(6.0)}, {"meta.json": "{}"}, blocking=True)  # another state: a changed plan
     mgr.close()
-    torch.multiprocessing.start_processes(_w2_save, args=(free_port(), str(tmp_path / "w2")), nprocs=2,
-                                          start_method="fork")
+    start_on_free_port(_w2_save, lambda port: (port, str(tmp_path / "w2")), nprocs=2, start_method="fork")
     assert verify_checkpoint(step_dir(str(tmp_path / "w2"), 1))["world_size"] == 2

@@ -14,9 +14,8 @@ import subprocess
 import sys
 
 import pytest
-import torch.multiprocessing as mp
 
-from conftest import ROOT, free_port, run_train
+from conftest import ROOT, start_on_free_port, run_train
 
 sys.path.insert(0, ROOT)
 
@@ -83,8 +82,7 @@ def _resume_worker(rank, world_size, port, dirs, out):
 
 def resume_choices(dirs, world_size, tmp_path) -> list[dict]:
     out = str(tmp_path / f"w{world_size}")
-    mp.start_processes(_resume_worker, args=(world_size, free_port(), dirs, out), nprocs=world_size,
-                       start_method="spawn")
+    start_on_free_port(_resume_worker, lambda port: (world_size, port, dirs, out), nprocs=world_size)
     return [json.load(open(f"{out}.{r}")) for r in range(world_size)]
 
 

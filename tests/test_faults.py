@@ -12,6 +12,7 @@ the seed is in the test id, so a failure replays with `-k seed7-`.
 
 import os
 import random
+import re
 import subprocess
 
 import pytest
@@ -26,14 +27,23 @@ SAVES = (3, 6, 9, 12)
 KILL_MOMENTS = {  # fault point -> steps at which it can fire
     "mid_step": range(1, 13), "after_step": range(1, 13), "staged": SAVES[:-1], "write": SAVES,
     "partial_write": SAVES, "before_commit": SAVES, "after_commit": SAVES, "sweep": SAVES}
+
+
+def committed_first(saved_step: int, after_step: int) -> str:
+    """CKPT_FAULT prefix: after `after_step`, wait (at most 120 s) for step `saved_step`'s commit marker, so the
+    fault that follows must leave at least that checkpoint to resume from, however loaded the machine is
+    (process mode's uploader starts slowly). `{ckpt}` becomes the run's checkpoint dir in kill_and_resume."""
+    return f"wait_for@after_step:{after_step},secs=120,file={{ckpt}}/step-{saved_step:06d}/commit.json;"
+
+
 CI_TRIALS = [  # (async mode, CKPT_FAULT): the moments of a save, then the bugs this suite found
-    ("thread", "sleep@after_step:5,secs=2;kill@staged:6"),     # state staged, upload not started
-    ("thread", "kill@partial_write:6,rank=1"),                 # one rank's shard torn mid-upload
-    ("process", "kill@write:6,rank=1"),                        # an uploader process dies: fail loudly, no hang
-    ("thread", "kill@before_commit:9"),                        # all data durable, no marker yet
-    ("thread", "kill@after_commit:6"),                         # marker written, retention not run
-    ("thread", "oserror@mid_step:5"),                          # an error mid-step must not be checkpointed
-    ("thread", "oserror@before_commit:6,rank=0"),              # a save failing on one rank stops every rank
+    ("thread", committed_first(3, 5) + "kill@staged:6"),              # state staged, upload not started
+    ("thread", committed_first(3, 5) + "kill@partial_write:6,rank=1"),  # one rank's shard torn mid-upload
+    ("process", committed_first(3, 5) + "kill@write:6,rank=1"),       # an uploader process dies: fail loudly
+    ("thread", committed_first(6, 8) + "kill@before_commit:9"),       # all data durable, no marker yet
+    ("thread", committed_first(3, 5) + "kill@after_commit:6"),        # marker written, retention not run
+    ("thread", committed_first(3, 4) + "oserror@mid_step:5"),         # an error mid-step is not checkpointed
+    ("thread", committed_first(3, 5) + "oserror@before_commit:6,rank=0"),  # one rank's failed save stops all
 ]
 TIMEOUT = 240  # a hang fails the trial (and its ranks are killed) instead of stalling CI
 
@@ -45,8 +55,8 @@ def draw_trial(seed: int) -> tuple[str, str]:
     step = rng.choice(list(KILL_MOMENTS[point]))
     rank = None if point == "after_commit" else rng.choice([None, 0, 1])  # after_commit runs on rank 0 only
     spec = f"kill@{point}:{step}" + ("" if rank is None else f",rank={rank}")
-    if step > 3 and rng.random() < 0.5:  # let the previous save commit first (process mode's uploader starts slowly)
-        spec = f"sleep@after_step:{step - 1},secs=3;{spec}"
+    if step > 4 and rng.random() < 0.5:  # half the late trials let an earlier save commit first, the rest race it
+        spec = committed_first(max(s for s in SAVES if s < step - 1), step - 1) + spec
     return rng.choice(["thread", "process"]), spec
 
 
@@ -82,12 +92,17 @@ def straight_run(tmp_path_factory):
 def kill_and_resume(run, straight_run, mode: str, fault: str, extra: tuple = (),
                     after_kill=lambda ckpt_dir: None) -> subprocess.CompletedProcess:
     """Run with the fault, check the disk (and `after_kill(ckpt_dir)`), resume without it; the resume must load
-    the newest committed checkpoint and the run must match the uninterrupted one bit for bit. Returns the
-    faulted run."""
+    the newest committed checkpoint and the run must match the uninterrupted one bit for bit; where the fault
+    waited for a save's marker first (committed_first), that save or a later one must be the one resumed.
+    Returns the faulted run."""
     overrides = [*RUN, f"ckpt.async_mode={mode}", *extra]
+    waited = re.search(r"step-(\d+)/commit\.json", fault)
+    fault = fault.replace("{ckpt}", str(run / "checkpoints"))
     hit = run_train(run, overrides=overrides, env={"CKPT_FAULT": fault}, check=False, timeout=TIMEOUT)
     assert hit.returncode != 0, f"the fault {fault!r} never fired:\n{hit.stdout[-2000:]}"
     expected = newest_committed(run / "checkpoints")
+    if waited:  # a late fault that leaves nothing to resume would pass the checks below by training from scratch
+        assert expected is not None and expected >= int(waited.group(1)), (expected, hit.stdout[-3000:])
     print(f"{mode} {fault}: exit {hit.returncode}, newest committed checkpoint {expected}")  # the long run's record
     after_kill(run / "checkpoints")
     run_train(run, overrides=overrides, timeout=TIMEOUT)

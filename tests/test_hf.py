@@ -25,7 +25,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import FAST, ROOT, free_port, run_train
+from conftest import FAST, ROOT, start_on_free_port, run_train
 from finetune.config import load_config
 from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
@@ -170,8 +170,7 @@ def test_import_w2_bit_exact_then_export_round_trip(hf_models, tmp_path):
     from ckpt.export import export_checkpoint
 
     ckpt_root = str(tmp_path / "ckpts")
-    torch.multiprocessing.start_processes(_import_worker, args=(free_port(), hf_models, ckpt_root), nprocs=2,
-                                          start_method="fork")
+    start_on_free_port(_import_worker, lambda port: (port, hf_models, ckpt_root), nprocs=2, start_method="fork")
     for family, (dtype, shard) in FAMILIES.items():
         out = str(tmp_path / f"export-{family}")
         # dtype auto: the source's torch_dtype (bf16 llama, fp32 others); two writer processes for llama

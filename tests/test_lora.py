@@ -285,7 +285,9 @@ def test_adapter_and_merged_exports(root, straight, tmp_path):
     assert not any(".lora_" in k or "base_layer" in k for k in merged_model.state_dict())
     with torch.no_grad():
         got = merged_model(input_ids=batch).logits
-    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    diff = (got - want).abs().max().item()
+    print(f"merged export: max |logits - trained logits| = {diff:.3g}")  # docs/lora.md quotes it
+    assert diff <= 1e-5, diff  # docs/lora.md: "within 1e-5", absolute, no relative slack
     # the merged weights are peft's own merge_and_unload of the same adapter
     reference = peft_model.merge_and_unload().state_dict()
     for k, v in load_file(str(merged / "model.safetensors")).items():

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import ROOT, free_port
+from conftest import ROOT, start_on_free_port
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -106,7 +106,7 @@ def loaded(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     dirs = {f: save_tiny(str(root / f), f) for f in ("gemma3", "llama")}
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), dirs, results), nprocs=2)
+    start_on_free_port(_worker, lambda port: (port, dirs, results), nprocs=2)
     return dict(results)
 
 

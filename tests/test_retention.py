@@ -13,13 +13,12 @@ from types import SimpleNamespace
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 
 from ckpt import CheckpointManager, verify_checkpoint
 from ckpt.__main__ import main as ckpt_cli
 from ckpt.layout import COMMIT_FILE, is_marked_committed, list_step_dirs, step_dir, trash_dir
 from ckpt.retention import apply_retention, clear_stale
-from conftest import ROOT, free_port
+from conftest import ROOT, start_on_free_port
 from test_ckpt_unit import fake_checkpoint
 
 sys.path.insert(0, ROOT)
@@ -70,7 +69,7 @@ def test_each_rank_deletes_its_share_and_trash_ends_empty(tmp_path):
         f"step-00000{s}/meta.json" for s in (2, 4)} | {"step-000001/__0_0.distcp"}  # markers went first
 
     out = str(tmp_path / "removed")
-    mp.start_processes(_sweep_worker, args=(2, free_port(), str(ck), out), nprocs=2, start_method="spawn")
+    start_on_free_port(_sweep_worker, lambda port: (2, port, str(ck), out), nprocs=2)
     ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
 
     def logical(rel):  # step-000002.<pid>-<ns>/x -> step-000002/x

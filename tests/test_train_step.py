@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from conftest import ROOT, free_port
+from conftest import ROOT, start_on_free_port
 
 
 def _micro_batches(rank: int, n: int, seq: int = 16):
@@ -74,7 +74,7 @@ def _worker(rank: int, port: int, results: dict) -> None:
 @pytest.fixture(scope="module")
 def runs():
     results = mp.Manager().dict()
-    mp.spawn(_worker, args=(free_port(), results), nprocs=2)
+    start_on_free_port(_worker, lambda port: (port, results), nprocs=2)
     return dict(results)
 
 

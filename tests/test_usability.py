@@ -109,8 +109,7 @@ def test_plot_marks_what_happened(tmp_path):
 
 
 def test_plot_has_title_and_only_the_legend_entries_that_happened(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
-    import matplotlib.axes
+    import matplotlib.axes  # in requirements.txt, like every test that plots: a missing install fails, never skips
     from finetune.metrics import plot_metrics
     seen = {}
     real_legend = matplotlib.axes.Axes.legend

@@ -1,0 +1,220 @@
+"""Every benchmark figure the docs quote is the value in a committed results file, formatted as quoted.
+
+    python -m pytest tests/test_docs_figures.py -q
+
+FIGURES is the table: (doc, phrase with a `{}` where each figure stands, and per figure the results file
+under bench/results/, the path into its JSON and the format). The test formats the JSON's values and looks
+for the phrase in the doc, so a rerun of a benchmark that changes a figure fails here until the doc says
+the new figure (or the row goes). TABLES: results tables a doc quotes whole. A doc
+figure that no results file holds has no row and does not belong in the docs (issue 30).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from conftest import ROOT
+
+RESULTS = os.path.join(ROOT, "bench", "results")
+
+
+CK, CK_BEFORE = "ckpt_bench.json", "runs/ckpt_bench/2026-11-24T234537Z-ca4f07c-before-provenance.json"
+SCALE_BEFORE = "runs/ckpt_scale/2026-11-24T234537Z-ca4f07c-before-provenance.json"
+SUM_BEFORE = "runs/checksum_bench/2026-11-24T230419Z-f3c8b99-before-provenance.json"
+LORA_BEFORE = "runs/lora_bench/2026-11-22T094701Z-a3ffeaa-before-provenance.json"
+LOSS_FP32 = "runs/loss_memory/2026-11-25T083001Z-a2fee93f3.json"
+EXPORT_FP32 = "runs/export_rss/2026-11-25T083411Z-496f60d3e.json"
+PERF, INTEGRITY, LORA, GPU = "docs/performance.md", "docs/checkpoint-integrity.md", "docs/lora.md", "docs/gpu.md"
+CHECKPOINTS, PLANNER, DATA = "docs/checkpoints.md", "docs/planner.md", "docs/data.md"
+DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
+MB = 1048576
+
+
+def med(method: str, key: str) -> str:
+    return f"methods.{method}.{key}.median"
+
+
+def each(results: str, fmt: str, *paths: str) -> list:
+    return [(results, p, fmt) for p in paths]
+
+
+# (doc, phrase with a {} per figure, [(results file under bench/results/, JSON path, format), ...]).
+# A path is a dotted key path, or `a / b` of two such paths or numbers.
+FIGURES = [
+    # performance.md: today's run, the run before, the verdicts and the default's reasons
+    (PERF, "the 1-min load average was {} before and {} after",
+     each(CK, ".2f", "provenance.load_average_before.0", "provenance.load_average_after.0")),
+    *[(PERF, f"`{m}`) | {{}} | {{}} | {{}} |",
+       each(CK, ".2f", f"methods.{m}.first_blocking_s", med(m, "blocking_s"), med(m, "committed_s")))
+      for m in ("rank0_torch_save", "dcp_sync", "dcp_async_thread", "dcp_async_process")],
+    (PERF, "memcpy floor of the rank's state bytes | | {} |", each(CK, ".2f", "memcpy_floor_s")),
+    (PERF, "load: {} s at the same world size, {} s at 1 rank", each(CK, ".2f", "load_s.same_world", "load_s.world_1")),
+    (PERF, "(worst of our modes) | {} | {} | met in both", [(CK, "ratios.commit_overhead_over_upload", ".1%"),
+                                                             (CK_BEFORE, "ratios.commit_overhead_over_upload", ".1%")]),
+    (PERF, "| thread {}, process {} | thread {}, process {} | met today by both",
+     [*each(CK, ".1%", "ratios.async_blocking_over_sync_thread", "ratios.async_blocking_over_sync_process"),
+      *each(CK_BEFORE, ".1%", f"{med('dcp_async_thread', 'blocking_s')} / {med('dcp_sync', 'blocking_s')}",
+            f"{med('dcp_async_process', 'blocking_s')} / {med('dcp_sync', 'blocking_s')}")]),
+    (PERF, "| thread {}x, process {}x | thread {}x, process {}x | met today by process only",
+     [*each(CK, ".2f", "ratios.async_blocking_over_memcpy_thread", "ratios.async_blocking_over_memcpy_process"),
+      *each(CK_BEFORE, ".2f", f"{med('dcp_async_thread', 'blocking_s')} / memcpy_floor_s",
+            f"{med('dcp_async_process', 'blocking_s')} / memcpy_floor_s")]),
+    (PERF, "| thread {}x, process {}x | thread {}x, process {}x | met today by thread only",
+     [*each(CK, ".2f", "ratios.async_committed_over_plain_dcp_thread", "ratios.async_committed_over_plain_dcp_process"),
+      *each(CK_BEFORE, ".2f", f"{med('dcp_async_thread', 'committed_s')} / {med('dcp_plain', 'committed_s')}",
+            f"{med('dcp_async_process', 'committed_s')} / {med('dcp_plain', 'committed_s')}")]),
+    (PERF, "at 2 ranks | {}x | {}x | missed in both", [(CK, "ratios.rank0_torch_save_over_dcp_sync", ".2f"),
+                                                        (CK_BEFORE, "ratios.rank0_torch_save_over_dcp_sync", ".2f")]),
+    (PERF, "({} s vs {} s today, {} s vs {} s before) and its first save",
+     [*each(CK, ".2f", med("dcp_async_thread", "committed_s"), med("dcp_async_process", "committed_s")),
+      *each(CK_BEFORE, ".2f", med("dcp_async_thread", "committed_s"), med("dcp_async_process", "committed_s"))]),
+    (PERF, "({} s vs {} s today, {} s vs {} s before: process mode starts",
+     [*each(CK, ".2f", "methods.dcp_async_thread.first_blocking_s", "methods.dcp_async_process.first_blocking_s"),
+      *each(CK_BEFORE, ".2f", "methods.dcp_async_thread.first_blocking_s", "methods.dcp_async_process.first_blocking_s")]),
+    (PERF, "({} s vs {} s today, {} s vs {} s before). Until this change",
+     [*each(CK, ".2f", med("dcp_async_thread", "blocking_s"), med("dcp_async_process", "blocking_s")),
+      *each(CK_BEFORE, ".2f", med("dcp_async_thread", "blocking_s"), med("dcp_async_process", "blocking_s"))]),
+    # checkpoint-integrity.md: checksums, the targets per mode, the controls, the scale table's run before
+    *[(INTEGRITY, f"| {algo} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |",
+       each(SUM_BEFORE, ".2f", *(f"rates.{algo}/{where}.{k}_GBps" for where in ("memory", "file")
+                                 for k in ("median", "min", "max"))))
+      for algo in ("sha256", "xxh3_128", "crc32c", "blake3")],
+    (INTEGRITY, "{}x SHA-256 in memory and {}x from a file on the idle machine ({}x and {}x today",
+     [(SUM_BEFORE, "rates.xxh3_128/memory.median_GBps / rates.sha256/memory.median_GBps", ".0f"),
+      (SUM_BEFORE, "rates.xxh3_128/file.median_GBps / rates.sha256/file.median_GBps", ".1f"),
+      ("checksum_bench.json", "rates.xxh3_128/memory.median_GBps / rates.sha256/memory.median_GBps", ".0f"),
+      ("checksum_bench.json", "rates.xxh3_128/file.median_GBps / rates.sha256/file.median_GBps", ".1f")]),
+    (INTEGRITY, "| {} | {} | {} / {} | met |",
+     [*each(CK, ".1%", "ratios.commit_overhead_over_upload_dcp_async_thread",
+            "ratios.commit_overhead_over_upload_dcp_async_process"),
+      *each(CK_BEFORE, ".1%", "ratios.commit_overhead_over_upload_dcp_async_thread",
+            "ratios.commit_overhead_over_upload_dcp_async_process")]),
+    (INTEGRITY, "| {}x | {}x | {}x / {}x | thread met today",
+     [*each(CK, ".2f", "ratios.async_committed_over_plain_dcp_thread", "ratios.async_committed_over_plain_dcp_process"),
+      *each(CK_BEFORE, ".2f", f"{med('dcp_async_thread', 'committed_s')} / {med('dcp_plain', 'committed_s')}",
+            f"{med('dcp_async_process', 'committed_s')} / {med('dcp_plain', 'committed_s')}")]),
+    (INTEGRITY, "(`ratios.rank0_torch_save_over_dcp_sync`) | {}x | | {}x | missed in both",
+     [(CK, "ratios.rank0_torch_save_over_dcp_sync", ".2f"), (CK_BEFORE, "ratios.rank0_torch_save_over_dcp_sync", ".2f")]),
+    (INTEGRITY, "blocking medians: {} / {} s today, {} / {} s before)",
+     [*each(CK, ".2f", med("rank0_torch_save", "blocking_s"), med("dcp_plain", "blocking_s")),
+      *each(CK_BEFORE, ".2f", med("rank0_torch_save", "blocking_s"), med("dcp_plain", "blocking_s"))]),
+    (INTEGRITY, "today our sync save ({} s) took longer than the plain one ({} s) in the same rounds, after {} vs {} s",
+     [*each(CK, ".2f", med("dcp_sync", "blocking_s"), med("dcp_plain", "blocking_s")),
+      *each(CK_BEFORE, ".2f", med("dcp_sync", "blocking_s"), med("dcp_plain", "blocking_s"))]),
+    (INTEGRITY, "committed in {}x of a plain save today and {}x before; ours, thread mode, in {}x and {}x",
+     [(CK, "ratios.bare_async_committed_over_plain_dcp", ".2f"), (CK_BEFORE, "ratios.bare_async_committed_over_plain_dcp", ".2f"),
+      (CK, "ratios.async_committed_over_bare_async_thread", ".2f"), (CK_BEFORE, "ratios.async_committed_over_bare_async", ".2f")]),
+    (INTEGRITY, "`ratios.plain_keep_old_over_plain` is {}x today and was {}x before",
+     [(CK, "ratios.plain_keep_old_over_plain", ".2f"), (CK_BEFORE, "ratios.plain_keep_old_over_plain", ".2f")]),
+    (INTEGRITY, "W=2 parallel XXH3 {} s vs rank 0 SHA-256 of everything {} s today ({}x; {}x in the idle run",
+     [*each(CK, ".2f", "verify_s.w2.parallel_xxh3_s", "verify_s.w2.rank0_sha256_s"),
+      (CK, "ratios.verify_rank0_sha256_over_parallel_w2", ".1f"), (CK_BEFORE, "ratios.verify_rank0_sha256_over_parallel_w2", ".1f")]),
+    (INTEGRITY, "verify {} min for 70B, new resume verify {} s at W=8 and {} s at W=64 ({} s at W=512",
+     [(SCALE_BEFORE, "rows.3.old_verify_s / 60", ".1f"), *each(SCALE_BEFORE, ".1f", "rows.3.new_verify_s",
+                                                              "rows.4.new_verify_s", "rows.5.new_verify_s")]),
+    (INTEGRITY, "{} s for 7B and {} s for 70B at W=512 today, loaded; {} s and {} s in the idle run before",
+     [*each("ckpt_scale.json", ".0f", "rows.2.check_manifest_s", "rows.5.check_manifest_s"),
+      (SCALE_BEFORE, "rows.2.check_manifest_s", ".1f"), (SCALE_BEFORE, "rows.5.check_manifest_s", ".0f")]),
+    # lora.md
+    *[(LORA, f"| {kind} | {mode} | {{}} MiB | {{}} s ({{}}-{{}}) |",
+       [("lora_bench.json", f"cases.{case}.bytes / {MB}", ".2f"),
+        *each("lora_bench.json", ".3f", *(f"cases.{case}.blocking_{k}_s" for k in ("median", "min", "max")))])
+      for kind, mode, case in (("full", "sync (`off`)", "full/off"), ("LoRA", "sync (`off`)", "lora/off"),
+                               ("full", "async `thread`", "full/thread"), ("LoRA", "async `thread`", "lora/thread"))],
+    (LORA, "The LoRA checkpoint is {}x smaller here, below the ratio of trained parameters ({}x;",
+     [("lora_bench.json", "ratios.bytes_full_over_lora", ".1f"),
+      ("lora_bench.json", "model.params / model.lora_trainable_params", ".1f")]),
+    (LORA, "the adapters are {} of the weights", [("lora_bench.json", "model.lora_trainable_params / model.params", ".1%")]),
+    (LORA, "A synchronous save blocks {}x less", [("lora_bench.json", "ratios.sync_blocking_full_over_lora", ".1f")]),
+    (LORA, "so there the gain is small ({}x)", [("lora_bench.json", "ratios.async_blocking_full_over_lora", ".2f")]),
+    (LORA, "load average {} before, {} after, on 2 cores",
+     each("lora_bench.json", ".2f", "provenance.load_average_before.0", "provenance.load_average_after.0")),
+    (LORA, "The previous record, {}x for a sync save", [(LORA_BEFORE, "ratios.sync_blocking_full_over_lora", ".1f")]),
+    # gpu.md: the loss's memory, fp32 and bf16 runs
+    *[(GPU, f"| {dtype} | {{}} MiB | {{}} MiB, {{}} copies | {{}} MiB, {{}} copies |",
+       [(results, f"logits_bytes / {MB}", ".0f"), (results, "methods.plain.peak_median_MiB", ".0f"),
+        (results, "methods.plain.logits_copies", ".2f"), (results, "methods.chunked.peak_median_MiB", ".0f"),
+        (results, "methods.chunked.logits_copies", ".2f")])
+      for dtype, results in (("fp32", LOSS_FP32), ("bf16", "loss_memory.json"))],
+    (PLANNER, "`bench/loss_memory.py` measured {} copies above the logits in bf16",
+     [("loss_memory.json", "methods.chunked.logits_copies", ".1f")]),
+    # data.md: the tenth-size run (its table is checked through these ratios; the 200k run's in TABLES)
+    *[(DATA, f"{kind}: new / old = {{}}x rows/s", [(DATA_20K, f"new_over_old_rows_per_s.{kind}", ".2f")])
+      for kind in ("chat", "text")],
+    (DATA, "met at the issue's 200k conversations, {}x", [("data_bench.json", "new_over_old_rows_per_s.chat", ".2f")]),
+    (DATA, "At 20k conversations, {}x", [(DATA_20K, "new_over_old_rows_per_s.chat", ".2f")]),
+    (DATA, "Text, for reference, at 100k lines: {}x", [(DATA_20K, "new_over_old_rows_per_s.text", ".2f")]),
+    # the Hugging Face export's peak memory, fp32 and bf16 runs
+    (CHECKPOINTS, "peak RSS above the baseline: {} MiB for fp32 and {} MiB for bf16, against {} / {} MiB for loading",
+     [(EXPORT_FP32, "modes.stream.peak_above_baseline_MiB", ".0f"),
+      ("export_rss.json", "modes.stream.peak_above_baseline_MiB", ".0f"),
+      (EXPORT_FP32, "modes.naive.peak_above_baseline_MiB", ".0f"),
+      ("export_rss.json", "modes.naive.peak_above_baseline_MiB", ".0f")]),
+    (PERF, "the streaming export peaked {} MiB above its baseline ({} of the model), against {} MiB ({}) for",
+     [(EXPORT_FP32, "modes.stream.peak_above_baseline_MiB", ".0f"), (EXPORT_FP32, "modes.stream.peak_above_baseline_over_model", ".0%"),
+      (EXPORT_FP32, "modes.naive.peak_above_baseline_MiB", ".0f"), (EXPORT_FP32, "modes.naive.peak_above_baseline_over_model", ".0%")]),
+]
+
+# results tables quoted whole: every table row of the .md a run wrote is in the doc
+TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
+          (DATA, "data_bench.md")]
+
+
+def value_at(results: dict, path: str) -> float:
+    if " / " in path:
+        a, b = path.split(" / ")
+        return value_at(results, a) / value_at(results, b)
+    try:
+        return float(path)
+    except ValueError:
+        pass
+    for key in path.split("."):
+        results = results[int(key)] if isinstance(results, list) else results[key]
+    return results
+
+
+def load(results: str) -> dict:
+    with open(os.path.join(RESULTS, results)) as f:
+        return json.load(f)
+
+
+def quoted(row) -> str:
+    _, phrase, sources = row
+    return phrase.format(*(format(value_at(load(results), path), fmt) for results, path, fmt in sources))
+
+
+def doc_text(doc: str) -> str:
+    with open(os.path.join(ROOT, doc)) as f:
+        return " ".join(f.read().split())  # a phrase may wrap over lines
+
+
+@pytest.mark.parametrize("row", FIGURES, ids=[f"{r[0]}:{r[1][:40]}" for r in FIGURES])
+def test_doc_quotes_the_results_file(row):
+    assert quoted(row) in doc_text(row[0]), f"{row[0]} should say {quoted(row)!r} ({row[2]})"
+
+
+@pytest.mark.parametrize("doc,md", TABLES)
+def test_doc_quotes_the_results_table(doc, md):
+    with open(os.path.join(RESULTS, md)) as f:
+        rows = [line for line in f.read().splitlines() if line.startswith("| ") and not line.startswith("|---")]
+    text = doc_text(doc)
+    assert rows and [r for r in rows if " ".join(r.split()) not in text] == []
+
+
+def test_every_quoted_run_names_its_commit_and_command():
+    """Runs made since provenance was recorded: clean commit, command; older ones are named before-provenance."""
+    for results in sorted({src[0] for row in FIGURES for src in row[2]}):
+        if results.endswith("-before-provenance.json"):
+            continue
+        p = load(results)["provenance"]
+        assert len(p["git_commit"]) == 40 and p["command"].startswith("python bench/") and not p["git_dirty"], results
+
+
+def test_a_wrong_figure_is_caught():
+    """The check can fail: the same row with another value is not in the doc."""
+    doc, phrase, sources = FIGURES[1]
+    wrong = phrase.format(*(format(value_at(load(r), p) + 1, fmt) for r, p, fmt in sources))
+    assert wrong not in doc_text(doc)
