@@ -34,6 +34,7 @@ from .faults import fault_point
 from .layout import is_marked_committed, list_step_dirs, read_saved_config, step_dir, step_of, trash_dir
 from .lock import DirLock, lock_for_job
 from .preflight import process_staging_shortfall
+from .prestage import allocate_in_background
 from .saver import StagingWait, prepare_step_dir, start_async, write_sync
 from .uploader import make_stager, stop_uploader_process
 
@@ -76,6 +77,7 @@ class CheckpointManager:
         self._agree_pg = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
         self.committer = Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log)
         self._stager: DefaultStager | None = None
+        self._allocating = None  # the thread allocating the stager's buffers ahead of the first save (prestage.py)
         self._inflight: Future | None = None  # the committer thread's work for the last save
         self._inflight_step: int | None = None
         self._staging: StagingWait | None = None  # the last async save's staging, until the training thread waited
@@ -121,8 +123,7 @@ class CheckpointManager:
             blocking_s = self.committer.commit_sync(path, step, metadata, list(files), t0, time.perf_counter() - t0)
             self._inflight = self.committer.start_retention(step)
         else:
-            if self._stager is None:  # reused: only the first save allocates the host buffers
-                self._stager = make_stager(self.async_mode)
+            self._staging_buffers_ready()
             upload, self._staging = start_async(state, path, step, self.pg, self._stager, self.async_mode, self.dir)
             fault_point("staged", step)
             blocking_s = time.perf_counter() - t0
@@ -130,6 +131,20 @@ class CheckpointManager:
                                                                list(files), self._staging)
         self.last_saved_step, self._inflight_step = step, step
         return blocking_s
+
+    def prepare_staging(self, state: dict) -> None:
+        """Async modes: allocate the host buffers the saves of `state` stage into, in the background, so the
+        first save blocks no longer than the next (prestage.py). Call once the optimizer state exists."""
+        if self.async_mode != "off" and self._stager is None:
+            self._stager = make_stager(self.async_mode)
+            self._allocating = allocate_in_background(self._stager, state)
+
+    def _staging_buffers_ready(self) -> None:
+        if self._stager is None:  # reused: only the first save allocates the host buffers
+            self._stager = make_stager(self.async_mode)
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
 
     def wait_for_staging(self) -> None:
         """Call right before the optimizer mutates parameters again (after backward, so that forward and
@@ -194,6 +209,7 @@ class CheckpointManager:
             if self.async_mode == "process":
                 stop_uploader_process()
             if self._stager is not None:
+                self._staging_buffers_ready()
                 self._stager.close()
                 self._stager = None
             if self._lock is not None:
