@@ -142,9 +142,9 @@ def summary(ranks: list[dict]) -> dict:
                                                                      for r in ranks]}
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+def git_commit(repo: str = ROOT) -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
                            capture_output=True, text=True).stdout.strip()
     return out.stdout.strip() + ("+dirty" if dirty else "")
 
