@@ -129,6 +129,30 @@ def compare(work: str, nproc: int) -> dict:
     return {"bitwise_equal": bool(equal), "max_abs_diff": worst, "max_diff_relative_to_max_abs": worst_rel}
 
 
+def one_step_ulps(n: int = 1_000_000) -> dict:
+    """The two modes from the same parameters and the same 3 gradients: the largest difference (absolute, in
+    units in the last place of the parameter, against the largest update), and the share of elements that differ.
+    Training then amplifies such differences through the next gradients, so runs drift apart slowly."""
+    import torch
+    gen = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(n, generator=gen) * 0.02, [torch.randn(n, generator=gen) * 1e-3 for _ in range(3)]
+    out = {}
+    for mode in MODES:
+        p = start.clone().requires_grad_()
+        opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.1, **{mode: True})
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        out[mode] = p.detach()
+    a, b = out["foreach"], out["fused"]
+    diff = (a - b).abs()
+    ulp = (torch.nextafter(a, torch.full_like(a, float("inf"))) - a).abs()
+    big = a.abs() > 1e-3  # away from zero, where one ulp of the parameter is meaningful
+    return {"max_abs_diff": diff.max().item(), "max_ulps_where_abs_above_1e-3": (diff[big] / ulp[big]).max().item(),
+            "max_diff_over_update": (diff / (a - start).abs().max()).max().item(),
+            "share_different": (a != b).float().mean().item()}
+
+
 def summary(ranks: list[dict]) -> dict:
     med = lambda key: statistics.median(v for r in ranks for v in r[key][1:] or r[key])  # noqa: E731
     return {"peak_rss_GiB_per_rank": [round(r["peak_rss_bytes"] / 2 ** 30, 3) for r in ranks],
@@ -157,7 +181,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="adamw-cpu-") as work:
         write_qwen_config(os.path.join(work, "model"), args.layers, args.vocab)
         modes = {m: summary(launch(args, m, work)) for m in MODES}
-        result = {"modes": modes, "comparison": compare(work, args.nproc)}
+        result = {"modes": modes, "comparison": compare(work, args.nproc), "same_gradients": one_step_ulps()}
     import torch
     result.update(layers=args.layers, vocab=args.vocab, seq_len=args.seq_len, steps=args.steps,
                   nproc=args.nproc, torch=torch.__version__, cpus=os.cpu_count(), git_commit=git_commit(),
