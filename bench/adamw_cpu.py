@@ -177,14 +177,14 @@ def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    load_start = os.getloadavg()
+    load_start, commit = os.getloadavg(), git_commit()  # at the start: the code that ran
     with tempfile.TemporaryDirectory(prefix="adamw-cpu-") as work:
         write_qwen_config(os.path.join(work, "model"), args.layers, args.vocab)
         modes = {m: summary(launch(args, m, work)) for m in MODES}
         result = {"modes": modes, "comparison": compare(work, args.nproc), "same_gradients": one_step_ulps()}
     import torch
     result.update(layers=args.layers, vocab=args.vocab, seq_len=args.seq_len, steps=args.steps,
-                  nproc=args.nproc, torch=torch.__version__, cpus=os.cpu_count(), git_commit=git_commit(),
+                  nproc=args.nproc, torch=torch.__version__, cpus=os.cpu_count(), git_commit=commit,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   load_average={"start": load_start, "end": os.getloadavg()},
                   command="python bench/adamw_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]))

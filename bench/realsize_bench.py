@@ -33,7 +33,9 @@ sys.path.insert(0, ROOT)
 from bench.adamw_cpu import git_commit  # noqa: E402 - after the path insert
 from bench.qwen_shape import write_qwen_config  # noqa: E402
 from bench.rss_sampler import RSSSampler  # noqa: E402
+from finetune.config import load_config  # noqa: E402
 from finetune.dist import free_port  # noqa: E402
+from finetune.plan import checkpoint_bytes, model_shapes  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -112,7 +114,7 @@ def overlapped_steps(steps: list[dict], saves: list[dict]) -> dict:
 
 def main(argv=None):
     a = parse_args(argv)
-    load_start = os.getloadavg()
+    load_start, commit = os.getloadavg(), git_commit(a.repo)  # at the start: the code that ran
     work = a.work_dir or tempfile.mkdtemp(prefix="realsize-")
     model = write_qwen_config(os.path.join(work, "model"), a.layers)
     run = os.path.join(work, "run")
@@ -130,9 +132,8 @@ def main(argv=None):
                                               "train_fsdp.py", *train, f"train.max_steps={a.steps}"], a.repo)
     steps, events = read_jsonl(os.path.join(run, "metrics.jsonl"))
     saves = [e for e in events if e["event"] == "checkpoint" and e["mode"] != "sync"]
-    m = re.search(r"([\d.]+) (GiB|MiB) per rank;", plan.stdout)
-    rank_bytes = int(float(m.group(1)) * (GIB if m.group(2) == "GiB" else 2 ** 20)) if m else 0
-    floor = memcpy_floor_s(rank_bytes) if rank_bytes else None
+    rank_bytes = checkpoint_bytes(model_shapes(load_config(None, [f"model.config_path={model}"]).model), a.nproc)[1]
+    floor = memcpy_floor_s(rank_bytes)
     result = {
         "layers": a.layers, "nproc": a.nproc, "steps": a.steps, "every": a.every, "seq_len": a.seq_len,
         "planned_total_GiB_per_rank": float(planned.group(1)) if planned else None, "plan": plan.stdout,
@@ -152,7 +153,7 @@ def main(argv=None):
                                              "train_fsdp.py", *train, f"train.max_steps={a.steps + 1}",
                                              "data.global_batch_size=2", "ckpt.resume=auto"], a.repo)
     result["resume_at_1_rank_peak_rss_GiB"] = round(resume.peak(0) / GIB, 3)
-    result.update(repo=a.repo, git_commit=git_commit(a.repo), cpus=os.cpu_count(),
+    result.update(repo=a.repo, git_commit=commit, cpus=os.cpu_count(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   load_average={"start": load_start, "end": os.getloadavg()},
                   command="python bench/realsize_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]))

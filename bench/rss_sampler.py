@@ -34,11 +34,11 @@ def _field_kib(pid: int, field: str) -> int | None:
 
 
 def _rank_of(pid: int) -> int | None:
-    """RANK of a torchrun worker; None for anything else (torchrun itself, DCP's spawned uploader)."""
+    """RANK of a torchrun worker; -1 for DCP's spawned uploader; None for anything else (torchrun itself)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             if b"multiprocessing" in f.read():
-                return None
+                return -1
         with open(f"/proc/{pid}/environ", "rb") as f:
             env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
     except OSError:
@@ -73,14 +73,15 @@ class RSSSampler:
             while stack:
                 pid = stack.pop()
                 stack += _children(pid)
-                if pid not in ranks:
+                if ranks.get(pid) is None:  # again until known: read between fork and exec, a worker has no RANK yet
                     ranks[pid] = _rank_of(pid)
                 rss = _field_kib(pid, "VmRSS:")
                 if rss is None:
                     continue
                 if ranks[pid] is None:
-                    if pid != self.root:
-                        self.uploader_peak = max(self.uploader_peak, rss * 1024)
+                    continue
+                if ranks[pid] == -1:
+                    self.uploader_peak = max(self.uploader_peak, rss * 1024)
                     continue
                 self.samples.setdefault(ranks[pid], []).append((now, rss * 1024))
                 hwm = _field_kib(pid, "VmHWM:")
