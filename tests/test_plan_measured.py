@@ -1,9 +1,9 @@
 """`--plan --cpu` against what each rank really holds: the 8-block Qwen2.5-0.5B shape (255M parameters, random
 init) trained on 2 CPU ranks with process-mode async saves, each rank's VmRSS sampled from /proc.
 
-    PLAN_MEASURED=1 python -m pytest tests/test_plan_measured.py -q -s     # ~5-10 min on 2 loaded cores, ~12 GiB
+    PLAN_MEASURED=1 python -m pytest tests/test_plan_measured.py -q -s     # ~3 min on 2 loaded cores, ~13 GiB
 
-Opt-in (PLAN_MEASURED=1): it takes minutes and about 6 GiB per rank. The planner's per-rank total must be
+Opt-in (PLAN_MEASURED=1): it takes minutes and about 6.5 GiB per rank. The planner's per-rank total must be
 within 20% of the measured peak of every rank (shared-memory staging pages included, as VmRSS counts them).
 """
 
