@@ -111,6 +111,7 @@ class TrainingCheckpoints:
         `stop_requested()` (collective: every rank gets the same answer) asks to stop at this step: the
         caller leaves the loop and `finish` saves it. A request at the last step just finishes."""
         self._tolerated(step, self.mgr.poll)
+        self.mgr.prepare_staging(self.state)  # once: the optimizer state exists after a step; a no-op after
         if step < self.max_steps and stop_requested():
             return True
         if step < self.max_steps and self.policy.should_save(step):  # the same answer on all ranks

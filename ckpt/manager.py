@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager
 
 from common.dist import on_rank0_then_share
 from . import resume as _resume
@@ -33,8 +32,9 @@ from .errors import CheckpointError, RetentionError
 from .layout import step_dir, step_of, trash_dir
 from .lock import DirLock, lock_for_job
 from .preflight import process_staging_shortfall
+from .prestage import ReusedStager
 from .saver import StagingWait, prepare_step_dir, start_async, write_sync
-from .uploader import make_stager, stop_uploader_process
+from .uploader import stop_uploader_process
 
 
 def _noop(*_args, **_kwargs) -> None:
@@ -75,7 +75,7 @@ class CheckpointManager:
         self.committer = Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log)
         # events go through the committer's guard: an event that fails to record is logged, never raised
         self.on_log, self.on_event = on_log, self.committer.on_event
-        self._stager: DefaultStager | None = None
+        self._stager = ReusedStager(async_mode)  # host buffers allocated ahead of the first save (prestage.py)
         self._inflight: Future | None = None  # the committer thread's work for the last save
         self._inflight_step: int | None = None
         self._staging: StagingWait | None = None  # the last async save's staging, until the training thread waited
@@ -118,14 +118,18 @@ class CheckpointManager:
             blocking_s = self.committer.commit_sync(path, step, metadata, list(files), t0, time.perf_counter() - t0)
             self._inflight = self.committer.start_retention(step)
         else:
-            if self._stager is None:  # reused: only the first save allocates the host buffers
-                self._stager = make_stager(self.async_mode)
-            upload, self._staging = start_async(state, path, step, self.pg, self._stager, self.async_mode, self.dir)
+            upload, self._staging = start_async(state, path, step, self.pg, self._stager.ready(), self.async_mode,
+                                                self.dir)
             blocking_s = time.perf_counter() - t0
             self._inflight = self.committer.start_async_commit(upload, path, step, self.async_mode, t0, blocking_s,
                                                                list(files), self._staging)
         self.last_saved_step, self._inflight_step = step, step
         return blocking_s
+
+    def prepare_staging(self, state: dict) -> None:
+        """Async modes: allocate the host buffers the saves of `state` stage into, in the background, so the
+        first save blocks no longer than the next (prestage.py). Call once the optimizer state exists."""
+        self._stager.prepare(state)
 
     def wait_for_staging(self) -> None:
         """Call right before the optimizer mutates parameters again (after backward, so that forward and
@@ -189,9 +193,7 @@ class CheckpointManager:
             self.committer.close()
             if self.async_mode == "process":
                 stop_uploader_process()
-            if self._stager is not None:
-                self._stager.close()
-                self._stager = None
+            self._stager.close()
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None

@@ -32,6 +32,7 @@ ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per trainable parameter
 MASTER_BYTES = 4  # fp32 master weights and fp32 sharded gradients
 LOGITS_COPIES = 3.3  # logits + their gradient + fp32 chunks of the chunked loss (bench/loss_memory.py: 2.3 above them)
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not a measurement
+CPU_PROCESS_GIB = 0.6  # a CPU rank's own VmRSS: 0.38 GiB measured after imports + gloo, the rest data and malloc slack
 
 
 def _positive(typ):
@@ -49,14 +50,16 @@ def _positive(typ):
 
 
 PLAN_FLAGS = {"nodes": 1, "gpus_per_node": 8, "gpu_memory": None, "host_memory": None, "write_gbps": 10.0,
-              "copy_gbps": 10.0}  # dest -> default: given without --plan they would be silently ignored
+              "copy_gbps": 10.0, "cpu": False}  # dest -> default: given without --plan they would be silently ignored
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (--plan: print the plan and exit, no process group)")
     g.add_argument("--plan", action="store_true", help="print memory per GPU, host staging, checkpoint size, save time")
     g.add_argument("--nodes", type=_positive(int), default=1, help="nodes to plan for (default 1)")
-    g.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs (ranks) per node (default 8)")
+    g.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs (ranks) per node (default 8; ranks with --cpu)")
+    g.add_argument("--cpu", action="store_true",
+                   help="plan CPU ranks (gloo): memory per rank process, async staging included, no CUDA context")
     g.add_argument("--gpu-memory", type=_positive(float), default=None,
                    help="GiB per GPU: exit 1 when the plan needs more")
     g.add_argument("--host-memory", type=_positive(float), default=None,
@@ -160,8 +163,10 @@ def activation_bytes(s: Shapes, tokens: int, compute: int, checkpointing: bool) 
     return decoder, int(tokens * s.vocab * compute * LOGITS_COPIES)
 
 
-def compute_bytes(cfg) -> int:
-    return 4 if cfg.model.param_dtype == "fp32" else 2  # auto = bf16 on CUDA
+def compute_bytes(cfg, cpu: bool = False) -> int:
+    if cfg.model.param_dtype == "auto":
+        return 4 if cpu else 2  # auto = fp32 on CPU, bf16 on CUDA (finetune/model.py)
+    return 4 if cfg.model.param_dtype == "fp32" else 2
 
 
 def gpu_states(cfg, s: Shapes, world: int) -> list[tuple[str, int]]:
@@ -194,6 +199,38 @@ def gpu_items(cfg, s: Shapes, world: int, micro_batch: int, accum: int = 1) -> l
          f"{' (activation checkpointing)' if cfg.model.activation_checkpointing else ''}, estimate", decoder),
         (f"logits and chunked loss ({micro_batch * cfg.data.seq_len} tokens x vocab {s.vocab})", logits),
         ("CUDA context, NCCL, allocator slack (assumed)", CUDA_OVERHEAD_GIB * GIB)]
+
+
+def cpu_items(cfg, s: Shapes, world: int, micro_batch: int, rank_staged: int) -> list[tuple[str, float]]:
+    """[(what, bytes)] in one CPU rank's process (its VmRSS): the same sharded states as on a GPU, fused AdamW
+    (no temporaries: bench/adamw_cpu.py), the root group's unsharded parameters and gradients (on CPU the
+    embedding dwarfs a block), activations, and the async staging buffers, which live in the rank's own
+    memory (shared-memory pages in process mode count in its VmRSS too)."""
+    compute = compute_bytes(cfg, cpu=True)
+    reduce = 4 if cfg.model.reduce_dtype in ("fp32", "auto") else 2
+    decoder, logits = activation_bytes(s, micro_batch * cfg.data.seq_len, compute, cfg.model.activation_checkpointing)
+    unsharded = max(s.root_params, s.block_params) * s.trainable // s.params  # LoRA: no base gradients
+    mode = cfg.ckpt.async_mode
+    return gpu_states(cfg, s, shard_world(cfg, world)) + [
+        ("gathered parameters (root + 2 blocks, compute dtype)", compute * (s.root_params + 2 * s.block_params)),
+        ("unsharded gradients of the root group or a block, before reduce-scatter",
+         (compute + reduce) * unsharded),
+        (f"activations, micro batch {micro_batch} x {cfg.data.seq_len}"
+         f"{' (activation checkpointing)' if cfg.model.activation_checkpointing else ''}, estimate", decoder),
+        (f"logits and chunked loss ({micro_batch * cfg.data.seq_len} tokens x vocab {s.vocab})", logits),
+        (f"async staging buffers (ckpt.async_mode={mode}{': shared memory' if mode == 'process' else ''})",
+         rank_staged if mode != "off" else 0),
+        ("python, torch, transformers, gloo (0.38 GiB measured), data, malloc slack", CPU_PROCESS_GIB * GIB)]
+
+
+def cpu_node_lines(total: float, args, problems: bool = False) -> list[str]:
+    """The per-rank total and a node's sum (report lines), or the problem when --host-memory is below it."""
+    node = total * args.gpus_per_node
+    if problems:
+        return [f"host memory: {size(node)} per node needed ({args.gpus_per_node} ranks x {size(total)}), "
+                f"--host-memory {args.host_memory:g} GiB"] if args.host_memory and node > args.host_memory * GIB else []
+    budget = f" of {args.host_memory:g} GiB" if args.host_memory else " (--host-memory GiB checks the fit)"
+    return [f"  {'total':<72} {size(total):>10}", f"  {f'per node: {args.gpus_per_node} ranks':<72} {size(node):>10}{budget}"]
 
 
 # ---------------------------------------------------------------- the plan
@@ -258,7 +295,7 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     """(report lines, problems): an empty problem list means the config fits the stated hardware."""
     s = model_shapes(cfg.model)
     world = args.nodes * args.gpus_per_node
-    lines = [f"plan: {args.nodes} node(s) x {args.gpus_per_node} GPUs = world size {world}",
+    lines = [f"plan: {args.nodes} node(s) x {args.gpus_per_node} {'CPU ranks' if args.cpu else 'GPUs'} = world size {world}",
              f"model: {s.arch} from {s.source}: {count(s.params)} params ({s.params:,}), {s.layers} blocks, "
              f"hidden {s.hidden}, vocab {s.vocab}" + (f"; trainable (LoRA adapters) {s.trainable:,}"
                                                       if s.trainable != s.params else "")]
@@ -275,23 +312,27 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     if s.max_positions and cfg.data.seq_len > s.max_positions:
         problems.append(f"data.seq_len={cfg.data.seq_len} is above the model's max_position_embeddings={s.max_positions}")
 
-    items = gpu_items(cfg, s, world, micro, accum)
+    ckpt, rank_bytes = checkpoint_bytes(s, shard_world(cfg, world))  # every replica stages its own shard
+    items = cpu_items(cfg, s, world, micro, rank_bytes) if args.cpu else gpu_items(cfg, s, world, micro, accum)
     total = sum(b for _, b in items)
-    lines.append("per GPU:")
+    lines.append("per rank (CPU process, VmRSS):" if args.cpu else "per GPU:")
     lines += [f"  {what:<72} {size(b):>10}" for what, b in items]
-    budget = f" of {args.gpu_memory:g} GiB" if args.gpu_memory else " (--gpu-memory GiB checks the fit)"
-    lines.append(f"  {'total':<72} {size(total):>10}{budget}")
-    if args.gpu_memory and total > args.gpu_memory * GIB:
+    if args.cpu:  # the ranks of a node share its RAM; staging is in each rank's total already
+        more, problems = cpu_node_lines(total, args), problems + cpu_node_lines(total, args, problems=True)
+        lines += more
+    else:
+        budget = f" of {args.gpu_memory:g} GiB" if args.gpu_memory else " (--gpu-memory GiB checks the fit)"
+        lines.append(f"  {'total':<72} {size(total):>10}{budget}")
+    if not args.cpu and args.gpu_memory and total > args.gpu_memory * GIB:
         worst = max(items, key=lambda it: it[1])
         problems.append(f"GPU memory: {size(total)} per GPU needed, --gpu-memory {args.gpu_memory:g} GiB; "
                         f"largest item: {worst[0]} {size(worst[1])} (more GPUs shard the states further; "
                         "model.activation_checkpointing=true and a smaller data.micro_batch_size cut activations)")
 
-    ckpt, rank_bytes = checkpoint_bytes(s, shard_world(cfg, world))  # every replica stages its own shard
     offload = sum(b for what, b in gpu_states(cfg, s, shard_world(cfg, world))) if cfg.model.cpu_offload else 0
     more, host_problems = host_lines(cfg, rank_bytes, offload, args.gpus_per_node, args.host_memory)
     lines += more
-    problems += host_problems
+    problems += [] if args.cpu else host_problems
     keep = cfg.ckpt.keep_last
     lines.append(f"checkpoint: {size(ckpt)} per save (fp32 {'adapters' if s.trainable != s.params else 'weights'}"
                  f" + AdamW: 12 B x {s.trainable:,}), {size(rank_bytes)} per rank; keep_last {keep}: "
@@ -319,5 +360,7 @@ def print_plan(cfg, args) -> int:
         print(f"does not fit: {p}", file=sys.stderr)
     if problems:
         return 1
-    print("OK: the plan fits" + ("" if args.gpu_memory else " (GPU memory not checked: pass --gpu-memory GiB)"))
+    unchecked = (" (host memory not checked: pass --host-memory GiB)" if args.cpu and not args.host_memory else
+                 "" if args.cpu or args.gpu_memory else " (GPU memory not checked: pass --gpu-memory GiB)")
+    print("OK: the plan fits" + unchecked)
     return 0

@@ -35,6 +35,9 @@ class RecordingManager:
     def poll(self):
         self.calls.append("poll")
 
+    def prepare_staging(self, state):  # allocating staging buffers early changes no decision of the loop
+        pass
+
     def wait(self):
         self.calls.append("wait")
 

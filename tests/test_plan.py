@@ -11,6 +11,7 @@ import re
 import shlex
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from conftest import ROOT, run_train
@@ -131,3 +132,25 @@ def test_plan_knows_hsdp_and_no_sync_accumulation(capsys):
     assert "unsharded gradients between micro batches" in out
     synced, _ = total("--nodes", "1", "data.micro_batch_size=1")
     assert no_sync - synced == pytest.approx(4 * 8.03e9 / GIB, rel=0.01)  # fp32 grads of all 8B params
+
+
+def test_cpu_plan_counts_staging_in_each_rank_and_no_cuda_context(capsys):
+    """--plan --cpu: one per-rank total for a CPU process (fp32 compute, the async staging buffers in the rank's own
+    memory, no CUDA context), a node's sum checked against --host-memory, and no CUDA context opened."""
+    preset = os.path.join(ROOT, "configs", "llama3-8b-sft.yaml")
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--cpu", "--gpus-per-node", "2", "ckpt.async_mode=process"])
+    assert rc == 0, err
+    assert "CPU ranks = world size 2" in out and "CUDA context" not in out
+    staged = re.search(r"async staging buffers \(ckpt.async_mode=process: shared memory\)\s+([\d.]+) GiB", out)
+    ckpt = re.search(r"([\d.]+) GiB per rank;", out)
+    assert staged and float(staged.group(1)) == float(ckpt.group(1))  # one rank's part of the checkpoint, once
+    total = float(re.search(r"^\s+total\s+([\d.]+) GiB", out, re.M).group(1))
+    node = float(re.search(r"per node: 2 ranks\s+([\d.]+) GiB", out).group(1))
+    assert node == pytest.approx(2 * total, abs=0.02)
+    rc_off, out_off, _ = plan(capsys, ["--config", preset, "--plan", "--cpu", "--gpus-per-node", "2", "ckpt.async_mode=off"])
+    total_off = float(re.search(r"^\s+total\s+([\d.]+) GiB", out_off, re.M).group(1))
+    assert total - total_off == pytest.approx(float(staged.group(1)), abs=0.02)
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--cpu", "--gpus-per-node", "2",
+                                 "--host-memory", str(int(node) - 1)])
+    assert rc == 1 and "does not fit: host memory" in err
+    assert not torch.cuda.is_initialized()

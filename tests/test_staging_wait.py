@@ -27,7 +27,7 @@ class SlowStager(DefaultStager):
 def test_staging_wait_is_measured_and_reported(tmp_path):
     events = []
     mgr = CheckpointManager(str(tmp_path), "thread", keep_last=0, on_event=lambda name, **kw: events.append(kw))
-    mgr._stager = SlowStager()
+    mgr._stager._stager = SlowStager()  # the manager's ReusedStager holds it (ckpt/prestage.py)
     try:
         state = {"w": torch.arange(1000.0)}
         blocking = mgr.save(1, state, {"meta.json": "{}"})
@@ -42,3 +42,41 @@ def test_staging_wait_is_measured_and_reported(tmp_path):
         assert abs(ev["blocking_s"] - (blocking + ev["staging_wait_s"])) < 1e-6
     finally:
         mgr.close()
+
+
+def test_first_save_finds_its_buffers_allocated_and_stages_the_live_values(tmp_path):
+    """prepare_staging allocates the host buffers in the background; the first save then only copies into
+    them (no new buffer: the training thread does not pay for the allocation) and saves the current values."""
+    import torch.distributed.checkpoint as dcp
+
+    mgr = CheckpointManager(str(tmp_path), "thread", keep_last=0)
+    try:
+        state = {"w": torch.randn(300_000), "v": torch.randn(50, 7)}
+        mgr.prepare_staging(state)
+        cache = mgr._stager.ready()._state_dict_stager._cached_storage_mapping  # ready(): allocation joined
+        before = {id(buf) for buf in cache.values()}
+        assert len(before) == 2
+        state["w"].add_(1.0)  # training goes on between the allocation and the save
+        mgr.save(1, state, {"meta.json": "{}"})
+        mgr.wait()
+        assert {id(buf) for buf in cache.values()} == before  # nothing allocated by the save
+        loaded = {"w": torch.zeros(300_000), "v": torch.zeros(50, 7)}
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "step-000001"))
+        assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["v"], state["v"])
+    finally:
+        mgr.close()
+
+
+def test_process_mode_buffers_are_shared_memory():
+    """Process mode's uploader reads the staged copy from shared memory: the early buffers must be shared too."""
+    from ckpt.prestage import allocate_in_background
+    from ckpt.uploader import make_stager
+
+    stager = make_stager("process")
+    try:
+        w = torch.randn(1000)  # the cache holds its buffer only while the source tensor lives
+        allocate_in_background(stager, {"w": w}).join()
+        (buf,) = stager._state_dict_stager._cached_storage_mapping.values()
+        assert buf.is_shared() and buf.size() == 4000
+    finally:
+        stager.close()
