@@ -8,13 +8,12 @@ random-init model on the same batches; after --steps steps every rank saves its 
 AdamW state, and the driver compares them bitwise (and gives the largest absolute difference). Per rank:
 VmHWM of the whole run, the peak rise of RSS during optimizer.step() (VmHWM reset through
 /proc/self/clear_refs before each step), and the median optimizer.step() and whole-step times after the
-first step. Writes bench/results/adamw_cpu.json with the git commit, date, load average and command.
+first step. Writes bench/results/adamw_cpu.json and keeps the run under bench/results/runs/ (bench/provenance.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -26,7 +25,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from bench.qwen_shape import write_qwen_config  # noqa: E402 - after the path insert
-from finetune.dist import free_port  # noqa: E402
+from common.dist import free_port  # noqa: E402
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 MODES = ("foreach", "fused")
 
@@ -166,31 +166,19 @@ def summary(ranks: list[dict]) -> dict:
                                                                      for r in ranks]}
 
 
-def git_commit(repo: str = ROOT) -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
-                           capture_output=True, text=True).stdout.strip()
-    return out.stdout.strip() + ("+dirty" if dirty else "")
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:
         return worker(args)
-    load_start, commit = os.getloadavg(), git_commit()  # at the start: the code that ran
+    started = provenance.start(argv)  # at the start: the code that ran, the load it ran under
     with tempfile.TemporaryDirectory(prefix="adamw-cpu-") as work:
         write_qwen_config(os.path.join(work, "model"), args.layers, args.vocab)
         modes = {m: summary(launch(args, m, work)) for m in MODES}
         result = {"modes": modes, "comparison": compare(work, args.nproc), "same_gradients": one_step_ulps()}
     import torch
     result.update(layers=args.layers, vocab=args.vocab, seq_len=args.seq_len, steps=args.steps,
-                  nproc=args.nproc, torch=torch.__version__, cpus=os.cpu_count(), git_commit=commit,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  load_average={"start": load_start, "end": os.getloadavg()},
-                  command="python bench/adamw_cpu.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "adamw_cpu.json"), "w") as f:
-        json.dump(result, f, indent=1)
+                  nproc=args.nproc, torch=torch.__version__)
+    provenance.record(result, "adamw_cpu", args.out, started)
     print(json.dumps(result, indent=1))
 
 

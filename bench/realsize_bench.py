@@ -10,14 +10,13 @@ checkpoint at 1 rank (load at another world size) for one step. Phases come from
 (until the first step), each step, and each save (from its step's record until its commit); a rank's peak
 in each is the largest VmRSS sampled then. Also: `--plan --cpu`'s per-rank total, the first and steady async
 save's blocking against a bare copy of the rank's bytes (memcpy floor), and the steps that overlapped an
-upload against the others. Writes bench/results/realsize_bench[-TAG].json with git commit, date, load
-average and the command. Nothing here is run by the tests.
+upload against the others. Writes bench/results/realsize_bench[-TAG].json and keeps the run under
+bench/results/runs/ (bench/provenance.py: commit and dirty flag, date, machine, load, command). Nothing here is run by the tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -30,11 +29,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.adamw_cpu import git_commit  # noqa: E402 - after the path insert
 from bench.qwen_shape import write_qwen_config  # noqa: E402
 from bench.rss_sampler import RSSSampler  # noqa: E402
 from finetune.config import load_config  # noqa: E402
-from finetune.dist import free_port  # noqa: E402
+from common.dist import free_port  # noqa: E402
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 from finetune.plan import checkpoint_bytes, model_shapes  # noqa: E402
 
 GIB = 2 ** 30
@@ -114,7 +113,10 @@ def overlapped_steps(steps: list[dict], saves: list[dict]) -> dict:
 
 def main(argv=None):
     a = parse_args(argv)
-    load_start, commit = os.getloadavg(), git_commit(a.repo)  # at the start: the code that ran
+    started = provenance.start(argv)  # at the start: the code that ran, the load it ran under
+    if a.repo != ROOT:  # another checkout's code is what runs: its commit, not this one's
+        started.update(repo=a.repo, git_commit=subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.repo,
+                                                              capture_output=True, text=True).stdout.strip())
     work = a.work_dir or tempfile.mkdtemp(prefix="realsize-")
     model = write_qwen_config(os.path.join(work, "model"), a.layers)
     run = os.path.join(work, "run")
@@ -153,16 +155,10 @@ def main(argv=None):
                                              "train_fsdp.py", *train, f"train.max_steps={a.steps + 1}",
                                              "data.global_batch_size=2", "ckpt.resume=auto"], a.repo)
     result["resume_at_1_rank_peak_rss_GiB"] = round(resume.peak(0) / GIB, 3)
-    result.update(repo=a.repo, git_commit=commit, cpus=os.cpu_count(),
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  load_average={"start": load_start, "end": os.getloadavg()},
-                  command="python bench/realsize_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]))
-    os.makedirs(a.out, exist_ok=True)
-    out = os.path.join(a.out, f"realsize_bench{'-' + a.tag if a.tag else ''}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    name = f"realsize_bench{'-' + a.tag if a.tag else ''}"
+    provenance.record(result, name, a.out, started)
     print(json.dumps({k: v for k, v in result.items() if k not in ("plan", "phases")}, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {os.path.join(a.out, name + '.json')} and a copy under runs/{name}/")
     if not a.work_dir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -10,7 +10,6 @@ doing then. Shared-memory pages a rank touched (process-mode staging) count in t
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
