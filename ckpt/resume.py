@@ -37,13 +37,15 @@ def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], o
         return None
     if resume != "auto":
         try:
-            verify(resume, pg)
+            with phase(on_log, f"resume: verifying {resume}"):
+                verify(resume, pg)
         except VerifyError as e:
             raise CheckpointError(f"cannot resume from {resume}: {e}") from None
         return resume
     for step, path in reversed(on_rank0_then_share(lambda: list_step_dirs(ckpt_dir), pg, CheckpointError)):
         try:
-            verify(path, pg)
+            with phase(on_log, f"resume: verifying {path}"):  # each rank checks 1/W of the bytes
+                verify(path, pg)
             return path
         except VerifyError as e:
             on_log(f"resume: skipping {path}: {e}")

@@ -22,6 +22,8 @@ def test_export_at_end_is_this_jobs_final_state_and_export_refuses_a_file(tmp_pa
         "train.max_steps=5", *opts, f"ckpt.resume={ckpt}/step-000003", "export.at_end=true"])
     assert f"export: step 5 -> {run}/hf " in proc.stdout, proc.stdout[-2000:]
     # the long phases a person waits on say when they start and how long they took (issue #26)
+    assert f"resume: verifying {ckpt}/step-000003 ...\n" in proc.stdout, proc.stdout[-2000:]
+    assert f"resume: verifying {ckpt}/step-000003: done in " in proc.stdout
     assert f"resume: loading {ckpt}/step-000003 ...\n" in proc.stdout, proc.stdout[-2000:]
     assert f"resume: loading {ckpt}/step-000003: done in " in proc.stdout
     assert f"export: writing step 5 to {run}/hf ...\n" in proc.stdout
