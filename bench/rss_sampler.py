@@ -10,6 +10,7 @@ doing then. Shared-memory pages a rank touched (process-mode staging) count in t
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import threading
@@ -96,12 +97,22 @@ class RSSSampler:
         return max((b for t, b in self.samples.get(rank, []) if t0 <= t <= t1), default=0)
 
 
-if __name__ == "__main__":
-    cmd = sys.argv[sys.argv.index("--") + 1:] if "--" in sys.argv else sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--interval", type=float, default=0.05, help="seconds between samples (default 0.05)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the job to run and sample, after --")
+    args = p.parse_args(argv)
+    cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not cmd:
+        p.error("no command to run: python bench/rss_sampler.py -- torchrun ... train_fsdp.py ...")
     proc = subprocess.Popen(cmd)
-    with RSSSampler(proc.pid) as sampler:
+    with RSSSampler(proc.pid, args.interval) as sampler:
         code = proc.wait()
     for r in sorted(sampler.samples):
         print(f"rank {r}: peak VmRSS {sampler.peak(r) / 2 ** 30:.2f} GiB ({len(sampler.samples[r])} samples)")
     print(f"uploader processes: peak VmRSS {sampler.uploader_peak / 2 ** 30:.2f} GiB")
-    sys.exit(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
