@@ -201,8 +201,7 @@ class CheckpointManager:
     # ------------------------------------------------------------ resume
 
     def find_resume(self, resume: str, newer_than: int = -1) -> str | None:
-        """'none' -> None; 'auto' -> newest verified checkpoint after step `newer_than` (skips are logged); a path
-        -> that one."""
+        """'none' -> None; 'auto' -> newest verified one after step `newer_than` (skips logged); a path -> it."""
         return _resume.find_resume(self.dir, resume, self.pg, self.on_log, self.on_event, newer_than)
 
     def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:

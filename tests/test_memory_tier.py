@@ -20,7 +20,8 @@ import torch
 from ckpt import verify_checkpoint
 from ckpt.memory import default_memory_dir, memory_shortfall
 from ckpt.reading import read_items
-from conftest import events, losses, run_train
+import train_fsdp
+from conftest import ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -150,3 +151,13 @@ def test_default_memory_dir_is_per_ckpt_dir_and_in_shm(tmp_path):
     one, two = default_memory_dir(str(tmp_path / "a")), default_memory_dir(str(tmp_path / "b"))
     assert one.startswith("/dev/shm/fsdp-ckpt-") and one != two
     assert default_memory_dir(str(tmp_path / "a" / ".")) == one
+
+
+def test_plan_shows_the_memory_tier_per_node(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the preset's asset paths are relative to the repository
+    tiny = os.path.join(ROOT, "configs", "tiny.yaml")
+    assert train_fsdp.main(["--config", tiny, "--plan", "ckpt.memory_interval=1"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory tier"))
+    assert "per node in /dev/shm ((memory_keep 1 + 1) x 8 ranks x" in line
+    assert train_fsdp.main(["--config", tiny, "--plan", "--nodes", "2", "ckpt.memory_interval=1"]) == 0
+    assert "off with 2 nodes" in capsys.readouterr().out
