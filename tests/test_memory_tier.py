@@ -118,6 +118,23 @@ def test_a_damaged_memory_step_is_skipped(root, tmp_path, damage):
     assert sum("skipping" in ln and newest in ln for ln in proc.stdout.splitlines()) == 1, proc.stdout[-3000:]
 
 
+@pytest.mark.parametrize("moment", ["partial_write", "before_commit"])
+def test_a_kill_during_a_memory_save_leaves_no_marked_partial_step(root, tmp_path, moment):
+    """SIGKILL while memory step 5 is written (a torn shard) or before its marker: step 4 is the newest marked one,
+    every marked step verifies, and the next job resumes there and continues like run A."""
+    run = tmp_path / "k"
+    marker = f"{run}-mem/step-000004/commit.json"
+    fault = f"wait_for@after_step:5,secs=120,file={marker};kill@{moment}:5,rank={1 if moment == 'partial_write' else 0}"
+    assert run_train(run, 2, with_memory(run, keep=2), env={"CKPT_FAULT": fault}, check=False).returncode != 0
+    marked = [d for d in sorted(os.listdir(f"{run}-mem")) if os.path.exists(f"{run}-mem/{d}/commit.json")]
+    assert marked[-1] == "step-000004", marked
+    for d in marked:
+        verify_checkpoint(f"{run}-mem/{d}")
+    run_train(run, 2, with_memory(run, keep=2))
+    assert [(e["step"], e["tier"]) for e in events(run, "resume")] == [(4, "memory")]
+    assert losses(run) == losses(root / "a")
+
+
 def test_a_disk_step_newer_than_memory_wins(root, tmp_path):
     """Memory step K, disk step 10: a resume takes the disk one, and says why."""
     shutil.copytree(root / "a" / "checkpoints" / "step-000010", tmp_path / "e" / "checkpoints" / "step-000010")
