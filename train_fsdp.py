@@ -97,11 +97,20 @@ def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
         # gloo beside nccl: async checkpointing needs a CPU backend for its collectives. device_id binds
         # NCCL to this rank's GPU at once (eager init), so no collective has to guess the device.
-        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout, device_id=device, **attempt_store(timeout))
     else:
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **attempt_store(timeout))
         device = torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def attempt_store(timeout: timedelta) -> dict:
+    """init_process_group's store, rank and world size: torchrun's store with its keys prefixed by the restart
+    attempt. Under --max-restarts the agent's store keeps the last attempt's keys (the gloo addresses of groups
+    "1", "2", ...), and a restarted rank that reads one connects to a dead peer."""
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"attempt-{attempt}/", store), "rank": rank, "world_size": world_size}
 
 
 # ---------------------------------------------------------------- optimizer, schedule, preemption

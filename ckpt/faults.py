@@ -4,7 +4,9 @@
     CKPT_FAULT="oserror@write:6" ...                                    # ENOSPC while writing step 6's shards
     python -m pytest tests/test_faults.py -q                            # the suite that uses it
 
-Format `<action>@<point>[:<step>][,rank=<r>][,secs=<s>][,file=<path>]`, several joined by `;`. Actions: `kill`
+Format `<action>@<point>[:<step>][,rank=<r>][,attempt=<n>][,secs=<s>][,file=<path>]`, several joined by `;`
+(`attempt`: only in torchrun's n-th restart of the workers, 0 the first run: a kill that torchrun's
+--max-restarts recovers from must not fire again after the restart). Actions: `kill`
 (SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like
 a full disk), `sleep` (wait `secs`, to widen a window; with `file`, create it first, so a test knows the process
 got there) and `wait_for` (wait until `file` exists, at most
@@ -45,7 +47,8 @@ def _parse(spec: str) -> list[dict]:
         point, _, step = where.partition(":")
         kv = dict(o.split("=", 1) for o in opts.split(",") if "=" in o)
         faults.append({"action": action, "point": point, "step": int(step) if step else None,
-                       "rank": int(kv["rank"]) if "rank" in kv else None, "secs": float(kv.get("secs", 5)), "file": kv.get("file")})
+                       "rank": int(kv["rank"]) if "rank" in kv else None,
+                       "attempt": int(kv["attempt"]) if "attempt" in kv else None, "secs": float(kv.get("secs", 5)), "file": kv.get("file")})
     return faults
 
 
@@ -84,6 +87,8 @@ def fault_point(point: str, step: int | None = None) -> None:
         if f["point"] != point or f["step"] not in (None, step):
             continue
         if f["rank"] is not None and f["rank"] != int(os.environ.get("RANK", "0")):
+            continue
+        if f["attempt"] is not None and f["attempt"] != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
             continue
         if f["action"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -23,9 +23,11 @@ what a failure means, how to resume, and exports the final checkpoint.
 - on an exception: no emergency save after a collective timed out (a save needs every rank), on a full
   disk, or in the middle of a step (the batch would be recorded as trained on); otherwise the last
   finished step is saved synchronously, after the in-flight save is drained.
+- the memory tier (memory.py, ckpt.memory_interval): a save to node-local memory at the other steps; resume
+  takes the newest step of either tier; the memory folder goes when the run ends normally.
 `options` is any object with the attributes dir, async_mode, keep_last, keep_best, resume, interval,
-interval_minutes, mtbf_hours, save_at_end, continue_on_save_error (the trainer's checkpoint config); nothing
-here imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
+interval_minutes, mtbf_hours, save_at_end, continue_on_save_error (the trainer's checkpoint config), and
+optionally memory_interval, memory_dir, memory_keep; nothing here imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from .faults import fault_at, fault_point
 from .layout import step_dir
 from .lock import lock_for_job
 from .manager import CheckpointManager, checkpoint_groups
+from .memory import MemoryTier
 from .policy import SavePolicy
-from .resume import Resumed, resume_state
+from .resume import Resumed, resume_from
 from .state import staging_need
 
 
@@ -57,13 +60,15 @@ def open_checkpoints(options, max_steps: int, timeout: timedelta | None, open_lo
     log = open_log()
     mgr = CheckpointManager(options.dir, options.async_mode, options.keep_last, log.event, log.info,
                             keep_best=options.keep_best, groups=groups, lock=lock)
-    return TrainingCheckpoints(mgr, options, max_steps, log), log
+    return TrainingCheckpoints(mgr, options, max_steps, log, MemoryTier.open(options, timeout, log)), log
 
 
 class TrainingCheckpoints:
-    def __init__(self, mgr, options, max_steps: int, log):
-        """`mgr`: the CheckpointManager (how to save); `log`: the event sink (info and event)."""
+    def __init__(self, mgr, options, max_steps: int, log, memory: MemoryTier | None = None):
+        """`mgr`: the CheckpointManager (how to save); `log`: the event sink (info and event); `memory`: the
+        memory tier (memory.py), off when None."""
         self.mgr, self.options, self.max_steps, self.log = mgr, options, max_steps, log
+        self.memory = memory or MemoryTier(log)
         self.state, self.files_for, self.policy = {}, None, None  # track() sets them, right before the loop
         self.mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
         self.unmeasured: tuple[int, float] | None = None  # (step, blocking s) of a save whose staging wait is to come
@@ -71,7 +76,9 @@ class TrainingCheckpoints:
     def check_staging(self, model) -> None:
         """Process-mode async saves: fall back to thread mode (all ranks together) if this node cannot stage
         every local rank's share of `model` + AdamW state in /dev/shm. Once, before the data takes memory."""
-        self.mgr.check_staging(*staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        need, local_ranks = staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.mgr.check_staging(*need, local_ranks)
+        self.memory.check_budget(need[1], local_ranks, self.mgr.any_rank)  # the same verdict on every rank
 
     def track(self, state: dict, files_for: Callable[[int], dict[str, str]]) -> None:
         """`state`: the Statefuls every save writes; `files_for(step)`: the small files written beside them.
@@ -82,9 +89,11 @@ class TrainingCheckpoints:
 
     def resume(self, state: dict, files_for: Callable[[int], dict[str, str]], seed: int, lora_base: dict | None,
                check_config: Callable[[str, str | None], None]) -> Resumed:
-        """Load into `state` what options.resume names (resume.py resume_state: the base check, `check_config`,
-        the RNG rule), then track it; returns what was loaded."""
-        resumed = resume_state(self.mgr, state, self.options.resume, seed, lora_base, self.log, check_config)
+        """Load into `state` what options.resume names, or with the memory tier on the newest step of either tier
+        (resume.py resume_from: the base check, `check_config`, the RNG rule), then track it; returns what was
+        loaded."""
+        mgr, path, tier = self.memory.resume_candidate(self.mgr, self.options.resume)  # disk only when it is off
+        resumed = resume_from(mgr, path, tier, state, seed, lora_base, self.log, check_config)
         self.track(state, files_for)
         return resumed
 
@@ -93,6 +102,7 @@ class TrainingCheckpoints:
         That wait (CUDA: staging runs beside forward and backward) is part of the last save's cost to training."""
         t0 = time.perf_counter()
         self.mgr.wait_for_staging()
+        self.memory.wait_for_staging()
         if self.unmeasured is not None:
             (step, blocking_s), self.unmeasured = self.unmeasured, None
             self.policy.measured(step, blocking_s + time.perf_counter() - t0)
@@ -111,12 +121,15 @@ class TrainingCheckpoints:
         `stop_requested()` (collective: every rank gets the same answer) asks to stop at this step: the
         caller leaves the loop and `finish` saves it. A request at the last step just finishes."""
         self._tolerated(step, self.mgr.poll)
+        self.memory.poll(step)
         self.mgr.prepare_staging(self.state)  # once: the optimizer state exists after a step; a no-op after
         if step < self.max_steps and stop_requested():
             return True
         if step < self.max_steps and self.policy.should_save(step):  # the same answer on all ranks
             self._tolerated(step, self.mgr.wait)  # a failed previous save must not skip this one
             self._tolerated(step, lambda: self._save(step))
+        else:  # a step the disk tier saves is not saved to memory too
+            self.memory.maybe_save(step, self.state, self.files_for, self.max_steps)
         return False
 
     def _save(self, step: int) -> None:
@@ -139,7 +152,9 @@ class TrainingCheckpoints:
         try:
             if (self.options.save_at_end or preempted) and step > 0:
                 self.final_save(step)
+            self.memory.close(remove=not preempted)  # a normal end: the memory steps are no longer needed
         finally:
+            self.memory.close(remove=False)  # after an error they stay, for the restart
             self.mgr.close()
 
     def export(self, step: int, out_dir: str, dtype: str) -> None:
@@ -155,6 +170,7 @@ class TrainingCheckpoints:
         """Drain the in-flight save, then save synchronously unless this step is already committed (or save_now
         is False: the state is half a step and only the in-flight save, of an earlier step, is worth keeping)."""
         pending_error = None
+        self.memory.drain(step)
         try:
             self.mgr.wait()
         except Exception as e:  # a failed background save must not stop the final one, but is re-raised

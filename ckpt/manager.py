@@ -97,7 +97,7 @@ class CheckpointManager:
         reason = process_staging_shortfall(n_tensors, nbytes, local_ranks)
         if self.async_mode != "process":
             return
-        if any(self._any_rank(reason is not None)):
+        if any(self.any_rank(reason is not None)):
             self.async_mode = "thread"
             self.on_log(f"ckpt.async_mode=process -> thread: {reason or 'staging is short on another node'}")
             self.on_event("staging_fallback", reason=reason or "another node")
@@ -141,7 +141,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ agreement (main thread, self._agree_pg)
 
-    def _any_rank(self, *flags: bool) -> list[bool]:
+    def any_rank(self, *flags: bool) -> list[bool]:
         """Each flag, OR-ed over all ranks. A save that fails on one rank only (its uploader died, rank 0's
         commit failed) must raise on every rank at the same step, or the others wait in the next collective."""
         if self._agree_pg is None:
@@ -156,7 +156,7 @@ class CheckpointManager:
         if self._inflight is None:  # the same on every rank: saves start and settle on all ranks together
             return
         done = self._inflight.done()
-        failed, running = self._any_rank(done and self._inflight.exception() is not None, not done)
+        failed, running = self.any_rank(done and self._inflight.exception() is not None, not done)
         if failed:
             self.wait()  # raises everywhere
         elif not running:
@@ -172,7 +172,7 @@ class CheckpointManager:
             return
         fut, self._inflight = self._inflight, None
         error = fut.exception()  # blocks until this rank's upload and commit are done
-        failed, save_failed = self._any_rank(error is not None, not isinstance(error, (RetentionError, type(None))))
+        failed, save_failed = self.any_rank(error is not None, not isinstance(error, (RetentionError, type(None))))
         if not failed:
             return
         if not save_failed:  # only retention failed, after the commit: the checkpoint stands; the next sweep retries
@@ -200,9 +200,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ resume
 
-    def find_resume(self, resume: str) -> str | None:
-        """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
-        return _resume.find_resume(self.dir, resume, self.pg, self.on_log, self.on_event)
+    def find_resume(self, resume: str, newer_than: int = -1) -> str | None:
+        """'none' -> None; 'auto' -> newest verified one after step `newer_than` (skips logged); a path -> it."""
+        return _resume.find_resume(self.dir, resume, self.pg, self.on_log, self.on_event, newer_than)
 
     def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:
         """Load `state` in place (resume.py); `model_state` is checked against the keys under `prefix` first."""

@@ -31,8 +31,10 @@ from .layout import list_step_dirs, read_meta, read_saved_config, step_of
 from .state import DERIVED_SEED, ModelOptimizer, derived_seed, reseed_all, restores_rng, rng_key, rng_world_size
 
 
-def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None]) -> str | None:
-    """'none' -> None; 'auto' -> newest verified checkpoint (skips are logged); a path -> that one."""
+def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None],
+                newer_than: int = -1) -> str | None:
+    """'none' -> None; 'auto' -> newest verified checkpoint after step `newer_than` (skips are logged); a path ->
+    that one."""
     if resume == "none":
         return None
     if resume != "auto":
@@ -43,6 +45,8 @@ def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], o
             raise CheckpointError(f"cannot resume from {resume}: {e}") from None
         return resume
     for step, path in reversed(on_rank0_then_share(lambda: list_step_dirs(ckpt_dir), pg, CheckpointError)):
+        if step <= newer_than:
+            break
         try:
             with phase(on_log, f"resume: verifying {path}"):  # each rank checks 1/W of the bytes
                 verify(path, pg)
@@ -163,7 +167,13 @@ def resume_state(mgr, state: dict, resume: str, seed: int, lora_base: dict | Non
     (`lora_base`: the run's meta "lora" entry, None for full fine-tuning; adapter.py check_same_base), and
     `check_config(path, saved config.yaml text or None)`, the trainer's own rule, may refuse. The RNG follows
     state.py's rule; without a checkpoint every rank seeds derived_seed(seed, rank). `log`: info and event."""
-    path = mgr.find_resume(resume)
+    return resume_from(mgr, mgr.find_resume(resume), "disk", state, seed, lora_base, log, check_config)
+
+
+def resume_from(mgr, path: str | None, tier: str, state: dict, seed: int, lora_base: dict | None, log,
+                check_config: Callable[[str, str | None], None] = lambda path, saved: None) -> Resumed:
+    """resume_state's load of `path`, a verified checkpoint of `mgr`'s folder found in `tier` (disk, memory), or
+    None; the `resume` event records the tier."""
     if path is None:
         reseed_all(derived_seed(seed, mgr.rank))
         return Resumed()
@@ -181,6 +191,6 @@ def resume_state(mgr, state: dict, resume: str, seed: int, lora_base: dict | Non
         log.info(f"resume: RNG saved by {plural(rng_world_size(meta), 'rank')}, now {mgr.world_size}: re-derived as "
                  f"{DERIVED_SEED} (step {step})")
     log.info(f"resume: loaded {path} at step {step} (saved by {plural(saved_world, 'rank')}, now {mgr.world_size})")
-    log.event("resume", step=step, path=path, world_size=mgr.world_size, saved_world_size=saved_world)
+    log.event("resume", step=step, path=path, world_size=mgr.world_size, saved_world_size=saved_world, tier=tier)
     return Resumed(path, step, saved_world, "restored" if restore else "re-derived")
 

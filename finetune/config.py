@@ -128,6 +128,10 @@ class CkptConfig:
     continue_on_save_error: bool = False  # log a failed periodic save and keep training
     timeout_minutes: float = 30.0  # checkpoint collectives (save, load) wait this long for a rank
     resume_config_check: str = "refuse"  # refuse | warn: resume with changed model/data/seed/batch (docs/resume-rules)
+    memory_interval: int = 0  # also save to node-local memory every N steps (0: off; docs/memory-tier.md)
+    memory_dir: str = ""  # default /dev/shm/fsdp-ckpt-<hash of ckpt.dir>-<user>; or node-local NVMe
+    memory_keep: int = 1  # keep the newest 1 or 2 memory steps
+    memory_replicas: int = 1  # copies on other nodes (multi-node; not built yet: docs/memory-tier.md)
 
 
 @dataclass
@@ -202,6 +206,9 @@ _RANGES = {
     "train.eval_batches": _at_least(0),
     "data.num_proc": _at_least(0),
     "ckpt.timeout_minutes": _above(0),
+    "ckpt.memory_interval": _at_least(0),
+    "ckpt.memory_keep": _between(1, 2),
+    "ckpt.memory_replicas": _at_least(0),
 }
 
 

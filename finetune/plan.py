@@ -291,6 +291,20 @@ def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
     return lines, problems
 
 
+def memory_tier_lines(cfg, rank_bytes: int, ranks_per_node: int, nodes: int) -> list[str]:
+    """The memory tier's need per node (ckpt/memory.py checks the same at start and turns the tier off if short)."""
+    c = cfg.ckpt
+    if not c.memory_interval:
+        return []
+    if nodes > 1:
+        return [f"memory tier (ckpt.memory_interval={c.memory_interval}): off with {nodes} nodes (replication to "
+                "other nodes is not built yet: docs/memory-tier.md)"]
+    need = (c.memory_keep + 1) * ranks_per_node * rank_bytes
+    return [f"memory tier (ckpt.memory_interval={c.memory_interval}): {size(need)} per node in "
+            f"{c.memory_dir or '/dev/shm'} ((memory_keep {c.memory_keep} + 1) x {plural(ranks_per_node, 'rank')} x "
+            f"{size(rank_bytes)}), and {size(ranks_per_node * rank_bytes)} of RAM to stage its saves"]
+
+
 def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     """(report lines, problems): an empty problem list means the config fits the stated hardware."""
     s = model_shapes(cfg.model)
@@ -331,7 +345,7 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
 
     offload = sum(b for what, b in gpu_states(cfg, s, shard_world(cfg, world))) if cfg.model.cpu_offload else 0
     more, host_problems = host_lines(cfg, rank_bytes, offload, args.gpus_per_node, args.host_memory)
-    lines += more
+    lines += more + memory_tier_lines(cfg, rank_bytes, args.gpus_per_node, args.nodes)
     problems += [] if args.cpu else host_problems
     keep = cfg.ckpt.keep_last
     lines.append(f"checkpoint: {size(ckpt)} per save (fp32 {'adapters' if s.trainable != s.params else 'weights'}"

@@ -47,14 +47,14 @@ def start_on_free_port(fn, args_of_port, nprocs: int, start_method: str = "spawn
                 raise
 
 
-def train_cmd(nproc: int, overrides: list[str]) -> list[str]:
+def train_cmd(nproc: int, overrides: list[str], restarts: int = 0) -> list[str]:
     script = os.path.join(ROOT, "train_fsdp.py")
     cfg = ["--config", os.path.join(ROOT, "configs", "tiny.yaml")]
     if nproc == 0:  # plain python: a world of one without torchrun
         return [sys.executable, script, *cfg, *overrides]
     # --standalone: torchrun's own store binds port 0 and the ranks use it, so no two tests can pick one port
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            script, *cfg, *overrides]
+            "--max-restarts", str(restarts), script, *cfg, *overrides]
 
 
 def kill_workers(parent_pid: int) -> None:
@@ -74,12 +74,13 @@ def kill_workers(parent_pid: int) -> None:
 
 
 def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None,
-              timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve)."""
+              timeout: float = 300, check: bool = True, restarts: int = 0) -> subprocess.CompletedProcess:
+    """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve); `restarts`:
+    torchrun's --max-restarts."""
     args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={os.path.join(str(run_dir), '..', '.tok-cache')}",
             *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    with subprocess.Popen(train_cmd(nproc, args), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+    with subprocess.Popen(train_cmd(nproc, args, restarts), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as p:
         try:
             out, err = p.communicate(timeout=timeout)
