@@ -24,6 +24,10 @@ from .export import export_cli
 from .layout import COMMIT_FILE, META_FILE, list_step_dirs
 from .manifest import VerifyError, verify_checkpoint
 from .reshard import reshard
+from .storage import unsupported
+
+# The commands read and write local or shared file systems only so far; a URL would become a local folder `s3:`.
+_LOCAL_SO_FAR = "the checkpoint commands read and write local or shared file systems only so far (object storage: issue #28)"
 
 
 def not_a_checkpoint(path: str) -> str | None:
@@ -99,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in ("path", "src", "dst", "checkpoint", "out_dir"):
+        problem = unsupported(getattr(args, name, ""), name.replace("_", "-"), local_only=_LOCAL_SO_FAR)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     return args.fn(args)
 
 

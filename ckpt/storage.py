@@ -29,14 +29,14 @@ def scheme_of(path: str) -> str | None:
     return m.group(1).lower() if m else None
 
 
-def unsupported(path: str, what: str, remote_ok: bool = True) -> str | None:
-    """Why `path` (named `what`, e.g. "config key 'ckpt.dir'") cannot be used, or None. `remote_ok=False`:
-    this path must be local (run.dir, the data cache)."""
+def unsupported(path: str, what: str, local_only: str = "") -> str | None:
+    """Why `path` (named `what`, e.g. "config key 'ckpt.dir'") cannot be used, or None. `local_only`: this path
+    must be local, and why (run.dir, the data cache). A URL is never taken for a local folder named `s3:`."""
     scheme = scheme_of(path)
     if scheme is None:
         return None
-    if not remote_ok:
-        return f"{what} must be a local path, got {path!r} (only checkpoints can go to object storage)"
+    if local_only:
+        return f"{what} must be a local path, got {path!r}: {local_only}"
     if scheme not in SUPPORTED_SCHEMES:
         return f"{what}: {scheme}:// is not supported, got {path!r} (object storage: s3://bucket/prefix)"
     if not path[len("s3://"):].strip("/"):

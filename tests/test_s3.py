@@ -5,8 +5,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import botocore.exceptions
 import pytest
+
+from conftest import ROOT, run_train
 
 from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
 from tests.s3_server import BUCKET, s3_client, s3_env, s3_server  # noqa: F401 - fixtures
@@ -70,5 +76,33 @@ def test_which_paths_are_refused(path, expected):
 
 
 def test_local_only_paths_refuse_urls():
-    assert "must be a local path" in unsupported("s3://b/run", "config key 'run.dir'", remote_ok=False)
-    assert unsupported("runs/x", "config key 'run.dir'", remote_ok=False) is None
+    assert "must be a local path" in unsupported("s3://b/run", "config key 'run.dir'", local_only="why")
+    assert unsupported("runs/x", "config key 'run.dir'", local_only="why") is None
+
+
+def _one_error_line(proc, needle: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:] and needle in lines[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("key", ["ckpt.dir", "ckpt.resume", "run.dir", "data.cache_dir"])
+def test_training_never_writes_a_url_into_a_local_folder(key, tmp_path):
+    """Before: ckpt.dir=s3://bucket/run made a local folder `s3:` in the working directory and the run 'succeeded'."""
+    url = f"s3://{BUCKET}/{tmp_path.name}"
+    overrides = [f"{key}={url}", "train.max_steps=2"]
+    run_dir = url if key == "run.dir" else tmp_path / "run"
+    proc = run_train(run_dir, nproc=0, overrides=overrides, check=False, timeout=120)
+    _one_error_line(proc, f"config key '{key}' must be a local path, got '{url}")
+    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args", [["verify", "s3://b/run/step-000002"], ["inspect", "s3://b/run"],
+                                  ["export", "runs/x/step-000002", "s3://b/hf"],
+                                  ["reshard", "s3://b/run/step-000002", "out", "--world-size", "2"]])
+def test_checkpoint_commands_refuse_urls_they_cannot_serve(args, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    _one_error_line(proc, "must be a local path, got 's3://b/")
+    assert not (tmp_path / "s3:").exists()
