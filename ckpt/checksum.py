@@ -34,10 +34,11 @@ def new_hasher(algorithm: str = ALGORITHM):
     return _NEW[algorithm]()
 
 
-def file_digest(path: str, algorithm: str = ALGORITHM) -> dict:
-    """{"size": bytes, <algorithm>: hex digest} of a file, read in chunks."""
+def file_digest(path: str, algorithm: str = ALGORITHM, opener=open) -> dict:
+    """{"size": bytes, <algorithm>: hex digest} of a file, read in chunks. `opener(path)`: a binary read stream
+    (an object store's streaming read, storage.py)."""
     h, size = new_hasher(algorithm), 0
-    with open(path, "rb") as f:
+    with (open(path, "rb") if opener is open else opener(path)) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)

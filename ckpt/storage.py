@@ -16,8 +16,17 @@ Only s3:// is known; any other scheme, or s3:// without s3fs installed, is refus
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+
+try:
+    from botocore.exceptions import BotoCoreError  # comes with s3fs
+except ImportError:  # no s3fs: s3:// paths are refused (`unsupported`), so nothing raises it
+    BotoCoreError = ()
+
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 SUPPORTED_SCHEMES = ("s3",)
@@ -84,6 +93,15 @@ class LocalStorage:
         with open(path, "rb") as f:
             return f.read()
 
+    def open_read(self, path: str):
+        return open(path, "rb")
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def dcp_reader(self, path: str):
+        return FileSystemReader(path)
+
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
 
@@ -92,6 +110,18 @@ class LocalStorage:
 
     def delete(self, path: str) -> None:
         os.unlink(path)
+
+
+def _as_oserror(method):
+    """botocore's own errors (endpoint unreachable, no credentials) raised as ConnectionError, an OSError, so every
+    caller's `except OSError` (one-line errors, save failures) covers an object store as it covers a disk."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except BotoCoreError as e:
+            raise ConnectionError(str(e)) from e
+    return wrapper
 
 
 def _http_status(error: OSError) -> int | None:
@@ -120,29 +150,49 @@ class S3Storage:
         self.fs.invalidate_cache(path)
         return out["ETag"]
 
+    @_as_oserror
     def create(self, path: str, data: bytes) -> str:
         """Create-only; returns the new object's ETag."""
         return self._put(path, data, {"IfNoneMatch": "*"})
 
+    @_as_oserror
     def replace(self, path: str, data: bytes, etag: str) -> str:
         """Overwrite only if the object still has `etag`; returns the new ETag, FileExistsError otherwise."""
         return self._put(path, data, {"IfMatch": etag})
 
+    @_as_oserror
     def etag(self, path: str) -> str:
         bucket, key, _ = self.fs.split_path(path)
         return self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
 
+    @_as_oserror
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
+    @_as_oserror
+    def open_read(self, path: str):
+        """A streaming read (8 MiB ranged GETs, no read-ahead cache to fill beyond them)."""
+        return self.fs.open(path, "rb", block_size=8 << 20, cache_type="none")
+
+    @_as_oserror
+    def size(self, path: str) -> int:
+        return self.fs.size(path)
+
+    def dcp_reader(self, path: str):
+        """DCP's reader through fsspec (s3fs picks up the same AWS_* settings)."""
+        return FsspecReader(path)
+
+    @_as_oserror
     def exists(self, path: str) -> bool:
         return self.fs.exists(path)
 
+    @_as_oserror
     def listdir(self, path: str) -> list[str]:
         try:
             return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False, refresh=True))
         except FileNotFoundError:
             return []
 
+    @_as_oserror
     def delete(self, path: str) -> None:
         self.fs.rm_file(path)

@@ -98,7 +98,7 @@ def test_training_never_writes_a_url_into_a_local_folder(key, tmp_path):
     assert not os.path.exists(os.path.join(ROOT, "s3:")) and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("args", [["verify", "s3://b/run/step-000002"], ["inspect", "s3://b/run"],
+@pytest.mark.parametrize("args", [["inspect", "s3://b/run"],
                                   ["export", "runs/x/step-000002", "s3://b/hf"],
                                   ["reshard", "s3://b/run/step-000002", "out", "--world-size", "2"]])
 def test_checkpoint_commands_refuse_urls_they_cannot_serve(args, tmp_path):
@@ -106,3 +106,47 @@ def test_checkpoint_commands_refuse_urls_they_cannot_serve(args, tmp_path):
                           env={**os.environ, "PYTHONPATH": ROOT})
     _one_error_line(proc, "must be a local path, got 's3://b/")
     assert not (tmp_path / "s3:").exists()
+
+
+def _upload(local: str, url: str) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem(use_listings_cache=False).put(local, url, recursive=True)
+
+
+def _ckpt_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=120)
+
+
+def test_verify_reads_a_checkpoint_on_s3_and_catches_a_flipped_byte(s3_env, tmp_path):
+    from test_ckpt_unit import DATA, fake_checkpoint
+
+    local = fake_checkpoint(tmp_path / "local", 5)
+    root = f"s3://{BUCKET}/verify-{tmp_path.name}"
+    url = f"{root}/step-000005"
+    _upload(local, url)
+    ok = _ckpt_cli("verify", url, "--jobs", "2", env=s3_env)
+    assert ok.returncode == 0 and ok.stdout.startswith(f"OK: {url}: step 5, 3 files"), ok.stderr[-2000:]
+    assert "a checkpoints folder (1 step-* folder)" in _ckpt_cli("verify", root, env=s3_env).stderr
+
+    store = S3Storage()
+    data = bytearray(store.read(f"{url}/{DATA}"))
+    data[-7] ^= 0xFF
+    store.fs.pipe_file(f"{url}/{DATA}", bytes(data))  # same size, one byte changed
+    bad = _ckpt_cli("verify", url, env=s3_env)
+    assert bad.returncode == 1 and bad.stderr.strip() == f"INVALID: {url}/{DATA}: checksum mismatch (xxh3_128)"
+    store.delete(f"{url}/{DATA}")
+    gone = _ckpt_cli("verify", url, env=s3_env)
+    assert gone.returncode == 1 and gone.stderr.strip().endswith(f"{url}/{DATA}: missing"), gone.stderr
+    store.delete(f"{url}/commit.json")
+    unmarked = _ckpt_cli("verify", url, env=s3_env)
+    assert unmarked.returncode == 1 and "missing commit marker (checkpoint never committed)" in unmarked.stderr
+
+
+def test_verify_with_the_server_unreachable_is_one_error_line(s3_server):
+    from conftest import free_port
+
+    env = {**s3_server, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
+    proc = _ckpt_cli("verify", f"s3://{BUCKET}/run/step-000002", env=env)
+    _one_error_line(proc, f"cannot read s3://{BUCKET}/run/step-000002")
