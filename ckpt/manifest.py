@@ -66,12 +66,12 @@ def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files
     if unreported:
         raise VerifyError(f"{ckpt_path}: no rank reported a checksum for {', '.join(unreported[:4])}; "
                           "refusing to commit")
-    files = dict(digests)
+    files, store = dict(digests), storage_for(ckpt_path)
     for name in (METADATA_FILE, *own_files):
-        full = os.path.join(ckpt_path, name)
-        if not os.path.isfile(full):
+        full = join(ckpt_path, name)
+        if not store.exists(full):
             raise VerifyError(f"{full}: missing after save; refusing to commit")
-        files[name] = file_digest(full)
+        files[name] = file_digest(full, opener=store.open_read)
     return files
 
 
@@ -79,10 +79,13 @@ def commit_checkpoint(ckpt_path: str, world_size: int, digests: dict[str, dict],
                       own_files: list[str]) -> dict:
     """Write the commit marker from the gathered digests. Call on one rank after the save finished."""
     files = build_manifest(ckpt_path, digests, metadata, own_files)
-    fsync_dir(ckpt_path)  # the data files' directory entries are durable before the marker can be
     marker = {"step": step_of(ckpt_path), "world_size": world_size, "committed_at": time.time(),
               "algorithm": ALGORITHM, "files": files}
-    write_json_atomic(os.path.join(ckpt_path, COMMIT_FILE), marker)
+    if scheme_of(ckpt_path) is None:
+        fsync_dir(ckpt_path)  # the data files' directory entries are durable before the marker can be
+        write_json_atomic(os.path.join(ckpt_path, COMMIT_FILE), marker)
+    else:  # one create-only PUT (If-None-Match: *): never a rename, never over another marker (FileExistsError)
+        storage_for(ckpt_path).create(join(ckpt_path, COMMIT_FILE), json.dumps(marker, indent=1, sort_keys=True).encode())
     return marker
 
 

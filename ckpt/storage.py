@@ -103,7 +103,8 @@ class LocalStorage:
         return FileSystemReader(path)
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        """A file (not a folder) is there."""
+        return os.path.isfile(path)
 
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
@@ -184,7 +185,8 @@ class S3Storage:
 
     @_as_oserror
     def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
+        """An object (not a prefix) is there."""
+        return self.fs.isfile(path)
 
     @_as_oserror
     def listdir(self, path: str) -> list[str]:

@@ -5,17 +5,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import warnings
 
 import botocore.exceptions
 import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from conftest import ROOT, run_train
-
+from ckpt.checksum import ChecksummingWriter
+from ckpt.manifest import commit_checkpoint, verify_checkpoint
 from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
-from tests.s3_server import BUCKET, s3_client, s3_env, s3_server  # noqa: F401 - fixtures
+from conftest import ROOT, run_train, start_on_free_port
+from s3_server import BUCKET, s3_client, s3_env, s3_server  # noqa: F401 - fixtures
 
 
 def test_server_refuses_a_second_create_only_put(s3_env):
@@ -150,3 +157,46 @@ def test_verify_with_the_server_unreachable_is_one_error_line(s3_server):
     env = {**s3_server, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
     proc = _ckpt_cli("verify", f"s3://{BUCKET}/run/step-000002", env=env)
     _one_error_line(proc, f"cannot read s3://{BUCKET}/run/step-000002")
+
+
+# ---------------------------------------------------------------- DCP save, commit and load on S3
+
+def _state(rank: int, step: int) -> dict:
+    return {"w": torch.arange(4000.0) + step, f"rng_{rank}": torch.full((3,), float(rank))}
+
+
+def _save_worker(rank, world_size, port, url, env):
+    os.environ.update(env)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        metadata = dcp.save(_state(rank, 7), storage_writer=ChecksummingWriter(url))
+        if rank == 0:
+            S3Storage().create(f"{url}/meta.json", json.dumps({"step": 7, "world_size": world_size}).encode())
+            commit_checkpoint(url, world_size, metadata.file_digests, metadata, ["meta.json"])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_save_to_s3_commit_once_and_load_at_one_rank(s3_env, tmp_path):
+    """Every rank uploads its shard through DCP's fsspec layer, checksummed as written; rank 0 writes the marker
+    last with a create-only PUT; the checkpoint verifies and loads at another world size. No rename: no
+    .metadata.tmp object is left, and a second commit of the same step is refused, the first marker kept."""
+    url = f"s3://{BUCKET}/dcp-{tmp_path.name}/step-000007"
+    start_on_free_port(_save_worker, lambda port: (2, port, url, dict(s3_env)), nprocs=2)
+    store = S3Storage()
+    names = store.listdir(url)
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "commit.json", "meta.json"], names
+    marker = verify_checkpoint(url, jobs=2)
+    assert marker["world_size"] == 2 and set(marker["files"]) == set(names) - {"commit.json"}
+    first = store.read(f"{url}/commit.json")
+    with pytest.raises(FileExistsError):
+        commit_checkpoint(url, 2, marker["files"], FsspecReader(url).read_metadata(), [])
+    assert store.read(f"{url}/commit.json") == first
+
+    loaded = {"w": torch.zeros(4000), "rng_0": torch.zeros(3), "rng_1": torch.zeros(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
+        dcp.load(loaded, storage_reader=FsspecReader(url), no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(4000.0) + 7) and torch.equal(loaded["rng_1"], torch.ones(3))
+    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not os.path.exists(str(tmp_path / "s3:"))
