@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 import warnings
 
 import botocore.exceptions
@@ -19,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from ckpt.checksum import ChecksummingWriter
+from ckpt.errors import CheckpointError
 from ckpt.manifest import commit_checkpoint, verify_checkpoint
 from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
 from conftest import ROOT, run_train, start_on_free_port
@@ -200,3 +203,47 @@ def test_two_ranks_save_to_s3_commit_once_and_load_at_one_rank(s3_env, tmp_path)
         dcp.load(loaded, storage_reader=FsspecReader(url), no_dist=True)
     assert torch.equal(loaded["w"], torch.arange(4000.0) + 7) and torch.equal(loaded["rng_1"], torch.ones(3))
     assert not os.path.exists(os.path.join(ROOT, "s3:")) and not os.path.exists(str(tmp_path / "s3:"))
+
+
+# ---------------------------------------------------------------- the run lock on S3
+
+def test_s3_lock_refuses_a_second_job_and_takes_over_a_dead_one(s3_env, tmp_path, monkeypatch):
+    import ckpt.lock as lock_module
+    from ckpt.lock import LockError, ObjectLock, lock_for_job
+
+    root = f"s3://{BUCKET}/lock-{tmp_path.name}"
+    first = lock_for_job(root, None)
+    assert isinstance(first, ObjectLock)
+    store = S3Storage()
+    record = json.loads(store.read(f"{root}/.lock"))
+    assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+    with pytest.raises(CheckpointError, match=rf"ckpt.dir s3://{BUCKET}/lock-\S+ is in use by another job \(pid "
+                                              rf"{os.getpid()} on .*\); stop it or point ckpt.dir elsewhere"):
+        lock_for_job(root, None)
+    first.release()
+    assert not store.exists(f"{root}/.lock")
+
+    # another host, fresh heartbeat: refused, saying how to tell it is dead; stale: taken over with a warning
+    other = {"host": "node-17", "pid": 4242, "started": "then", "heartbeat": time.time() - 70}
+    store.create(f"{root}/.lock", json.dumps(other).encode())
+    with pytest.raises(LockError, match=r"pid 4242 on node-17, .*last heartbeat 70s ago\); a live job rewrites its "
+                                        r"heartbeat every 60 s: if node-17 is down .*taken over 10 min after"):
+        ObjectLock(root).acquire()
+    store.replace(f"{root}/.lock", json.dumps({**other, "heartbeat": time.time() - 700}).encode(),
+                  store.etag(f"{root}/.lock"))
+    warnings_seen = []
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.2)
+    taker = ObjectLock(root, warn=warnings_seen.append)
+    taker.acquire()
+    assert "taking over" in warnings_seen[0] and "pid 4242 on node-17" in warnings_seen[0]
+    beat = json.loads(store.read(f"{root}/.lock"))["heartbeat"]
+    time.sleep(1.0)
+    assert json.loads(store.read(f"{root}/.lock"))["heartbeat"] > beat  # the heartbeat is a CAS that succeeds
+
+    # someone replaces the object behind the holder's back: its next heartbeat's CAS fails, it says so, and
+    # its release leaves the new holder's object alone
+    store.replace(f"{root}/.lock", json.dumps({**other, "heartbeat": time.time()}).encode(), store.etag(f"{root}/.lock"))
+    time.sleep(1.0)
+    assert any("was taken over by another job" in w for w in warnings_seen)
+    taker.release()
+    assert json.loads(store.read(f"{root}/.lock"))["pid"] == 4242
