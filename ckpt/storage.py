@@ -198,3 +198,9 @@ class S3Storage:
     @_as_oserror
     def delete(self, path: str) -> None:
         self.fs.rm_file(path)
+
+    @_as_oserror
+    def delete_prefix(self, path: str) -> None:
+        """Every object under `path`/ (DeleteObjects: up to 1000 keys per request, the server does the work)."""
+        if self.fs.ls(path, detail=False, refresh=True):
+            self.fs.rm(path, recursive=True)

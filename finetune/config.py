@@ -302,14 +302,13 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
-# Paths that must be local (a URL there would otherwise become a local folder named `s3:`), and why.
-_TRAINING_CKPT_LOCAL = ("training saves and resumes checkpoints on a local or shared file system only so far "
-                        "(object storage is issue #28, not finished)")
+# Paths that must be local (a URL there would otherwise become a local folder named `s3:`), and why ("": a URL
+# of object storage is fine, docs/checkpoints.md).
 _LOCAL_ONLY = {
     "run.dir": "metrics, logs and the exported model stay on a local or shared file system",
     "data.cache_dir": "the tokenized data cache is memory-mapped from a local or shared file system",
-    "ckpt.dir": _TRAINING_CKPT_LOCAL,
-    "ckpt.resume": _TRAINING_CKPT_LOCAL,
+    "ckpt.dir": "",
+    "ckpt.resume": "",
 }
 
 

@@ -24,7 +24,8 @@ from ckpt.checksum import ChecksummingWriter
 from ckpt.errors import CheckpointError
 from ckpt.manifest import commit_checkpoint, verify_checkpoint
 from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
-from conftest import ROOT, run_train, start_on_free_port
+from ckpt.layout import list_step_dirs
+from conftest import ROOT, events, losses, run_train, start_on_free_port
 from s3_server import BUCKET, s3_client, s3_env, s3_server  # noqa: F401 - fixtures
 
 
@@ -247,3 +248,34 @@ def test_s3_lock_refuses_a_second_job_and_takes_over_a_dead_one(s3_env, tmp_path
     assert any("was taken over by another job" in w for w in warnings_seen)
     taker.release()
     assert json.loads(store.read(f"{root}/.lock"))["pid"] == 4242
+
+
+# ---------------------------------------------------------------- training on S3 (torchrun, 2 ranks, gloo)
+
+S3_RUN = ["train.max_steps=8", "ckpt.interval=4", "ckpt.keep_last=0"]
+
+
+def test_training_on_s3_resumes_bit_identically_and_at_another_world_size(s3_env, tmp_path):
+    straight_url = f"s3://{BUCKET}/{tmp_path.name}/straight"
+    straight = tmp_path / "straight"
+    run_train(straight, nproc=2, overrides=[*S3_RUN, f"ckpt.dir={straight_url}"], env=s3_env)
+    assert [s for s, _ in list_step_dirs(straight_url)] == [4, 8]
+    assert verify_checkpoint(f"{straight_url}/step-000008")["world_size"] == 2
+
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/killed", tmp_path / "killed"
+    killed = run_train(run, nproc=2, overrides=[*S3_RUN, f"ckpt.dir={url}", "ckpt.async_mode=off"],
+                       env={**s3_env, "CKPT_FAULT": "kill@after_step:6"}, check=False)
+    assert killed.returncode != 0 and max(losses(run)) == 6
+    run_train(run, nproc=2, overrides=[*S3_RUN, f"ckpt.dir={url}"], env=s3_env)
+    assert [e["step"] for e in events(run, "resume")] == [4]
+    a, b = losses(straight), losses(run)
+    assert sorted(b) == list(range(1, 9)) and all(a[k] == b[k] for k in a), {k: (a[k], b[k]) for k in a}
+
+    one = tmp_path / "one-rank"
+    run_train(one, nproc=0, overrides=[*S3_RUN, f"ckpt.dir=s3://{BUCKET}/{tmp_path.name}/one",
+                                       f"ckpt.resume={straight_url}/step-000004"], env=s3_env)
+    resumed = events(one, "resume")
+    assert [(e["step"], e["world_size"], e["saved_world_size"]) for e in resumed] == [(4, 1, 2)]
+    assert sorted(losses(one)) == [5, 6, 7, 8]  # a new run.dir: it logs the steps it trained, at W=1
+    assert [s for s, _ in list_step_dirs(f"s3://{BUCKET}/{tmp_path.name}/one")] == [8]
+    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not list(tmp_path.rglob("s3:"))
