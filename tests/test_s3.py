@@ -279,3 +279,38 @@ def test_training_on_s3_resumes_bit_identically_and_at_another_world_size(s3_env
     assert sorted(losses(one)) == [5, 6, 7, 8]  # a new run.dir: it logs the steps it trained, at W=1
     assert [s for s, _ in list_step_dirs(f"s3://{BUCKET}/{tmp_path.name}/one")] == [8]
     assert not os.path.exists(os.path.join(ROOT, "s3:")) and not list(tmp_path.rglob("s3:"))
+
+
+def test_s3_resume_skips_a_flipped_byte_and_a_second_job_is_refused(s3_env, tmp_path):
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    run_train(run, nproc=0, overrides=["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.dir={url}"],
+              env=s3_env)
+    store = S3Storage()
+    shard = f"{url}/step-000004/__0_0.distcp"
+    data = bytearray(store.read(shard))
+    data[len(data) // 2] ^= 0x01
+    store.fs.pipe_file(shard, bytes(data))
+    bad = _ckpt_cli("verify", f"{url}/step-000004", env=s3_env)
+    assert bad.returncode == 1 and bad.stderr.strip() == f"INVALID: {shard}: checksum mismatch (xxh3_128)"
+
+    run_train(run, nproc=0, overrides=["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.dir={url}"],
+              env=s3_env)
+    assert [(e["step"], e["reason"]) for e in events(run, "resume_skip")] == [(4, f"{shard}: checksum mismatch (xxh3_128)")]
+    assert [e["step"] for e in events(run, "resume")] == [2]
+
+    # a live job holds the prefix (this very process, on this host): the second one stops with one line
+    store.create(f"{url}/.lock", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now",
+                                             "heartbeat": time.time()}).encode())
+    second = run_train(tmp_path / "second", nproc=0, overrides=["train.max_steps=2", f"ckpt.dir={url}"], env=s3_env,
+                       check=False)
+    _one_error_line(second, f"ckpt.dir {url} is in use by another job (pid {os.getpid()} on {socket.gethostname()}")
+    assert not (tmp_path / "second").exists()
+
+
+def test_s3_server_unreachable_at_start_is_one_error_line(s3_server, tmp_path):
+    from conftest import free_port
+
+    env = {**s3_server, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
+    proc = run_train(tmp_path / "run", nproc=0, overrides=["train.max_steps=2", f"ckpt.dir=s3://{BUCKET}/x"], env=env,
+                     check=False, timeout=120)
+    _one_error_line(proc, f"ckpt.dir s3://{BUCKET}/x is not writable: Could not connect to the endpoint URL")
