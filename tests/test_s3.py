@@ -314,3 +314,16 @@ def test_s3_server_unreachable_at_start_is_one_error_line(s3_server, tmp_path):
     proc = run_train(tmp_path / "run", nproc=0, overrides=["train.max_steps=2", f"ckpt.dir=s3://{BUCKET}/x"], env=env,
                      check=False, timeout=120)
     _one_error_line(proc, f"ckpt.dir s3://{BUCKET}/x is not writable: Could not connect to the endpoint URL")
+
+
+def test_s3_retention_deletes_marker_then_objects_and_sweeps_unmarked_prefixes(s3_env, tmp_path):
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    store = S3Storage()
+    store.create(f"{url}/step-000001/__0_0.distcp", b"a crashed save's shard, never marked")
+    run_train(run, nproc=0, overrides=["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=1", f"ckpt.dir={url}"],
+              env=s3_env)
+    assert [s for s, _ in list_step_dirs(url)] == [6]
+    assert store.listdir(url) == ["step-000006"]  # the lock object went with the job
+    deleted = [p for e in events(run, "retention") for p in e["deleted"]]
+    assert deleted == [f"{url}/step-000001", f"{url}/step-000002", f"{url}/step-000004"], deleted
+    verify_checkpoint(f"{url}/step-000006")
