@@ -105,6 +105,25 @@ def _warn(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # the lock comes before the run's log exists
 
 
+class _Heartbeat:
+    """A daemon thread of the holder that calls `beat()` every HEARTBEAT_S until stop(), or until beat() returns
+    False (the lock is no longer ours)."""
+
+    def __init__(self, beat: Callable[[], bool | None]):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(beat,), name="ckpt-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, beat) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if beat() is False:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class DirLock:
     """Held by rank 0 of the job for its whole life; `release()` (or process exit) lets go."""
 
@@ -112,8 +131,7 @@ class DirLock:
         self.path = os.path.join(ckpt_dir, LOCK_FILE)
         self.warn = warn
         self._file = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heart: _Heartbeat | None = None
 
     def acquire(self) -> None:
         try:
@@ -130,8 +148,7 @@ class DirLock:
         self._file = f
         self._started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._beat()
-        self._thread = threading.Thread(target=self._heartbeat, name="ckpt-lock-heartbeat", daemon=True)
-        self._thread.start()
+        self._heart = _Heartbeat(self._heartbeat)
 
     def _take(self, f) -> None:
         now, where = time.time(), os.path.dirname(self.path)
@@ -162,17 +179,15 @@ class DirLock:
         os.fsync(self._file.fileno())
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._beat()
-            except (OSError, ValueError):  # a full or vanished disk: the save path reports that, not this thread
-                pass
+        try:
+            self._beat()
+        except (OSError, ValueError):  # a full or vanished disk: the save path reports that, not this thread
+            pass
 
     def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._heart is not None:
+            self._heart.stop()
+            self._heart = None
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -188,8 +203,7 @@ class ObjectLock:
     def __init__(self, ckpt_dir: str, warn: Callable[[str], None] = _warn):
         self.path, self.warn, self.store = join(ckpt_dir, LOCK_FILE), warn, storage_for(ckpt_dir)
         self._etag: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heart: _Heartbeat | None = None
 
     def _record(self) -> bytes:
         return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": self._started,
@@ -203,8 +217,7 @@ class ObjectLock:
             raise LockError(refusal(self.path, self._read()[0], time.time(), flock=False)) from None
         except OSError as e:
             raise LockError(f"ckpt.dir {self.path.rsplit('/', 1)[0]} is not writable: {e}") from None
-        self._thread = threading.Thread(target=self._heartbeat, name="ckpt-lock-heartbeat", daemon=True)
-        self._thread.start()
+        self._heart = _Heartbeat(self._heartbeat)
 
     def _read(self) -> tuple[dict, str | None]:
         """The record and the ETag it was read at ({} and None: no lock object)."""
@@ -228,21 +241,20 @@ class ObjectLock:
             self.warn(f"warning: taking over {self.path} from a dead job ({describe(record, now)})")
         return self.store.replace(self.path, self._record(), etag)
 
-    def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._etag = self.store.replace(self.path, self._record(), self._etag)
-            except FileExistsError:  # someone took it over: only a job that judged ours dead does that
-                self.warn(f"warning: {self.path} was taken over by another job; this job no longer holds ckpt.dir")
-                return
-            except OSError:  # the store unreachable for a while: the save path reports that, not this thread
-                pass
+    def _heartbeat(self) -> bool:
+        try:
+            self._etag = self.store.replace(self.path, self._record(), self._etag)
+        except FileExistsError:  # someone took it over: only a job that judged ours dead does that
+            self.warn(f"warning: {self.path} was taken over by another job; this job no longer holds ckpt.dir")
+            return False
+        except OSError:  # the store unreachable for a while: the save path reports that, not this thread
+            pass
+        return True
 
     def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._heart is not None:
+            self._heart.stop()
+            self._heart = None
         if self._etag is not None:
             with contextlib.suppress(OSError):
                 if self.store.etag(self.path) == self._etag:  # still ours: a job that took it over keeps it
