@@ -327,3 +327,17 @@ def test_s3_retention_deletes_marker_then_objects_and_sweeps_unmarked_prefixes(s
     deleted = [p for e in events(run, "retention") for p in e["deleted"]]
     assert deleted == [f"{url}/step-000001", f"{url}/step-000002", f"{url}/step-000004"], deleted
     verify_checkpoint(f"{url}/step-000006")
+
+
+def test_s3_kill_during_upload_or_before_the_marker_leaves_no_marker(s3_env, tmp_path):
+    """SIGKILL while the shards go up, then after every rank's data is up but before the marker: neither leaves a
+    marker over step 4; each next start resumes from step 2, and the last one saves step 4 again over the leftover."""
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    overrides = ["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async_mode=off", f"ckpt.dir={url}"]
+    for fault in ("kill@write:4", "kill@before_commit:4"):
+        killed = run_train(run, nproc=2, overrides=overrides, env={**s3_env, "CKPT_FAULT": fault}, check=False)
+        assert killed.returncode != 0, fault
+        assert [s for s, _ in list_step_dirs(url)] == [2, 4] and not S3Storage().exists(f"{url}/step-000004/commit.json")
+    run_train(run, nproc=2, overrides=overrides, env=s3_env)
+    assert [e["step"] for e in events(run, "resume")] == [2, 2]
+    assert verify_checkpoint(f"{url}/step-000004")["step"] == 4 and verify_checkpoint(f"{url}/step-000006")
