@@ -320,8 +320,9 @@ def test_s3_retention_deletes_marker_then_objects_and_sweeps_unmarked_prefixes(s
     url, run = f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
     store = S3Storage()
     store.create(f"{url}/step-000001/__0_0.distcp", b"a crashed save's shard, never marked")
-    run_train(run, nproc=0, overrides=["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=1", f"ckpt.dir={url}"],
-              env=s3_env)
+    run_train(run, nproc=0, overrides=["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=1", f"ckpt.dir={url}",
+                                       "ckpt.async_mode=process"], env=s3_env)  # uploads from the uploader process
+    assert [(e["step"], e["mode"]) for e in events(run, "checkpoint")] == [(2, "process"), (4, "process"), (6, "sync")]
     assert [s for s, _ in list_step_dirs(url)] == [6]
     assert store.listdir(url) == ["step-000006"]  # the lock object went with the job
     deleted = [p for e in events(run, "retention") for p in e["deleted"]]
