@@ -23,17 +23,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def s3_server():
+def start_server(port: int | None = None):
+    """(server, env): a moto S3 server on 127.0.0.1 (`port`, or a free one) holding BUCKET. Servers of one
+    process share their buckets (moto keeps them in process memory), so one stopped and started again on its port
+    is the same store back online."""
     moto_server = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port or _free_port(), verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "testing",
            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="testing",
-                 aws_secret_access_key="testing", region_name="us-east-1").create_bucket(Bucket=BUCKET)
+    try:
+        s3_client(env).create_bucket(Bucket=BUCKET)
+    except Exception as e:  # noqa: BLE001 - already there (another server of this process made it)
+        if "BucketAlreadyOwnedByYou" not in str(e):
+            raise
+    return server, env
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    server, env = start_server()
     try:
         yield env
     finally:

@@ -342,3 +342,39 @@ def test_s3_kill_during_upload_or_before_the_marker_leaves_no_marker(s3_env, tmp
     run_train(run, nproc=2, overrides=overrides, env=s3_env)
     assert [e["step"] for e in events(run, "resume")] == [2, 2]
     assert verify_checkpoint(f"{url}/step-000004")["step"] == 4 and verify_checkpoint(f"{url}/step-000006")
+
+
+@pytest.mark.parametrize("keep_going", [False, True], ids=["stop", "continue_on_save_error"])
+def test_s3_server_down_mid_run_fails_the_save_and_keeps_the_committed_one(s3_env, tmp_path, keep_going):
+    """The server goes away after step 3: the saves after it fail; training stops, or goes on with
+    ckpt.continue_on_save_error=true; step 2, committed before, is intact once the server is back."""
+    import threading
+
+    from s3_server import start_server
+
+    server, env = start_server()
+    port = int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    flag, url, run = tmp_path / "after-step-3", f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    overrides = ["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async_mode=off", f"ckpt.dir={url}",
+                 f"ckpt.continue_on_save_error={str(keep_going).lower()}"]
+    fault = {"CKPT_FAULT": f"sleep@after_step:3,secs=8,file={flag}", "AWS_MAX_ATTEMPTS": "1"}
+    result = {}
+    job = threading.Thread(target=lambda: result.update(proc=run_train(run, nproc=0, overrides=overrides,
+                                                                        env={**env, **fault}, check=False)))
+    job.start()
+    while job.is_alive() and not flag.exists():
+        time.sleep(0.1)
+    server.stop()
+    job.join()
+    server, _ = start_server(port)  # the same store, back online, to look at what the job left
+    try:
+        proc = result["proc"]
+        last = proc.stderr.strip().splitlines()[-1]
+        failed = f"{url}/step-{6 if keep_going else 4:06d}"  # with continue: the final save is the one that stops it
+        assert proc.returncode != 0 and last.startswith(f"error: writing checkpoint {failed} failed: ConnectionError: "
+                                                        "Could not connect to the endpoint URL"), proc.stderr[-3000:]
+        assert max(losses(run)) == (6 if keep_going else 4), proc.stderr[-3000:]
+        assert verify_checkpoint(f"{url}/step-000002")["step"] == 2
+        assert not S3Storage().exists(f"{url}/step-000004/commit.json")
+    finally:
+        server.stop()
