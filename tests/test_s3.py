@@ -98,15 +98,21 @@ def _one_error_line(proc, needle: str) -> None:
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("key", ["ckpt.dir", "ckpt.resume", "run.dir", "data.cache_dir"])
-def test_training_never_writes_a_url_into_a_local_folder(key, tmp_path):
-    """Before: ckpt.dir=s3://bucket/run made a local folder `s3:` in the working directory and the run 'succeeded'."""
-    url = f"s3://{BUCKET}/{tmp_path.name}"
-    overrides = [f"{key}={url}", "train.max_steps=2"]
-    run_dir = url if key == "run.dir" else tmp_path / "run"
-    proc = run_train(run_dir, nproc=0, overrides=overrides, check=False, timeout=120)
-    _one_error_line(proc, f"config key '{key}' must be a local path, got '{url}")
-    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not (tmp_path / "run").exists()
+@pytest.mark.parametrize("key, value, needle", [
+    ("run.dir", "s3://{b}/{n}", "config key 'run.dir' must be a local path, got 's3://{b}/{n}'"),
+    ("data.cache_dir", "s3://{b}/{n}", "config key 'data.cache_dir' must be a local path, got 's3://{b}/{n}'"),
+    ("ckpt.dir", "gs://{b}/{n}", "config key 'ckpt.dir': gs:// is not supported, got 'gs://{b}/{n}'"),
+    ("ckpt.resume", "s3://", "config key 'ckpt.resume': 's3://' names no bucket"),
+])
+def test_training_never_writes_a_url_into_a_local_folder(key, value, needle, tmp_path):
+    """Before: ckpt.dir=s3://bucket/run made a local folder `s3:` in the working directory and the run 'succeeded'.
+    Now s3:// works for ckpt.dir and ckpt.resume (tests below); every other URL is one error line."""
+    value, needle = (t.format(b=BUCKET, n=tmp_path.name) for t in (value, needle))
+    run_dir = value if key == "run.dir" else tmp_path / "run"
+    proc = run_train(run_dir, nproc=0, overrides=[f"{key}={value}", "train.max_steps=2"], check=False, timeout=120)
+    _one_error_line(proc, needle)
+    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not os.path.exists(os.path.join(ROOT, "gs:"))
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("args", [["inspect", "s3://b/run"],
