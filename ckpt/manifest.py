@@ -99,6 +99,8 @@ def read_marker(ckpt_path: str) -> dict:
         assert isinstance(files, dict) and all("size" in v and algorithm in v for v in files.values())
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise VerifyError(f"{path}: missing commit marker (checkpoint never committed)") from None
+    except ConnectionError as e:  # an object store out of reach says nothing about the marker
+        raise VerifyError(f"{path}: cannot be read ({e})") from None
     except Exception as e:  # noqa: BLE001 - any unreadable marker is the same verdict
         raise VerifyError(f"{path}: corrupt commit marker ({type(e).__name__})") from None
     return marker

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from ckpt.checksum import ChecksummingWriter
 from ckpt.errors import CheckpointError
-from ckpt.manifest import commit_checkpoint, verify_checkpoint
+from ckpt.manifest import VerifyError, commit_checkpoint, verify_checkpoint
 from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
 from ckpt.layout import list_step_dirs
 from conftest import ROOT, events, losses, run_train, start_on_free_port
@@ -167,6 +167,11 @@ def test_verify_with_the_server_unreachable_is_one_error_line(s3_server):
     env = {**s3_server, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
     proc = _ckpt_cli("verify", f"s3://{BUCKET}/run/step-000002", env=env)
     _one_error_line(proc, f"cannot read s3://{BUCKET}/run/step-000002")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        with pytest.raises(VerifyError, match=r"commit.json: cannot be read \(Could not connect to the endpoint URL"):
+            verify_checkpoint(f"s3://{BUCKET}/run-unreachable/step-000002")
 
 
 # ---------------------------------------------------------------- DCP save, commit and load on S3
