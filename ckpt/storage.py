@@ -137,8 +137,11 @@ class S3Storage:
     def __init__(self):
         import s3fs  # optional third-party package, only for s3:// paths
 
-        # no listing cache: a listing must show what another rank or job just wrote or deleted
-        self.fs = s3fs.S3FileSystem(use_listings_cache=False)
+        # no listing cache: a listing must show what another rank or job just wrote or deleted. The endpoint is
+        # passed on, although s3fs reads it from the environment too, so fsspec's cache of instances (keyed by the
+        # arguments) never hands back a client of another endpoint
+        endpoint = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]} if os.environ.get("AWS_ENDPOINT_URL") else {}
+        self.fs = s3fs.S3FileSystem(use_listings_cache=False, **endpoint)
 
     def _put(self, path: str, data: bytes, condition: dict) -> str:
         bucket, key, _ = self.fs.split_path(path)
