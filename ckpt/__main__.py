@@ -21,26 +21,38 @@ import sys
 from common.words import plural
 from .describe import inspect_path
 from .export import export_cli
-from .layout import COMMIT_FILE, META_FILE, list_step_dirs
+from .layout import COMMIT_FILE, META_FILE, list_step_dirs, step_of
 from .manifest import VerifyError, verify_checkpoint
 from .reshard import reshard
+from .storage import join, scheme_of, storage_for, unsupported
+
+# Which paths may be s3:// so far (verify); every other one would become a local folder `s3:`, so it is refused.
+_URL_OK = {("verify", "path")}
+_LOCAL_SO_FAR = "this command reads and writes local or shared file systems only so far (s3://: verify; issue #28)"
 
 
 def not_a_checkpoint(path: str) -> str | None:
     """Why `path` is no checkpoint folder at all (rather than a damaged or uncommitted one), or None."""
-    if not os.path.isdir(path):
+    local = scheme_of(path) is None
+    if local and not os.path.isdir(path):
         return f"{path}: no such folder"
-    if any(os.path.exists(os.path.join(path, f)) for f in (COMMIT_FILE, META_FILE, ".metadata")):
+    names = set(storage_for(path).listdir(path))
+    if names & {COMMIT_FILE, META_FILE, ".metadata"}:
         return None  # a checkpoint, committed or not: verify says what is wrong with it
-    steps = list_step_dirs(path)
+    steps = [p for _, p in list_step_dirs(path)] if local else [join(path, n) for n in sorted(names) if step_of(n)]
     if steps:
         return (f"{path} is a checkpoints folder ({plural(len(steps), 'step-* folder')}), not a checkpoint: verify one "
-                f"of them, e.g. the newest: python -m ckpt verify {steps[-1][1]}")
+                f"of them, e.g. the newest: python -m ckpt verify {steps[-1]}")
+    if not names and not local:
+        return f"{path}: nothing stored under this prefix"
     return f"{path} is not a checkpoint folder (no {COMMIT_FILE}, {META_FILE} or .metadata in it)"
 
 
 def cmd_verify(args) -> int:
-    problem = not_a_checkpoint(args.path)
+    try:
+        problem = not_a_checkpoint(args.path)
+    except OSError as e:  # an object store that cannot be reached, or refuses the credentials
+        problem = f"cannot read {args.path}: {e}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -99,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name in ("path", "src", "dst", "checkpoint", "out_dir"):
+        why = "" if (args.cmd, name) in _URL_OK else _LOCAL_SO_FAR
+        problem = unsupported(getattr(args, name, ""), name.replace("_", "-"), local_only=why)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
     return args.fn(args)
 
 

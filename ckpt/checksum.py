@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 from contextlib import contextmanager
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.futures import Future
+
+from .storage import scheme_of
 
 ALGORITHM = "xxh3_128"
 LEGACY_ALGORITHM = "sha256"  # commit.json files without an "algorithm" field
@@ -34,10 +38,11 @@ def new_hasher(algorithm: str = ALGORITHM):
     return _NEW[algorithm]()
 
 
-def file_digest(path: str, algorithm: str = ALGORITHM) -> dict:
-    """{"size": bytes, <algorithm>: hex digest} of a file, read in chunks."""
+def file_digest(path: str, algorithm: str = ALGORITHM, opener=open) -> dict:
+    """{"size": bytes, <algorithm>: hex digest} of a file, read in chunks. `opener(path)`: a binary read stream
+    (an object store's streaming read, storage.py)."""
     h, size = new_hasher(algorithm), 0
-    with open(path, "rb") as f:
+    with (open(path, "rb") if opener is open else opener(path)) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)
@@ -54,6 +59,25 @@ class HashingFileSystem(FileSystem):
         super().__init__()
         self.inner = inner or FileSystem()
         self.digests: dict[str, dict] = {}
+
+    # everything but the write streams is the inner file system's: the local one, or fsspec's for s3://
+    def init_path(self, path):
+        return self.inner.init_path(path)
+
+    def concat_path(self, path, suffix):
+        return self.inner.concat_path(path, suffix)
+
+    def rename(self, path, new_path):
+        self.inner.rename(path, new_path)
+
+    def mkdir(self, path):
+        self.inner.mkdir(path)
+
+    def exists(self, path):
+        return self.inner.exists(path)
+
+    def rm_file(self, path):
+        self.inner.rm_file(path)
 
     @contextmanager
     def create_stream(self, path, mode):
@@ -90,8 +114,12 @@ class ChecksummingWriter(FileSystemWriter):
     process uploaded. The .metadata file is written before that, unchanged."""
 
     def __init__(self, path: str, inner_fs: FileSystem | None = None, **writer_options):
-        super().__init__(path, sync_files=True, **writer_options)
-        self.fs = HashingFileSystem(inner_fs)
+        # An object store: an object is durable once its PUT (the stream's close) returns, so there is nothing
+        # to fsync (DCP would fall back to a machine-wide os.sync() per file).
+        self.remote = scheme_of(path) is not None
+        super().__init__(path, sync_files=not self.remote, **writer_options)
+        self.fs = HashingFileSystem(inner_fs or (FsspecFileSystem() if self.remote else None))
+        self.path = self.fs.init_path(path)
 
     def write_data(self, plan, planner) -> Future:
         results = _ResultsWithDigests(super().write_data(plan, planner).value())  # written synchronously
@@ -101,8 +129,22 @@ class ChecksummingWriter(FileSystemWriter):
         return done
 
     def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)
+        if self.remote:
+            self._finish_without_rename(metadata, results)
+        else:
+            super().finish(metadata, results)
         metadata.file_digests = {name: d for r in results for name, d in getattr(r, "digests", {}).items()}
+
+
+    def _finish_without_rename(self, metadata, results) -> None:
+        """FileSystemWriter.finish on an object store: .metadata in one PUT, never DCP's `.metadata.tmp` ->
+        `.metadata` rename (a copy plus a delete on S3). A PUT is atomic, and .metadata is trusted only
+        through the digest the commit marker holds, so a crash can leave nothing a reader believes."""
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
+        metadata.storage_meta = self.storage_meta()
+        with self.fs.create_stream(self.fs.concat_path(self.path, ".metadata"), "wb") as f:
+            pickle.dump(metadata, f)
 
 
 class _ResultsWithDigests(list):

@@ -17,6 +17,8 @@ import os
 import re
 import time
 
+from .storage import join, scheme_of, storage_for
+
 COMMIT_FILE = "commit.json"
 META_FILE = "meta.json"
 CONFIG_FILE = "config.yaml"
@@ -26,7 +28,7 @@ _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
 def step_dir(ckpt_dir: str, step: int) -> str:
-    return os.path.join(ckpt_dir, f"step-{step:06d}")
+    return join(ckpt_dir, f"step-{step:06d}")
 
 
 def step_of(path: str) -> int | None:
@@ -46,7 +48,11 @@ def trash_slot(path: str) -> str:
 
 
 def list_step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every step-NNNNNN folder, committed or not, oldest first (never what is in .trash)."""
+    """(step, path) of every step-NNNNNN folder, committed or not, oldest first (never what is in .trash). On an
+    object store: every step-NNNNNN prefix (one listing; what belongs to a checkpoint is its marker's business)."""
+    if scheme_of(ckpt_dir) is not None:
+        names = storage_for(ckpt_dir).listdir(ckpt_dir)
+        return sorted((step_of(n), join(ckpt_dir, n)) for n in names if step_of(n) is not None)
     if not os.path.isdir(ckpt_dir):
         return []
     found = []
@@ -59,14 +65,13 @@ def list_step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
 
 def is_marked_committed(path: str) -> bool:
     """Cheap check: the marker exists. `commit.verify_checkpoint` is the full check."""
-    return os.path.isfile(os.path.join(path, COMMIT_FILE))
+    return storage_for(path).exists(join(path, COMMIT_FILE))
 
 
 def read_meta(path: str, missing_ok: bool = False) -> dict:
     """The checkpoint's meta.json; with missing_ok, {} for a missing or unreadable one (listings, retention)."""
     try:
-        with open(os.path.join(path, META_FILE)) as f:
-            return json.load(f)
+        return json.loads(storage_for(path).read(join(path, META_FILE)))
     except (OSError, ValueError):
         if missing_ok:
             return {}
@@ -76,8 +81,7 @@ def read_meta(path: str, missing_ok: bool = False) -> dict:
 def read_saved_config(path: str) -> str | None:
     """The training config saved beside the shards (text), or None for a checkpoint without one."""
     try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            return f.read()
+        return storage_for(path).read(join(path, CONFIG_FILE)).decode()
     except FileNotFoundError:
         return None
 

@@ -13,10 +13,12 @@ HEARTBEAT_S by a thread of the holder (in place: a rename would make a new file 
 - flock unsupported (ENOSYS / ENOLCK / EOPNOTSUPP: Lustre mounted `noflock`, some NFS): one warning
   line, and the record decides: a fresh heartbeat refuses; a stale one, or a dead pid on this host,
   is a dead job's lock and is taken over with a warning naming it.
+- an object store (s3://): `ObjectLock`, the same record and rules as without flock, kept with conditional PUTs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -30,6 +32,7 @@ from typing import Callable
 from common.dist import on_rank0_then_share
 from .errors import CheckpointError
 from .layout import LOCK_FILE
+from .storage import join, scheme_of, storage_for
 
 HEARTBEAT_S = 60.0
 STALE_S = 10 * HEARTBEAT_S  # a live holder has rewritten its heartbeat ten times by then
@@ -102,6 +105,25 @@ def _warn(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # the lock comes before the run's log exists
 
 
+class _Heartbeat:
+    """A daemon thread of the holder that calls `beat()` every HEARTBEAT_S until stop(), or until beat() returns
+    False (the lock is no longer ours)."""
+
+    def __init__(self, beat: Callable[[], bool | None]):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(beat,), name="ckpt-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self, beat) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            if beat() is False:
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 class DirLock:
     """Held by rank 0 of the job for its whole life; `release()` (or process exit) lets go."""
 
@@ -109,8 +131,7 @@ class DirLock:
         self.path = os.path.join(ckpt_dir, LOCK_FILE)
         self.warn = warn
         self._file = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._heart: _Heartbeat | None = None
 
     def acquire(self) -> None:
         try:
@@ -127,8 +148,7 @@ class DirLock:
         self._file = f
         self._started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         self._beat()
-        self._thread = threading.Thread(target=self._heartbeat, name="ckpt-lock-heartbeat", daemon=True)
-        self._thread.start()
+        self._heart = _Heartbeat(self._heartbeat)
 
     def _take(self, f) -> None:
         now, where = time.time(), os.path.dirname(self.path)
@@ -159,29 +179,96 @@ class DirLock:
         os.fsync(self._file.fileno())
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                self._beat()
-            except (OSError, ValueError):  # a full or vanished disk: the save path reports that, not this thread
-                pass
+        try:
+            self._beat()
+        except (OSError, ValueError):  # a full or vanished disk: the save path reports that, not this thread
+            pass
 
     def release(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._heart is not None:
+            self._heart.stop()
+            self._heart = None
         if self._file is not None:
             self._file.close()
             self._file = None
 
 
-def lock_for_job(ckpt_dir: str, group) -> DirLock | None:
+class ObjectLock:
+    """The lock of an s3:// ckpt.dir: an object <ckpt.dir>/.lock holding the same record, created with a
+    conditional PUT (If-None-Match: *: of two jobs starting together, one gets it) and rewritten by the heartbeat
+    thread with a compare-and-swap on its ETag (If-Match). An object store has no flock, so the record decides, as
+    on a file system without flock: a fresh heartbeat refuses, a stale one is taken over (again by If-Match on
+    the ETag read, so two jobs cannot both take over) with a warning naming the dead job."""
+
+    def __init__(self, ckpt_dir: str, warn: Callable[[str], None] = _warn):
+        self.path, self.warn, self.store = join(ckpt_dir, LOCK_FILE), warn, storage_for(ckpt_dir)
+        self._etag: str | None = None
+        self._heart: _Heartbeat | None = None
+
+    def _record(self) -> bytes:
+        return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": self._started,
+                           "heartbeat": time.time()}).encode()
+
+    def acquire(self) -> None:
+        self._started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        try:
+            self._etag = self._take()
+        except FileExistsError:  # another job created or took it over between our read and our write
+            raise LockError(refusal(self.path, self._read()[0], time.time(), flock=False)) from None
+        except OSError as e:
+            raise LockError(f"ckpt.dir {self.path.rsplit('/', 1)[0]} is not writable: {e}") from None
+        self._heart = _Heartbeat(self._heartbeat)
+
+    def _read(self) -> tuple[dict, str | None]:
+        """The record and the ETag it was read at ({} and None: no lock object)."""
+        try:
+            etag = self.store.etag(self.path)
+            record = json.loads(self.store.read(self.path) or b"{}")
+            return (record if isinstance(record, dict) else {}), etag
+        except FileNotFoundError:
+            return {}, None
+        except ValueError:
+            return {}, etag
+
+    def _take(self) -> str:
+        record, etag = self._read()
+        if etag is None:
+            return self.store.create(self.path, self._record())
+        now = time.time()
+        if not is_stale(record, now):
+            raise LockError(refusal(self.path, record, now, flock=False))
+        if record.get("pid"):
+            self.warn(f"warning: taking over {self.path} from a dead job ({describe(record, now)})")
+        return self.store.replace(self.path, self._record(), etag)
+
+    def _heartbeat(self) -> bool:
+        try:
+            self._etag = self.store.replace(self.path, self._record(), self._etag)
+        except FileExistsError:  # someone took it over: only a job that judged ours dead does that
+            self.warn(f"warning: {self.path} was taken over by another job; this job no longer holds ckpt.dir")
+            return False
+        except OSError:  # the store unreachable for a while: the save path reports that, not this thread
+            pass
+        return True
+
+    def release(self) -> None:
+        if self._heart is not None:
+            self._heart.stop()
+            self._heart = None
+        if self._etag is not None:
+            with contextlib.suppress(OSError):
+                if self.store.etag(self.path) == self._etag:  # still ours: a job that took it over keeps it
+                    self.store.delete(self.path)
+            self._etag = None
+
+
+def lock_for_job(ckpt_dir: str, group) -> DirLock | ObjectLock | None:
     """Rank 0 takes <ckpt_dir>/.lock and returns it, held until `release()`; the other ranks return None. If
     another live job holds it, every rank raises CheckpointError with rank 0's message."""
     held: list[DirLock] = []
 
     def take() -> None:  # returns nothing: the lock (an open file, a heartbeat thread) stays on rank 0
-        lock = DirLock(ckpt_dir)
+        lock = (DirLock if scheme_of(ckpt_dir) is None else ObjectLock)(ckpt_dir)
         try:
             lock.acquire()
         except LockError as e:

@@ -25,10 +25,9 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from torch.distributed.checkpoint import FileSystemReader
-
 from .checksum import ALGORITHM, LEGACY_ALGORITHM, file_digest
 from .layout import COMMIT_FILE, step_of
+from .storage import join, scheme_of, storage_for
 
 METADATA_FILE = ".metadata"
 
@@ -67,12 +66,12 @@ def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files
     if unreported:
         raise VerifyError(f"{ckpt_path}: no rank reported a checksum for {', '.join(unreported[:4])}; "
                           "refusing to commit")
-    files = dict(digests)
+    files, store = dict(digests), storage_for(ckpt_path)
     for name in (METADATA_FILE, *own_files):
-        full = os.path.join(ckpt_path, name)
-        if not os.path.isfile(full):
+        full = join(ckpt_path, name)
+        if not store.exists(full):
             raise VerifyError(f"{full}: missing after save; refusing to commit")
-        files[name] = file_digest(full)
+        files[name] = file_digest(full, opener=store.open_read)
     return files
 
 
@@ -80,24 +79,28 @@ def commit_checkpoint(ckpt_path: str, world_size: int, digests: dict[str, dict],
                       own_files: list[str]) -> dict:
     """Write the commit marker from the gathered digests. Call on one rank after the save finished."""
     files = build_manifest(ckpt_path, digests, metadata, own_files)
-    fsync_dir(ckpt_path)  # the data files' directory entries are durable before the marker can be
     marker = {"step": step_of(ckpt_path), "world_size": world_size, "committed_at": time.time(),
               "algorithm": ALGORITHM, "files": files}
-    write_json_atomic(os.path.join(ckpt_path, COMMIT_FILE), marker)
+    if scheme_of(ckpt_path) is None:
+        fsync_dir(ckpt_path)  # the data files' directory entries are durable before the marker can be
+        write_json_atomic(os.path.join(ckpt_path, COMMIT_FILE), marker)
+    else:  # one create-only PUT (If-None-Match: *): never a rename, never over another marker (FileExistsError)
+        storage_for(ckpt_path).create(join(ckpt_path, COMMIT_FILE), json.dumps(marker, indent=1, sort_keys=True).encode())
     return marker
 
 
 def read_marker(ckpt_path: str) -> dict:
-    path = os.path.join(ckpt_path, COMMIT_FILE)
-    if not os.path.isfile(path):
-        raise VerifyError(f"{path}: missing commit marker (checkpoint never committed)")
+    path = join(ckpt_path, COMMIT_FILE)
     try:
-        with open(path) as f:
-            marker = json.load(f)
+        marker = json.loads(storage_for(ckpt_path).read(path))
         marker.setdefault("algorithm", LEGACY_ALGORITHM)  # written before the field existed
         files, algorithm = marker["files"], marker["algorithm"]
         assert algorithm in (ALGORITHM, LEGACY_ALGORITHM)
         assert isinstance(files, dict) and all("size" in v and algorithm in v for v in files.values())
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise VerifyError(f"{path}: missing commit marker (checkpoint never committed)") from None
+    except ConnectionError as e:  # an object store out of reach says nothing about the marker
+        raise VerifyError(f"{path}: cannot be read ({e})") from None
     except Exception as e:  # noqa: BLE001 - any unreadable marker is the same verdict
         raise VerifyError(f"{path}: corrupt commit marker ({type(e).__name__})") from None
     return marker
@@ -114,7 +117,7 @@ def check_manifest(ckpt_path: str) -> dict:
 
 def check_marker(ckpt_path: str) -> dict:
     """The marker is well formed and names .metadata. Returns it; raises VerifyError."""
-    if not os.path.isdir(ckpt_path):
+    if scheme_of(ckpt_path) is None and not os.path.isdir(ckpt_path):  # an object store has no folders
         raise VerifyError(f"{ckpt_path}: not a directory")
     marker = read_marker(ckpt_path)
     if METADATA_FILE not in marker["files"]:
@@ -124,13 +127,13 @@ def check_marker(ckpt_path: str) -> dict:
 
 def check_listing(ckpt_path: str, marker: dict) -> None:
     """No data file outside the manifest (one listing), meta.json readable; raises VerifyError."""
-    for name in os.listdir(ckpt_path):
+    store = storage_for(ckpt_path)
+    for name in store.listdir(ckpt_path):
         if name.endswith(".distcp") and name not in marker["files"]:
-            raise VerifyError(f"{os.path.join(ckpt_path, name)}: data file not in manifest")
-    meta = os.path.join(ckpt_path, "meta.json")
+            raise VerifyError(f"{join(ckpt_path, name)}: data file not in manifest")
+    meta = join(ckpt_path, "meta.json")
     try:
-        with open(meta) as f:
-            json.load(f)
+        json.loads(store.read(meta))
     except (OSError, ValueError):
         raise VerifyError(f"{meta}: unreadable") from None
 
@@ -138,27 +141,27 @@ def check_listing(ckpt_path: str, marker: dict) -> None:
 def check_references(ckpt_path: str, marker: dict):
     """Every file .metadata references is in the manifest; returns DCP's Metadata, raises VerifyError."""
     try:
-        metadata = FileSystemReader(ckpt_path).read_metadata()
+        metadata = storage_for(ckpt_path).dcp_reader(ckpt_path).read_metadata()
     except Exception as e:  # noqa: BLE001 - missing, torn or not a pickle: the same verdict
-        raise VerifyError(f"{os.path.join(ckpt_path, METADATA_FILE)}: unreadable ({type(e).__name__})") from None
+        raise VerifyError(f"{join(ckpt_path, METADATA_FILE)}: unreadable ({type(e).__name__})") from None
     for name in sorted(referenced_files(metadata) - set(marker["files"])):
-        raise VerifyError(f"{os.path.join(ckpt_path, name)}: referenced by {METADATA_FILE} but not in the manifest")
+        raise VerifyError(f"{join(ckpt_path, name)}: referenced by {METADATA_FILE} but not in the manifest")
     return metadata
 
 
 def check_file(ckpt_path: str, name: str, expected: dict, algorithm: str) -> str | None:
     """None if the file has its manifest size and checksum, else the problem, naming the file."""
-    full = os.path.join(ckpt_path, name)
+    full, store = join(ckpt_path, name), storage_for(ckpt_path)
     try:
-        size = os.path.getsize(full)
+        size = store.size(full)
         if size != expected["size"]:
             return f"{full}: size {size} != {expected['size']} in manifest"
-        if file_digest(full, algorithm)[algorithm] != expected[algorithm]:
+        if file_digest(full, algorithm, store.open_read)[algorithm] != expected[algorithm]:
             return f"{full}: checksum mismatch ({algorithm})"
     except FileNotFoundError:
         return f"{full}: missing"
     except OSError as e:
-        return f"{full}: unreadable ({e.strerror})"
+        return f"{full}: unreadable ({e.strerror or e})"  # an object store's errors have no strerror
     return None
 
 

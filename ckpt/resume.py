@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from common.dist import on_rank0_then_share
 from common.progress import phase
@@ -28,6 +29,7 @@ from .adapter import check_same_base
 from .manifest import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import list_step_dirs, read_meta, read_saved_config, step_of
+from .storage import scheme_of, storage_for
 from .state import DERIVED_SEED, ModelOptimizer, derived_seed, reseed_all, restores_rng, rng_key, rng_world_size
 
 
@@ -94,8 +96,8 @@ def _marker_and_listing(path: str) -> tuple[dict, str | None]:
     return marker, None
 
 
-class _VerifiedReader(FileSystemReader):
-    """FileSystemReader that takes the global .metadata verify() read, if it verified this checkpoint."""
+class _VerifiedRead:
+    """A DCP reader that takes the global .metadata verify() read, if it verified this checkpoint."""
 
     def read_metadata(self, *args, **kwargs):
         metadata = _verified.get(os.path.normpath(str(self.path)))
@@ -105,8 +107,20 @@ class _VerifiedReader(FileSystemReader):
         return metadata
 
 
+class _VerifiedReader(_VerifiedRead, FileSystemReader):
+    pass
+
+
+class _VerifiedFsspecReader(_VerifiedRead, FsspecReader):
+    """The same for an object store, read through fsspec."""
+
+
+def _verified_reader(path: str):
+    return (_VerifiedReader if scheme_of(path) is None else _VerifiedFsspecReader)(path)
+
+
 def _saved_metadata(path: str):
-    return _verified.get(os.path.normpath(path)) or FileSystemReader(path).read_metadata()
+    return _verified.get(os.path.normpath(path)) or storage_for(path).dcp_reader(path).read_metadata()
 
 
 def load(path: str, state: dict, pg, model_state: dict | None = None, prefix: str = "") -> None:
@@ -116,7 +130,7 @@ def load(path: str, state: dict, pg, model_state: dict | None = None, prefix: st
         if model_state is not None:
             check_model_matches(path, model_state, prefix)
         try:
-            dcp.load(state, storage_reader=_VerifiedReader(path), process_group=pg)
+            dcp.load(state, storage_reader=_verified_reader(path), process_group=pg)
         except SAVE_ERRORS as e:
             raise CheckpointError(f"loading {path} failed: {cause_line(e)}") from e
     finally:

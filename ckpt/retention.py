@@ -25,6 +25,7 @@ from typing import Callable
 
 from .manifest import fsync_dir
 from .layout import COMMIT_FILE, is_marked_committed, list_step_dirs, read_meta, trash_dir, trash_slot
+from .storage import join, scheme_of, storage_for
 
 
 def doomed(ckpt_dir: str, newest: int, keep_last: int, keep_best: int) -> list[str]:
@@ -47,7 +48,7 @@ def apply_retention(ckpt_dir: str, newest: int, keep_last: int, keep_best: int,
     out = []
     for path in doomed(ckpt_dir, newest, keep_last, keep_best):
         try:
-            move_to_trash(path)
+            (move_to_trash if scheme_of(path) is None else delete_remote)(path)
         except OSError as e:
             if is_marked_committed(path):
                 on_log(f"warning: retention: cannot remove the commit marker of {path} ({e.strerror}); kept")
@@ -63,6 +64,10 @@ def clear_stale(path: str, on_log: Callable[[str], None]) -> bool:
     before writing, to free the space). It is not a checkpoint this job trusts: resume verified newer ones and
     skipped it, or it is this job's own failed attempt. If even the rename fails (a directory without write
     permission cannot change its parent), it is moved aside in place so the save goes on."""
+    if scheme_of(path) is not None:
+        delete_remote(path)
+        on_log(f"checkpoint: deleted {path} (a leftover of an earlier attempt)")
+        return False
     try:
         move_to_trash(path)
         on_log(f"checkpoint: moved {path} (a leftover of an earlier attempt) into .trash")
@@ -72,6 +77,16 @@ def clear_stale(path: str, on_log: Callable[[str], None]) -> bool:
         os.replace(path, aside)
         on_log(f"checkpoint: moved damaged {path} aside to {aside}")
         return False
+
+
+def delete_remote(path: str) -> None:
+    """A checkpoint on an object store: its marker first, then every object under it (no rename there: a crash in
+    between leaves an unmarked prefix, which `doomed` hands to the next retention). Rank 0 alone: one DeleteObjects
+    request removes up to 1000 objects, server-side, so splitting it over the ranks would save little."""
+    store = storage_for(path)
+    with contextlib.suppress(FileNotFoundError):
+        store.delete(join(path, COMMIT_FILE))
+    store.delete_prefix(path)
 
 
 def move_to_trash(path: str) -> None:
@@ -93,7 +108,7 @@ def list_trash(ckpt_dir: str) -> list[str] | None:
     scandir's entry type says file or folder without a stat per file (on Lustre, no metadata-server load
     per file)."""
     root = trash_dir(ckpt_dir)
-    if not os.path.isdir(root):
+    if scheme_of(ckpt_dir) is not None or not os.path.isdir(root):  # an object store has no .trash
         return None
     files, todo = [], [""]
     while todo:

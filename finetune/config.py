@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from ckpt.policy import parse_interval
+from ckpt.storage import unsupported
 
 
 class ConfigError(ValueError):
@@ -308,7 +309,21 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
     return flat
 
 
+# Paths that must be local (a URL there would otherwise become a local folder named `s3:`), and why ("": a URL
+# of object storage is fine, docs/checkpoints.md).
+_LOCAL_ONLY = {
+    "run.dir": "metrics, logs and the exported model stay on a local or shared file system",
+    "data.cache_dir": "the tokenized data cache is memory-mapped from a local or shared file system",
+    "ckpt.dir": "",
+    "ckpt.resume": "",
+}
+
+
 def validate(cfg: Config) -> None:
+    for key, why in _LOCAL_ONLY.items():
+        problem = unsupported(_get(cfg, key), f"config key '{key}'", local_only=why)
+        if problem:
+            raise ConfigError(problem)
     for key, allowed in _CHOICES.items():
         if _get(cfg, key) not in allowed:
             raise ConfigError(f"config key '{key}' must be one of {'|'.join(allowed)}, got {_get(cfg, key)!r}")

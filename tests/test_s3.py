@@ -1,0 +1,397 @@
+"""Checkpoint storage on S3, against a real S3-compatible server (moto's server mode) started on 127.0.0.1.
+
+    python -m pytest tests/test_s3.py -q -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+
+import botocore.exceptions
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+from ckpt.checksum import ChecksummingWriter
+from ckpt.errors import CheckpointError
+from ckpt.manifest import VerifyError, commit_checkpoint, verify_checkpoint
+from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
+from ckpt.layout import list_step_dirs
+from conftest import ROOT, events, losses, run_train, start_on_free_port
+from s3_server import BUCKET, s3_client, s3_env, s3_server  # noqa: F401 - fixtures
+
+
+def test_server_refuses_a_second_create_only_put(s3_env):
+    """The commit marker relies on it: a second PUT with If-None-Match: * of the same key fails with 412, and a PUT
+    with If-Match of an old ETag fails too (the lock's compare-and-swap)."""
+    c = s3_client(s3_env)
+    first = c.put_object(Bucket=BUCKET, Key="raw/commit.json", Body=b"1", IfNoneMatch="*")["ETag"]
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.put_object(Bucket=BUCKET, Key="raw/commit.json", Body=b"2", IfNoneMatch="*")
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    c.put_object(Bucket=BUCKET, Key="raw/commit.json", Body=b"3", IfMatch=first)
+    with pytest.raises(botocore.exceptions.ClientError) as e:
+        c.put_object(Bucket=BUCKET, Key="raw/commit.json", Body=b"4", IfMatch=first)
+    assert e.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert c.get_object(Bucket=BUCKET, Key="raw/commit.json")["Body"].read() == b"3"
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_storage_operations_behave_alike(backend, s3_env, tmp_path):
+    root = str(tmp_path) if backend == "local" else f"s3://{BUCKET}/ops-{tmp_path.name}"
+    store = storage_for(root)
+    assert isinstance(store, LocalStorage if backend == "local" else S3Storage)
+    marker = join(root, "step-000002", "commit.json")
+    if backend == "local":
+        (tmp_path / "step-000002").mkdir()
+    assert not store.exists(marker) and store.listdir(join(root, "step-000002")) == []
+    store.create(marker, b'{"step": 2}')
+    with pytest.raises(FileExistsError):
+        store.create(marker, b'{"step": 3}')
+    assert store.read(marker) == b'{"step": 2}'
+    assert store.listdir(join(root, "step-000002")) == ["commit.json"]
+    store.delete(marker)
+    assert not store.exists(marker)
+    store.create(marker, b"again")  # create-only refuses an existing object, not a deleted one
+    assert store.read(marker) == b"again"
+
+
+def test_s3_replace_is_compare_and_swap(s3_env, tmp_path):
+    store = S3Storage()
+    lock = f"s3://{BUCKET}/cas-{tmp_path.name}/.lock"
+    tag = store.create(lock, b"holder 1")
+    assert store.etag(lock) == tag
+    tag2 = store.replace(lock, b"heartbeat", tag)
+    with pytest.raises(FileExistsError):
+        store.replace(lock, b"someone else", tag)  # an ETag read before the heartbeat: refused
+    assert store.read(lock) == b"heartbeat" and store.etag(lock) == tag2
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("runs/x", None),
+    ("s3://bucket/prefix", None),
+    ("s3://", "names no bucket"),
+    ("gs://bucket/prefix", "gs:// is not supported"),
+])
+def test_which_paths_are_refused(path, expected):
+    problem = unsupported(path, "config key 'ckpt.dir'")
+    assert (problem is None) if expected is None else (expected in problem and problem.startswith("config key"))
+
+
+def test_local_only_paths_refuse_urls():
+    assert "must be a local path" in unsupported("s3://b/run", "config key 'run.dir'", local_only="why")
+    assert unsupported("runs/x", "config key 'run.dir'", local_only="why") is None
+
+
+def _one_error_line(proc, needle: str) -> None:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert [line for line in lines if line.startswith("error: ")] == lines[-1:] and needle in lines[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("run.dir", "s3://{b}/{n}", "config key 'run.dir' must be a local path, got 's3://{b}/{n}'"),
+    ("data.cache_dir", "s3://{b}/{n}", "config key 'data.cache_dir' must be a local path, got 's3://{b}/{n}'"),
+    ("ckpt.dir", "gs://{b}/{n}", "config key 'ckpt.dir': gs:// is not supported, got 'gs://{b}/{n}'"),
+    ("ckpt.resume", "s3://", "config key 'ckpt.resume': 's3://' names no bucket"),
+])
+def test_training_never_writes_a_url_into_a_local_folder(key, value, needle, tmp_path):
+    """Before: ckpt.dir=s3://bucket/run made a local folder `s3:` in the working directory and the run 'succeeded'.
+    Now s3:// works for ckpt.dir and ckpt.resume (tests below); every other URL is one error line."""
+    value, needle = (t.format(b=BUCKET, n=tmp_path.name) for t in (value, needle))
+    run_dir = value if key == "run.dir" else tmp_path / "run"
+    proc = run_train(run_dir, nproc=0, overrides=[f"{key}={value}", "train.max_steps=2"], check=False, timeout=120)
+    _one_error_line(proc, needle)
+    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not os.path.exists(os.path.join(ROOT, "gs:"))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args", [["inspect", "s3://b/run"],
+                                  ["export", "runs/x/step-000002", "s3://b/hf"],
+                                  ["reshard", "s3://b/run/step-000002", "out", "--world-size", "2"]])
+def test_checkpoint_commands_refuse_urls_they_cannot_serve(args, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    _one_error_line(proc, "must be a local path, got 's3://b/")
+    assert not (tmp_path / "s3:").exists()
+
+
+def _upload(local: str, url: str) -> None:
+    import s3fs
+
+    s3fs.S3FileSystem(use_listings_cache=False).put(local, url, recursive=True)
+
+
+def _ckpt_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=120)
+
+
+def test_verify_reads_a_checkpoint_on_s3_and_catches_a_flipped_byte(s3_env, tmp_path):
+    from test_ckpt_unit import DATA, fake_checkpoint
+
+    local = fake_checkpoint(tmp_path / "local", 5)
+    root = f"s3://{BUCKET}/verify-{tmp_path.name}"
+    url = f"{root}/step-000005"
+    _upload(local, url)
+    ok = _ckpt_cli("verify", url, "--jobs", "2", env=s3_env)
+    assert ok.returncode == 0 and ok.stdout.startswith(f"OK: {url}: step 5, 3 files"), ok.stderr[-2000:]
+    assert "a checkpoints folder (1 step-* folder)" in _ckpt_cli("verify", root, env=s3_env).stderr
+
+    store = S3Storage()
+    data = bytearray(store.read(f"{url}/{DATA}"))
+    data[-7] ^= 0xFF
+    store.fs.pipe_file(f"{url}/{DATA}", bytes(data))  # same size, one byte changed
+    bad = _ckpt_cli("verify", url, env=s3_env)
+    assert bad.returncode == 1 and bad.stderr.strip() == f"INVALID: {url}/{DATA}: checksum mismatch (xxh3_128)"
+    store.delete(f"{url}/{DATA}")
+    gone = _ckpt_cli("verify", url, env=s3_env)
+    assert gone.returncode == 1 and gone.stderr.strip().endswith(f"{url}/{DATA}: missing"), gone.stderr
+    store.delete(f"{url}/commit.json")
+    unmarked = _ckpt_cli("verify", url, env=s3_env)
+    assert unmarked.returncode == 1 and "missing commit marker (checkpoint never committed)" in unmarked.stderr
+
+
+def test_verify_with_the_server_unreachable_is_one_error_line(s3_server):
+    from conftest import free_port
+
+    env = {**s3_server, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
+    proc = _ckpt_cli("verify", f"s3://{BUCKET}/run/step-000002", env=env)
+    _one_error_line(proc, f"cannot read s3://{BUCKET}/run/step-000002")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        with pytest.raises(VerifyError, match=r"commit.json: cannot be read \(Could not connect to the endpoint URL"):
+            verify_checkpoint(f"s3://{BUCKET}/run-unreachable/step-000002")
+
+
+# ---------------------------------------------------------------- DCP save, commit and load on S3
+
+def _state(rank: int, step: int) -> dict:
+    return {"w": torch.arange(4000.0) + step, f"rng_{rank}": torch.full((3,), float(rank))}
+
+
+def _save_worker(rank, world_size, port, url, env):
+    os.environ.update(env)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        metadata = dcp.save(_state(rank, 7), storage_writer=ChecksummingWriter(url))
+        if rank == 0:
+            S3Storage().create(f"{url}/meta.json", json.dumps({"step": 7, "world_size": world_size}).encode())
+            commit_checkpoint(url, world_size, metadata.file_digests, metadata, ["meta.json"])
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_save_to_s3_commit_once_and_load_at_one_rank(s3_env, tmp_path):
+    """Every rank uploads its shard through DCP's fsspec layer, checksummed as written; rank 0 writes the marker
+    last with a create-only PUT; the checkpoint verifies and loads at another world size. No rename: no
+    .metadata.tmp object is left, and a second commit of the same step is refused, the first marker kept."""
+    url = f"s3://{BUCKET}/dcp-{tmp_path.name}/step-000007"
+    start_on_free_port(_save_worker, lambda port: (2, port, url, dict(s3_env)), nprocs=2)
+    store = S3Storage()
+    names = store.listdir(url)
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "commit.json", "meta.json"], names
+    marker = verify_checkpoint(url, jobs=2)
+    assert marker["world_size"] == 2 and set(marker["files"]) == set(names) - {"commit.json"}
+    first = store.read(f"{url}/commit.json")
+    with pytest.raises(FileExistsError):
+        commit_checkpoint(url, 2, marker["files"], FsspecReader(url).read_metadata(), [])
+    assert store.read(f"{url}/commit.json") == first
+
+    loaded = {"w": torch.zeros(4000), "rng_0": torch.zeros(3), "rng_1": torch.zeros(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
+        dcp.load(loaded, storage_reader=FsspecReader(url), no_dist=True)
+    assert torch.equal(loaded["w"], torch.arange(4000.0) + 7) and torch.equal(loaded["rng_1"], torch.ones(3))
+    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not os.path.exists(str(tmp_path / "s3:"))
+
+
+# ---------------------------------------------------------------- the run lock on S3
+
+def test_s3_lock_refuses_a_second_job_and_takes_over_a_dead_one(s3_env, tmp_path, monkeypatch):
+    import ckpt.lock as lock_module
+    from ckpt.lock import LockError, ObjectLock, lock_for_job
+
+    root = f"s3://{BUCKET}/lock-{tmp_path.name}"
+    first = lock_for_job(root, None)
+    assert isinstance(first, ObjectLock)
+    store = S3Storage()
+    record = json.loads(store.read(f"{root}/.lock"))
+    assert record["pid"] == os.getpid() and record["host"] == socket.gethostname()
+    with pytest.raises(CheckpointError, match=rf"ckpt.dir s3://{BUCKET}/lock-\S+ is in use by another job \(pid "
+                                              rf"{os.getpid()} on .*\); stop it or point ckpt.dir elsewhere"):
+        lock_for_job(root, None)
+    first.release()
+    assert not store.exists(f"{root}/.lock")
+
+    # another host, fresh heartbeat: refused, saying how to tell it is dead; stale: taken over with a warning
+    other = {"host": "node-17", "pid": 4242, "started": "then", "heartbeat": time.time() - 70}
+    store.create(f"{root}/.lock", json.dumps(other).encode())
+    with pytest.raises(LockError, match=r"pid 4242 on node-17, .*last heartbeat 70s ago\); a live job rewrites its "
+                                        r"heartbeat every 60 s: if node-17 is down .*taken over 10 min after"):
+        ObjectLock(root).acquire()
+    store.replace(f"{root}/.lock", json.dumps({**other, "heartbeat": time.time() - 700}).encode(),
+                  store.etag(f"{root}/.lock"))
+    warnings_seen = []
+    monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.2)
+    taker = ObjectLock(root, warn=warnings_seen.append)
+    taker.acquire()
+    assert "taking over" in warnings_seen[0] and "pid 4242 on node-17" in warnings_seen[0]
+    beat = json.loads(store.read(f"{root}/.lock"))["heartbeat"]
+    time.sleep(1.0)
+    assert json.loads(store.read(f"{root}/.lock"))["heartbeat"] > beat  # the heartbeat is a CAS that succeeds
+
+    # someone replaces the object behind the holder's back: its next heartbeat's CAS fails, it says so, and
+    # its release leaves the new holder's object alone
+    for _ in range(100):  # a compare-and-swap, as a real job taking over does: retried if a heartbeat came between
+        try:
+            store.replace(f"{root}/.lock", json.dumps({**other, "heartbeat": time.time()}).encode(),
+                          store.etag(f"{root}/.lock"))
+            break
+        except FileExistsError:
+            time.sleep(0.01)
+    time.sleep(1.0)
+    assert any("was taken over by another job" in w for w in warnings_seen)
+    taker.release()
+    assert json.loads(store.read(f"{root}/.lock"))["pid"] == 4242
+
+
+# ---------------------------------------------------------------- training on S3 (torchrun, 2 ranks, gloo)
+
+S3_RUN = ["train.max_steps=8", "ckpt.interval=4", "ckpt.keep_last=0"]
+
+
+def test_training_on_s3_resumes_bit_identically_and_at_another_world_size(s3_env, tmp_path):
+    straight_url = f"s3://{BUCKET}/{tmp_path.name}/straight"
+    straight = tmp_path / "straight"
+    run_train(straight, nproc=2, overrides=[*S3_RUN, f"ckpt.dir={straight_url}"], env=s3_env)
+    assert [s for s, _ in list_step_dirs(straight_url)] == [4, 8]
+    assert verify_checkpoint(f"{straight_url}/step-000008")["world_size"] == 2
+
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/killed", tmp_path / "killed"
+    killed = run_train(run, nproc=2, overrides=[*S3_RUN, f"ckpt.dir={url}", "ckpt.async_mode=off"],
+                       env={**s3_env, "CKPT_FAULT": "kill@after_step:6"}, check=False)
+    assert killed.returncode != 0 and max(losses(run)) == 6
+    run_train(run, nproc=2, overrides=[*S3_RUN, f"ckpt.dir={url}"], env=s3_env)
+    assert [e["step"] for e in events(run, "resume")] == [4]
+    a, b = losses(straight), losses(run)
+    assert sorted(b) == list(range(1, 9)) and all(a[k] == b[k] for k in a), {k: (a[k], b[k]) for k in a}
+
+    one = tmp_path / "one-rank"
+    run_train(one, nproc=0, overrides=[*S3_RUN, f"ckpt.dir=s3://{BUCKET}/{tmp_path.name}/one",
+                                       f"ckpt.resume={straight_url}/step-000004"], env=s3_env)
+    resumed = events(one, "resume")
+    assert [(e["step"], e["world_size"], e["saved_world_size"]) for e in resumed] == [(4, 1, 2)]
+    assert sorted(losses(one)) == [5, 6, 7, 8]  # a new run.dir: it logs the steps it trained, at W=1
+    assert [s for s, _ in list_step_dirs(f"s3://{BUCKET}/{tmp_path.name}/one")] == [8]
+    assert not os.path.exists(os.path.join(ROOT, "s3:")) and not list(tmp_path.rglob("s3:"))
+
+
+def test_s3_resume_skips_a_flipped_byte_and_a_second_job_is_refused(s3_env, tmp_path):
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    run_train(run, nproc=0, overrides=["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.dir={url}"],
+              env=s3_env)
+    store = S3Storage()
+    shard = f"{url}/step-000004/__0_0.distcp"
+    data = bytearray(store.read(shard))
+    data[len(data) // 2] ^= 0x01
+    store.fs.pipe_file(shard, bytes(data))
+    bad = _ckpt_cli("verify", f"{url}/step-000004", env=s3_env)
+    assert bad.returncode == 1 and bad.stderr.strip() == f"INVALID: {shard}: checksum mismatch (xxh3_128)"
+
+    run_train(run, nproc=0, overrides=["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.dir={url}"],
+              env=s3_env)
+    assert [(e["step"], e["reason"]) for e in events(run, "resume_skip")] == [(4, f"{shard}: checksum mismatch (xxh3_128)")]
+    assert [e["step"] for e in events(run, "resume")] == [2]
+
+    # a live job holds the prefix (this very process, on this host): the second one stops with one line
+    store.create(f"{url}/.lock", json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now",
+                                             "heartbeat": time.time()}).encode())
+    second = run_train(tmp_path / "second", nproc=0, overrides=["train.max_steps=2", f"ckpt.dir={url}"], env=s3_env,
+                       check=False)
+    _one_error_line(second, f"ckpt.dir {url} is in use by another job (pid {os.getpid()} on {socket.gethostname()}")
+    assert not (tmp_path / "second").exists()
+
+
+def test_s3_server_unreachable_at_start_is_one_error_line(s3_server, tmp_path):
+    from conftest import free_port
+
+    env = {**s3_server, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_MAX_ATTEMPTS": "1"}
+    proc = run_train(tmp_path / "run", nproc=0, overrides=["train.max_steps=2", f"ckpt.dir=s3://{BUCKET}/x"], env=env,
+                     check=False, timeout=120)
+    _one_error_line(proc, f"ckpt.dir s3://{BUCKET}/x is not writable: Could not connect to the endpoint URL")
+
+
+def test_s3_retention_deletes_marker_then_objects_and_sweeps_unmarked_prefixes(s3_env, tmp_path):
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    store = S3Storage()
+    store.create(f"{url}/step-000001/__0_0.distcp", b"a crashed save's shard, never marked")
+    run_train(run, nproc=0, overrides=["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=1", f"ckpt.dir={url}",
+                                       "ckpt.async_mode=process"], env=s3_env)  # uploads from the uploader process
+    assert [(e["step"], e["mode"]) for e in events(run, "checkpoint")] == [(2, "process"), (4, "process"), (6, "sync")]
+    assert [s for s, _ in list_step_dirs(url)] == [6]
+    assert store.listdir(url) == ["step-000006"]  # the lock object went with the job
+    deleted = [p for e in events(run, "retention") for p in e["deleted"]]
+    assert deleted == [f"{url}/step-000001", f"{url}/step-000002", f"{url}/step-000004"], deleted
+    verify_checkpoint(f"{url}/step-000006")
+
+
+def test_s3_kill_during_upload_or_before_the_marker_leaves_no_marker(s3_env, tmp_path):
+    """SIGKILL while the shards go up, then after every rank's data is up but before the marker: neither leaves a
+    marker over step 4; each next start resumes from step 2, and the last one saves step 4 again over the leftover."""
+    url, run = f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    overrides = ["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async_mode=off", f"ckpt.dir={url}"]
+    for fault in ("kill@write:4", "kill@before_commit:4"):
+        killed = run_train(run, nproc=2, overrides=overrides, env={**s3_env, "CKPT_FAULT": fault}, check=False)
+        assert killed.returncode != 0, fault
+        assert [s for s, _ in list_step_dirs(url)] == [2, 4] and not S3Storage().exists(f"{url}/step-000004/commit.json")
+    run_train(run, nproc=2, overrides=overrides, env=s3_env)
+    assert [e["step"] for e in events(run, "resume")] == [2, 2]
+    assert verify_checkpoint(f"{url}/step-000004")["step"] == 4 and verify_checkpoint(f"{url}/step-000006")
+
+
+@pytest.mark.parametrize("keep_going", [False, True], ids=["stop", "continue_on_save_error"])
+def test_s3_server_down_mid_run_fails_the_save_and_keeps_the_committed_one(s3_env, tmp_path, keep_going):
+    """The server goes away after step 3: the saves after it fail; training stops, or goes on with
+    ckpt.continue_on_save_error=true; step 2, committed before, is intact once the server is back."""
+    import threading
+
+    from s3_server import start_server
+
+    server, env = start_server()
+    port = int(env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    flag, url, run = tmp_path / "after-step-3", f"s3://{BUCKET}/{tmp_path.name}/ckpt", tmp_path / "run"
+    overrides = ["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async_mode=off", f"ckpt.dir={url}",
+                 f"ckpt.continue_on_save_error={str(keep_going).lower()}"]
+    fault = {"CKPT_FAULT": f"sleep@after_step:3,secs=8,file={flag}", "AWS_MAX_ATTEMPTS": "1"}
+    result = {}
+    job = threading.Thread(target=lambda: result.update(proc=run_train(run, nproc=0, overrides=overrides,
+                                                                        env={**env, **fault}, check=False)))
+    job.start()
+    while job.is_alive() and not flag.exists():
+        time.sleep(0.1)
+    server.stop()
+    job.join()
+    server, _ = start_server(port)  # the same store, back online, to look at what the job left
+    try:
+        proc = result["proc"]
+        last = proc.stderr.strip().splitlines()[-1]
+        failed = f"{url}/step-{6 if keep_going else 4:06d}"  # with continue: the final save is the one that stops it
+        assert proc.returncode != 0 and last.startswith(f"error: writing checkpoint {failed} failed: ConnectionError: "
+                                                        "Could not connect to the endpoint URL"), proc.stderr[-3000:]
+        assert max(losses(run)) == (6 if keep_going else 4), proc.stderr[-3000:]
+        assert verify_checkpoint(f"{url}/step-000002")["step"] == 2
+        assert not S3Storage().exists(f"{url}/step-000004/commit.json")
+    finally:
+        server.stop()
