@@ -147,7 +147,7 @@ class Committer:
             if self.pg is not None:
                 dist.barrier(group=self.pg)
             if self.rank == 0:
-                remove_trash(self.dir, self.on_log)
+                remove_trash(self.dir, self.on_log, gone)
         if self.rank == 0 and (gone or files):
             for path in gone:
                 self.on_log(f"retention: deleted {path}")
@@ -158,6 +158,9 @@ class Committer:
     def _doom_and_list(self, step: int, doom: Callable[[], list[str]]) -> tuple[list[str], list[str] | None]:
         """Rank 0 runs `doom` and lists .trash (None: no .trash); every rank receives both."""
         try:
-            return on_rank0_then_share(lambda: (doom(), list_trash(self.dir)), self.pg, CheckpointError)
+            def doom_and_list() -> tuple[list[str], list[str] | None]:
+                gone = doom()
+                return gone, list_trash(self.dir, gone)  # an object store lists the prefixes just doomed
+            return on_rank0_then_share(doom_and_list, self.pg, CheckpointError)
         except CheckpointError as e:
             raise CheckpointError(f"retention after checkpoint step {step}: {e}") from None
