@@ -10,6 +10,7 @@ environment a run needs: AWS_ENDPOINT_URL and dummy credentials, the standard va
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 
@@ -69,8 +70,9 @@ def s3_client(env: dict):
 class S3Proxy:
     """An HTTP proxy in front of the test server, for what moto cannot do itself: refuse requests (`refuse(method,
     path) -> (status, code) or None`, e.g. 503 SlowDown, 403 AccessDenied), hold part uploads a while (`hold_parts_s`,
-    so parallel ones overlap for sure), and record every request: `requests` [(method, path, query, keys)] with
-    `keys` the number of keys of a DeleteObjects request, `max_parallel_parts` the most part uploads in flight."""
+    so parallel ones overlap for sure), and record every request: `requests` [(method, path, query, keys, range)] with
+    `keys` the keys a DeleteObjects request names and `range` a GET's Range header, `max_parallel_parts` the
+    most part uploads in flight at once."""
 
     def __init__(self, target_endpoint: str):
         import http.client
@@ -117,7 +119,9 @@ class S3Proxy:
                 path, _, query = self.path.partition("?")
                 part = "partNumber=" in query
                 with proxy._lock:
-                    proxy.requests.append((self.command, path, query, body.count(b"<Key>") if "delete" in query else 0))
+                    deleting = self.command == "POST" and "delete" in query.split("&")  # DeleteObjects: POST ?delete
+                    keys = re.findall(r"<Key>([^<]*)</Key>", body.decode(errors="replace")) if deleting else []
+                    proxy.requests.append((self.command, path, query, keys, self.headers.get("Range")))
                     refusal = proxy.refuse(self.command, path)
                     proxy.refused += refusal is not None
                 if refusal is not None:
@@ -150,6 +154,21 @@ class S3Proxy:
         self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
+    def delete_requests(self) -> list[list[str]]:
+        """The keys of each DeleteObjects request so far."""
+        return [r[3] for r in self.requests if r[0] == "POST" and "delete" in r[2].split("&")]
+
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+@pytest.fixture
+def s3_proxy(s3_env, monkeypatch):
+    """An S3Proxy in front of the test server, its endpoint in os.environ for this test (in-process clients)."""
+    proxy = S3Proxy(s3_env["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
