@@ -256,7 +256,7 @@ class RangeStream(io.RawIOBase):
     """One object read front to back (hashing: checksum.file_digest) through read_ranges: PARALLEL_PARTS GETs
     ahead of the reader."""
 
-    def __init__(self, fs, path: str, size: int, part: int = 8 << 20):
+    def __init__(self, fs, path: str, size: int, part: int = PART_BYTES):
         super().__init__()
         self._chunks = read_ranges(fs, _pieces(path, 0, size, part), part)
         self._left = b""

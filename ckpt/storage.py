@@ -160,7 +160,7 @@ class S3Storage:
 
     @as_oserror
     def open_read(self, path: str):
-        """A streaming read: 8 MiB ranged GETs, PARALLEL_PARTS in flight ahead of the reader (s3_io.RangeStream)."""
+        """A streaming read: ranged GETs of PART_BYTES, PARALLEL_PARTS in flight ahead of the reader (s3_io.RangeStream)."""
         return RangeStream(self.fs, path, self.fs.size(path))
 
     @as_oserror

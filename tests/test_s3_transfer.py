@@ -227,3 +227,18 @@ def test_checkpoint_commands_on_s3_say_what_is_wrong_in_one_line(problem, s3_env
     finally:
         if proxy is not None:
             proxy.stop()
+
+
+def test_s3_bench_tiny(tmp_path):
+    """bench/s3_bench.py end to end at a tiny size: both methods, their spread and ratios, and its provenance."""
+    from test_bench import check_provenance, run
+
+    out = tmp_path / "out"
+    args = ["--hidden", "64", "--layers", "1", "--vocab", "256", "--rounds", "2", "--out", str(out)]
+    run("s3_bench", args, 300)
+    r = check_provenance(out, "s3_bench", args)
+    assert r["rounds_measured"] == 1 and r["world_size"] == 2 and r["server"].startswith("moto ")
+    for method in ("local", "s3"):
+        p = r["methods"][method]
+        assert p["bytes"] > 0 and all(0 < p[k]["min"] <= p[k]["median"] <= p[k]["max"] for k in ("committed_s", "resume_s"))
+    assert set(r["s3_over_local"]) == {"committed_s", "resume_s"} and "| s3 |" in (out / "s3_bench.md").read_text()
