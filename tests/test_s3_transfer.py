@@ -21,15 +21,9 @@ from ckpt.manifest import verify_checkpoint
 from ckpt.s3_io import PartUploadStream, part_size, read_ranges, s3_filesystem
 from ckpt.storage import S3Storage
 from conftest import ROOT, events, losses, run_train
+from test_cli_errors import one_error
 from test_launch import TORCHRUN_EXIT, assert_one_error
 from s3_server import BUCKET, S3Proxy, s3_env, s3_proxy, s3_server  # noqa: F401 - fixtures
-
-
-def _one_error_line(proc, needle: str) -> None:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert [line for line in lines if line.startswith("error: ")] == lines[-1:] and needle in lines[-1], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
 
 
 def _ckpt_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -202,7 +196,7 @@ def test_inspect_reshard_and_export_read_and_write_s3(trained_on_s3, s3_env, tmp
     a, b = load_file(str(run / "hf" / "model.safetensors")), load_file(str(tmp_path / "from-s3.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     again = _ckpt_cli("export", f"{url}/step-000004", hf_url, env=s3_env)
-    _one_error_line(again, f"{hf_url} is not empty; choose a new prefix")
+    one_error(again, f"{hf_url} is not empty; choose a new prefix")
 
 
 @pytest.mark.parametrize("problem", ["nothing there", "no such bucket", "unreachable", "access denied"])
