@@ -107,15 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("path", "src", "dst", "checkpoint", "out_dir"):  # local, or s3://bucket/prefix
-        problem = unsupported(getattr(args, name, ""), name.replace("_", "-"))
+    named = {name: getattr(args, name) for name in ("path", "src", "dst", "checkpoint", "out_dir") if hasattr(args, name)}
+    paths = list(named.values())
+    for name, path in named.items():  # local, or s3://bucket/prefix
+        problem = unsupported(path, name.replace("_", "-"))
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
     try:
         return args.fn(args)
     except OSError as e:  # storage out of reach, access denied, no such bucket: bad input, one line
-        print(f"error: python -m ckpt {args.cmd}: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"error: python -m ckpt {args.cmd} {' '.join(paths)}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
 
 

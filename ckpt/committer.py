@@ -9,8 +9,8 @@ The protocol, per save:
    stops there. A sync save commits on the calling thread and every rank receives rank 0's outcome
    (`commit_sync`); an async one commits on the committer thread once its upload is done (`start_async_commit`).
 2. retention, on the committer thread of every rank, for sync and async saves alike (`start_retention`): rank 0
-   moves the folders retention dooms into .trash, lists it and shares the list; each rank deletes every W-th
-   file; after a barrier rank 0 removes the rest (retention.py). O(bytes / W) per rank; nobody waits while one
+   moves the folders retention dooms into .trash (on S3: deletes their markers), lists it (their objects) and shares
+   the list; each rank deletes every W-th file; after a barrier rank 0 removes the rest (retention.py). O(bytes / W) per rank; nobody waits while one
    rank deletes a whole checkpoint. A `retention` event (rank 0) says what went.
 3. errors on the committer thread stay in the future the manager holds, which raises them on every rank at
    the same call (manager.py, the agreement). A failed upload or commit still joins the sweep, a collective,
