@@ -1,7 +1,7 @@
 """Moving checkpoint bytes to and from S3: multipart uploads with parallel parts, parallel ranged GETs, one retry
 policy. Below storage.py; s3fs is imported only when an s3:// path is used.
 
-    python -m pytest tests/test_s3.py -q -k "part or range or retry"
+    python -m pytest tests/test_s3_transfer.py -q
 
 Uploads (`PartUploadStream`, the stream DCP writes a rank's shard into): the bytes are cut into parts of
 PART_BYTES and up to PARALLEL_PARTS of them go up at once from a thread pool while the next part fills, so a rank

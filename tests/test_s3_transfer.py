@@ -159,10 +159,10 @@ def test_s3_refusing_at_start_is_one_error_line_under_torchrun(problem, s3_proxy
 
 @pytest.fixture(scope="module")
 def trained_on_s3(s3_server, tmp_path_factory):
-    """One 1-rank run with ckpt.dir on S3 and export.at_end: (ckpt.dir URL, run dir)."""
+    """One 2-rank run with ckpt.dir on S3 and export.at_end (every rank exports its share): (ckpt.dir URL, run dir)."""
     run = tmp_path_factory.mktemp("cli") / "run"
     url = f"s3://{BUCKET}/cli-{run.parent.name}/ckpt"
-    run_train(run, nproc=0, overrides=["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.dir={url}",
+    run_train(run, nproc=2, overrides=["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.dir={url}",
                                        "export.at_end=true"], env=s3_server)
     return url, run
 
@@ -173,16 +173,16 @@ def test_inspect_reshard_and_export_read_and_write_s3(trained_on_s3, s3_env, tmp
     assert listing.returncode == 0 and [line.split()[0] for line in listing.stdout.splitlines()[1:]] == ["2", "4"] \
         and listing.stdout.count("committed, verified") == 2, listing.stdout + listing.stderr
     shown = _ckpt_cli("inspect", f"{url}/step-000004", env=s3_env)
-    assert shown.returncode == 0 and shown.stdout.startswith(f"{url}/step-000004: step 4, saved by 1 rank, committed, "
+    assert shown.returncode == 0 and shown.stdout.startswith(f"{url}/step-000004: step 4, saved by 2 ranks, committed, "
                                                              "verified") and "train state:" in shown.stdout, shown.stderr
-    dry = _ckpt_cli("inspect", f"{url}/step-000004", "--world-size", "2", env=s3_env)
-    assert dry.returncode == 0 and "OK: resume with 2 ranks" in dry.stdout, dry.stdout + dry.stderr
+    dry = _ckpt_cli("inspect", f"{url}/step-000004", "--world-size", "1", env=s3_env)
+    assert dry.returncode == 0 and "OK: resume with 1 rank" in dry.stdout, dry.stdout + dry.stderr
 
     resharded = f"s3://{BUCKET}/{tmp_path.name}/resharded"
-    proc = _ckpt_cli("reshard", f"{url}/step-000004", resharded, "--world-size", "2", env=s3_env)
+    proc = _ckpt_cli("reshard", f"{url}/step-000004", resharded, "--world-size", "1", env=s3_env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     marker = verify_checkpoint(f"{resharded}/step-000004")
-    assert marker["world_size"] == 2 and {"__0_0.distcp", "__1_0.distcp"} <= set(marker["files"])
+    assert marker["world_size"] == 1 and "__0_0.distcp" in marker["files"] and "__1_0.distcp" not in marker["files"]
     meta = json.loads(S3Storage().read(f"{resharded}/step-000004/meta.json"))
     assert meta["resharded_from"] == f"{url}/step-000004"
 
