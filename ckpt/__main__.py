@@ -8,8 +8,9 @@
     python -m ckpt export  <checkpoint> <out_dir> [--dtype auto|fp32|bf16|fp16] [--jobs 4]
     python -m ckpt export  <checkpoint> <out_dir> --adapter            # LoRA: PEFT adapter folder (default: merged)
 
-Exit status 0 on success, 1 when a checkpoint is invalid or a command fails, 2 for bad input (a path that is
-no checkpoint, bad arguments); errors go to stderr.
+Every path may be a local folder or s3://bucket/prefix (credentials and endpoint: the AWS_* variables, e.g.
+AWS_ENDPOINT_URL). Exit status 0 on success, 1 when a checkpoint is invalid or a command fails, 2 for bad input (a
+path that is no checkpoint, bad arguments, storage out of reach or refusing access); errors go to stderr.
 """
 
 from __future__ import annotations
@@ -25,11 +26,6 @@ from .layout import COMMIT_FILE, META_FILE, list_step_dirs, step_of
 from .manifest import VerifyError, verify_checkpoint
 from .reshard import reshard
 from .storage import join, scheme_of, storage_for, unsupported
-
-# Which paths may be s3:// so far (verify); every other one would become a local folder `s3:`, so it is refused.
-_URL_OK = {("verify", "path")}
-_LOCAL_SO_FAR = "this command reads and writes local or shared file systems only so far (s3://: verify; issue #28)"
-
 
 def not_a_checkpoint(path: str) -> str | None:
     """Why `path` is no checkpoint folder at all (rather than a damaged or uncommitted one), or None."""
@@ -111,13 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name in ("path", "src", "dst", "checkpoint", "out_dir"):
-        why = "" if (args.cmd, name) in _URL_OK else _LOCAL_SO_FAR
-        problem = unsupported(getattr(args, name, ""), name.replace("_", "-"), local_only=why)
+    named = {name: getattr(args, name) for name in ("path", "src", "dst", "checkpoint", "out_dir") if hasattr(args, name)}
+    paths = list(named.values())
+    for name, path in named.items():  # local, or s3://bucket/prefix
+        problem = unsupported(path, name.replace("_", "-"))
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except OSError as e:  # storage out of reach, access denied, no such bucket: bad input, one line
+        print(f"error: python -m ckpt {args.cmd} {' '.join(paths)}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

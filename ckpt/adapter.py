@@ -23,7 +23,6 @@ import shutil
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from common.dtypes import DTYPE_NAMES, DTYPES
@@ -31,7 +30,7 @@ from .errors import CheckpointError
 from .hf_files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
                        safetensors_header, write_index, write_model_files)
 from .layout import read_meta
-from .reading import model_names, read_items, safetensors_headers, source_dirs, source_dtype
+from .reading import dcp_metadata, model_names, read_items, safetensors_headers, source_dirs, source_dtype
 from .schema import schema_of
 
 ADAPTER_SUFFIX = (".lora_A.default.weight", ".lora_B.default.weight")  # peft's names in the training model
@@ -101,7 +100,7 @@ def describe_lora(meta: dict, ckpt_bytes: int) -> str | None:
 def read_adapters(ckpt_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """{module name: (lora_A, lora_B)} in full, in this process. Adapters are small (r x (in + out) per module)."""
     prefix = schema_of(ckpt_path).model_prefix
-    keys = [k for k in FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
+    keys = [k for k in dcp_metadata(ckpt_path).state_dict_metadata
             if k.startswith(prefix) and k.endswith(ADAPTER_SUFFIX)]
     items = read_items(ckpt_path, keys)
     out = {}

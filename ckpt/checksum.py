@@ -22,10 +22,10 @@ from contextlib import contextmanager
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.futures import Future
 
+from .s3_io import ObjectStoreFileSystem
 from .storage import scheme_of
 
 ALGORITHM = "xxh3_128"
@@ -60,7 +60,7 @@ class HashingFileSystem(FileSystem):
         self.inner = inner or FileSystem()
         self.digests: dict[str, dict] = {}
 
-    # everything but the write streams is the inner file system's: the local one, or fsspec's for s3://
+    # everything but the write streams is the inner file system's: the local one, or s3_io's for s3://
     def init_path(self, path):
         return self.inner.init_path(path)
 
@@ -118,7 +118,7 @@ class ChecksummingWriter(FileSystemWriter):
         # to fsync (DCP would fall back to a machine-wide os.sync() per file).
         self.remote = scheme_of(path) is not None
         super().__init__(path, sync_files=not self.remote, **writer_options)
-        self.fs = HashingFileSystem(inner_fs or (FsspecFileSystem() if self.remote else None))
+        self.fs = HashingFileSystem(inner_fs or (ObjectStoreFileSystem() if self.remote else None))
         self.path = self.fs.init_path(path)
 
     def write_data(self, plan, planner) -> Future:

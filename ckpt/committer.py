@@ -9,8 +9,8 @@ The protocol, per save:
    stops there. A sync save commits on the calling thread and every rank receives rank 0's outcome
    (`commit_sync`); an async one commits on the committer thread once its upload is done (`start_async_commit`).
 2. retention, on the committer thread of every rank, for sync and async saves alike (`start_retention`): rank 0
-   moves the folders retention dooms into .trash, lists it and shares the list; each rank deletes every W-th
-   file; after a barrier rank 0 removes the rest (retention.py). O(bytes / W) per rank; nobody waits while one
+   moves the folders retention dooms into .trash (on S3: deletes their markers), lists it (their objects) and shares
+   the list; each rank deletes every W-th file; after a barrier rank 0 removes the rest (retention.py). O(bytes / W) per rank; nobody waits while one
    rank deletes a whole checkpoint. A `retention` event (rank 0) says what went.
 3. errors on the committer thread stay in the future the manager holds, which raises them on every rank at
    the same call (manager.py, the agreement). A failed upload or commit still joins the sweep, a collective,
@@ -147,7 +147,7 @@ class Committer:
             if self.pg is not None:
                 dist.barrier(group=self.pg)
             if self.rank == 0:
-                remove_trash(self.dir, self.on_log)
+                remove_trash(self.dir, self.on_log, gone)
         if self.rank == 0 and (gone or files):
             for path in gone:
                 self.on_log(f"retention: deleted {path}")
@@ -158,6 +158,9 @@ class Committer:
     def _doom_and_list(self, step: int, doom: Callable[[], list[str]]) -> tuple[list[str], list[str] | None]:
         """Rank 0 runs `doom` and lists .trash (None: no .trash); every rank receives both."""
         try:
-            return on_rank0_then_share(lambda: (doom(), list_trash(self.dir)), self.pg, CheckpointError)
+            def doom_and_list() -> tuple[list[str], list[str] | None]:
+                gone = doom()
+                return gone, list_trash(self.dir, gone)  # an object store lists the prefixes just doomed
+            return on_rank0_then_share(doom_and_list, self.pg, CheckpointError)
         except CheckpointError as e:
             raise CheckpointError(f"retention after checkpoint step {step}: {e}") from None

@@ -18,7 +18,6 @@ import os
 import sys
 from collections import defaultdict
 
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from common.dist import divisibility_problem
@@ -26,8 +25,9 @@ from common.words import plural
 from .adapter import describe_lora
 from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, step_of
 from .manifest import VerifyError, verify_checkpoint
-from .reading import read_items
+from .reading import dcp_metadata, read_items
 from .schema import schema_of
+from .storage import scheme_of, storage_for
 from .state import DERIVED_SEED, restores_rng, rng_key, rng_world_size
 
 # ---------------------------------------------------------------- reading one checkpoint
@@ -53,8 +53,7 @@ def checkpoint_status(path: str) -> tuple[bool, str]:
 
 
 def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-               if os.path.isfile(os.path.join(path, n)))
+    return sum(storage_for(path).sizes(path).values())
 
 
 def _mib(n: int) -> str:
@@ -123,7 +122,7 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     if meta.get("resharded_from"):
         print(f"  resharded from {meta['resharded_from']} (RNG blobs of {plural(rng_world_size(meta), 'rank')})")
     try:
-        metadata = FileSystemReader(path).read_metadata()
+        metadata = dcp_metadata(path)
     except Exception as e:  # noqa: BLE001 - a missing or broken .metadata is the whole answer
         print(f"error: {path}: cannot read DCP metadata: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
@@ -206,7 +205,7 @@ def dry_run(path: str, world_size: int) -> int:
     for key, value in schema.divides.items():
         print(f"  {key} {value} = {plural(world_size, 'rank')} x {value // world_size} (micro batches adapt)")
     state = read_items(path, [k for k in (schema.position_key, schema.step_key)
-                              if k in FileSystemReader(path).read_metadata().state_dict_metadata])
+                              if k in dcp_metadata(path).state_dict_metadata])
     if schema.position_key in state:
         print(f"  data: continues at global sample {state[schema.position_key]}: the same samples in the same "
               "order as a run that never stopped")
@@ -222,7 +221,7 @@ def dry_run(path: str, world_size: int) -> int:
 
 
 def _print_remap(path: str, saved_world: int, world_size: int) -> None:
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = dcp_metadata(path)
     md = metadata.state_dict_metadata
     sharded = [k for k, v in md.items() if isinstance(v, TensorStorageMetadata) and is_dim0_sharded(v, saved_world)]
     whole = [k for k, v in md.items() if k not in sharded and not k.startswith(rng_key(0)[:-1])]
@@ -238,10 +237,12 @@ def _print_remap(path: str, saved_world: int, world_size: int) -> None:
 def inspect_path(path: str, world_size: int | None = None, tensors: bool = False) -> int:
     """`python -m ckpt inspect`: a ckpt.dir lists its checkpoints (and dry-runs the newest resumable one);
     a checkpoint shows a summary of its contents (every tensor with `tensors`), or with world_size, the dry run."""
-    if not os.path.isdir(path):
-        print(f"error: {path}: not a directory", file=sys.stderr)
+    names = storage_for(path).listdir(path)
+    if not (names if scheme_of(path) else os.path.isdir(path)):
+        what = "nothing stored under this prefix" if scheme_of(path) else "not a directory"
+        print(f"error: {path}: {what}", file=sys.stderr)
         return 2  # bad input
-    is_checkpoint = any(os.path.exists(os.path.join(path, n)) for n in (".metadata", META_FILE, "commit.json"))
+    is_checkpoint = bool({".metadata", META_FILE, "commit.json"} & set(names))
     if is_checkpoint:
         return show_checkpoint(path, tensors) if world_size is None else dry_run(path, world_size)
     rc = list_checkpoints(path)

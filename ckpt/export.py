@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import shutil
 import sys
+import tempfile
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ from .hf_files import (OutTensor, assign_files, create_files, file_names, parse_
                        write_index, write_model_files)
 from .layout import step_of
 from .manifest import VerifyError, verify_checkpoint
-from .reading import few, model_names, source_dirs, source_dtype
+from .reading import dcp_metadata, few, model_names, source_dirs, source_dtype
+from .s3_io import ObjectStoreReader
 from .schema import schema_of
+from .storage import scheme_of, storage_for
 
 _PIECE = 4 << 20  # elements converted and written at a time (16 MiB of fp32)
 
@@ -108,6 +111,13 @@ class ChunkToFilePlanner(LoadPlanner):
                 out.written += piece.numel() * size
 
 
+def commit_whole_chunk(item: ReadItem, data, planner: LoadPlanner) -> None:
+    """Hand a saved chunk to the planner as torch.load returns it, with no copy into a resolve_tensor buffer."""
+    if not data.seekable():
+        data = io.BytesIO(data.read())
+    planner.commit_tensor(item, torch.load(data, map_location="cpu", weights_only=True))
+
+
 class SingleCopyReader(FileSystemReader):
     """FileSystemReader that hands each chunk to the planner as torch.load returns it. The stock reader
     first copies it into the planner's resolve_tensor buffer, which doubles the export's peak memory.
@@ -121,14 +131,22 @@ class SingleCopyReader(FileSystemReader):
             with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
                 for item in items:
                     info = self.storage_data[item.storage_index]
-                    data = self.transforms.transform_load_stream(item, info.transform_descriptors or (),
-                                                                 self._slice_file(stream, info))
-                    if not data.seekable():
-                        data = io.BytesIO(data.read())
-                    planner.commit_tensor(item, torch.load(data, map_location="cpu", weights_only=True))
+                    commit_whole_chunk(item, self.transforms.transform_load_stream(
+                        item, info.transform_descriptors or (), self._slice_file(stream, info)), planner)
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+class SingleCopyObjectStoreReader(ObjectStoreReader):
+    """The same on S3: this process's chunks as parallel ranged GETs (s3_io.py), each handed over uncopied."""
+
+    def load_item(self, req, stream, planner) -> None:
+        commit_whole_chunk(req, stream, planner)
+
+
+def chunk_reader(ckpt_path: str):
+    return (SingleCopyReader if scheme_of(ckpt_path) is None else SingleCopyObjectStoreReader)(ckpt_path)
 
 
 def tensor_shares(files: list[list[OutTensor]], n: int) -> list[list[str]]:
@@ -151,7 +169,7 @@ def write_share(ckpt_path: str, out_dir: str, files: list[list[OutTensor]], shar
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
-            dcp.load({}, storage_reader=SingleCopyReader(ckpt_path), planner=ChunkToFilePlanner(tensors, fds, schema_of(ckpt_path).model_prefix),
+            dcp.load({}, storage_reader=chunk_reader(ckpt_path), planner=ChunkToFilePlanner(tensors, fds, schema_of(ckpt_path).model_prefix),
                      no_dist=True)
         for fd, _ in fds:
             os.fsync(fd)
@@ -208,7 +226,7 @@ def prepare_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_
     model_dir, tok_dir = source_dirs(ckpt_path)
     config = AutoConfig.from_pretrained(model_dir)
     cls_name, names, aliases = model_names(config)
-    saved = FileSystemReader(ckpt_path).read_metadata().state_dict_metadata
+    saved = dcp_metadata(ckpt_path).state_dict_metadata
     names = [n for n in names if n not in aliases]  # save_pretrained writes the tied source only
     prefix = schema_of(ckpt_path).model_prefix
     in_ckpt = {k[len(prefix):] for k in saved if k.startswith(prefix)}
@@ -250,7 +268,10 @@ def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "auto", max_sha
                       overwrite: bool = False, verify: bool = True, jobs: int = 1, adapter: bool = False) -> dict:
     """Write a complete HF model folder from a checkpoint saved at any world size, with `jobs` processes
     and no process group. The folder appears whole or not at all (built beside it, then renamed).
-    A LoRA checkpoint is merged into its base (ckpt/adapter.py); adapter=True writes the PEFT adapter alone."""
+    A LoRA checkpoint is merged into its base (ckpt/adapter.py); adapter=True writes the PEFT adapter alone.
+    The checkpoint may be on S3, and so may `out_dir` (export_to_object_store)."""
+    if scheme_of(out_dir) is not None:
+        return export_to_object_store(ckpt_path, out_dir, dtype, max_shard_size, overwrite, verify, jobs, adapter)
     check_export(ckpt_path, out_dir, overwrite, verify, jobs)
     if adapter or lora_info(ckpt_path) is not None:  # adapters only: that alone, or merged into the base
         return export_lora(ckpt_path, out_dir, dtype, max_shard_size, adapter_only=adapter)
@@ -265,6 +286,26 @@ def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "auto", max_sha
             raise save_failure(e, os.path.dirname(job.out_dir) or ".", f"the export {job.out_dir}") from e
         raise
     return job.summary()
+
+
+def export_to_object_store(ckpt_path: str, out_url: str, dtype: str, max_shard_size: str, overwrite: bool,
+                           verify: bool, jobs: int, adapter: bool) -> dict:
+    """export_checkpoint to s3://: the folder is built in a local temporary one ($TMPDIR needs room for the model's
+    bytes: safetensors are filled in place, which an object cannot be), then uploaded in parallel parts with
+    config.json last, so a reader that starts from config.json finds every file; a failed upload deletes what it
+    sent."""
+    store = storage_for(out_url)
+    if store.listdir(out_url):
+        if not overwrite:
+            raise CheckpointError(f"{out_url} is not empty; choose a new prefix")
+        store.delete_prefix(out_url)
+    with tempfile.TemporaryDirectory(prefix="ckpt-export-") as tmp:
+        info = export_checkpoint(ckpt_path, os.path.join(tmp, "hf"), dtype, max_shard_size, True, verify, jobs, adapter)
+        try:
+            store.put_folder(os.path.join(tmp, "hf"), out_url)
+        except OSError as e:
+            raise CheckpointError(f"uploading the export to {out_url} failed (what was sent is deleted): {e}") from e
+    return {**info, "path": out_url}
 
 
 def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=None) -> dict:

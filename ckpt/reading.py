@@ -15,12 +15,12 @@ import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from common.dtypes import DTYPE_NAMES
 from .errors import CheckpointError
 from .schema import schema_of
+from .storage import storage_for
 
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,14 +30,19 @@ def few(names: list[str], n: int = 4) -> str:
     return shown + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
+def dcp_metadata(path: str):
+    """DCP's Metadata of the checkpoint at `path`, a folder or an s3:// prefix."""
+    return storage_for(path).dcp_reader(path).read_metadata()
+
+
 def read_items(path: str, keys: list[str]) -> dict:
     """Load just `keys` (bytes items or plain tensors, in full) in this process, no process group needed."""
-    md = FileSystemReader(path).read_metadata().state_dict_metadata
+    md = dcp_metadata(path).state_dict_metadata
     state = {k: (torch.empty(md[k].size, dtype=md[k].properties.dtype)
                  if isinstance(md[k], TensorStorageMetadata) else None) for k in keys}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        dcp.load(state, storage_reader=storage_for(path).dcp_reader(path), no_dist=True)
     return state
 
 

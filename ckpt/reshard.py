@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
@@ -37,9 +36,11 @@ from common.dist import free_port
 from common.words import plural
 from .checksum import ChecksummingWriter
 from .describe import is_dim0_sharded, world_size_problem
-from .layout import CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, read_meta, step_dir, step_of
+from .layout import (CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, read_meta, read_saved_config, step_dir,
+                     step_of)
 from .manifest import VerifyError, commit_checkpoint, verify_checkpoint
 from .state import rng_world_size
+from .storage import join, scheme_of, storage_for
 
 
 class ReshardError(RuntimeError):
@@ -64,16 +65,24 @@ def prepare_destination(src: str, dst: str, world_size: int) -> str:
         raise ReshardError(problem)
     if step_of(dst) is None and step_of(src) is not None:
         dst = step_dir(dst, step_of(src))
-    if os.path.abspath(dst) == os.path.abspath(src):
+    if _where(dst) == _where(src):
         raise ReshardError("destination is the source; write the resharded copy somewhere else")
-    if os.path.exists(dst):
+    store = storage_for(dst)
+    if os.path.exists(dst) or store.listdir(dst):  # a folder, or objects under an s3:// prefix
         if is_marked_committed(dst):
             raise ReshardError(f"{dst} already holds a committed checkpoint; remove it or pick another destination")
-        if step_of(dst) is None and os.listdir(dst):
+        if step_of(dst) is None and store.listdir(dst):
             raise ReshardError(f"{dst} exists and is not empty")
-        shutil.rmtree(dst)  # an uncommitted step folder: the leftover of a reshard that crashed
-    os.makedirs(dst)
+        # an uncommitted step folder: the leftover of a reshard that crashed
+        store.delete_prefix(dst) if scheme_of(dst) else shutil.rmtree(dst)
+    if scheme_of(dst) is None:
+        os.makedirs(dst)  # an object store has no folders
     return dst
+
+
+def _where(path: str) -> str:
+    """`path` as one spelling: absolute for a folder, the URL without a trailing / for an object store."""
+    return path.rstrip("/") if scheme_of(path) else os.path.abspath(path)
 
 
 def _set_nested(root: dict, path: tuple, value) -> None:
@@ -111,13 +120,14 @@ def state_skeleton(metadata: Metadata, saved_world: int, mesh: DeviceMesh) -> di
 def write_files_and_commit(src: str, dst: str, world_size: int, metadata: Metadata) -> None:
     """Rank 0, after every rank's shards and .metadata are written: meta.json, config.yaml, then the marker."""
     meta = read_meta(src, missing_ok=True)
-    meta.update(world_size=world_size, rng_world_size=rng_world_size(meta), resharded_from=os.path.abspath(src),
+    meta.update(world_size=world_size, rng_world_size=rng_world_size(meta), resharded_from=_where(src),
                 resharded_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    with open(os.path.join(dst, META_FILE), "w") as f:
-        f.write(json.dumps(meta, indent=1) + "\n")
+    store = storage_for(dst)
+    store.create(join(dst, META_FILE), (json.dumps(meta, indent=1) + "\n").encode())
     own = [META_FILE]
-    if os.path.isfile(os.path.join(src, CONFIG_FILE)):
-        shutil.copyfile(os.path.join(src, CONFIG_FILE), os.path.join(dst, CONFIG_FILE))
+    config = read_saved_config(src)
+    if config is not None:
+        store.create(join(dst, CONFIG_FILE), config.encode())
         own.append(CONFIG_FILE)
     commit_checkpoint(dst, world_size, metadata.file_digests, metadata, own)
 
@@ -128,10 +138,10 @@ def _reshard_rank(rank: int, world_size: int, port: int, src: str, dst: str) -> 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
-        metadata = FileSystemReader(src).read_metadata()
+        metadata = storage_for(src).dcp_reader(src).read_metadata()
         saved_world = int(read_meta(src, missing_ok=True).get("world_size", 1))
         state = state_skeleton(metadata, saved_world, mesh)
-        dcp.load(state, storage_reader=FileSystemReader(src))
+        dcp.load(state, storage_reader=storage_for(src).dcp_reader(src))
         saved = dcp.save(state, storage_writer=ChecksummingWriter(dst))
         if rank == 0:
             write_files_and_commit(src, dst, world_size, saved)

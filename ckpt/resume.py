@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from common.dist import on_rank0_then_share
 from common.progress import phase
@@ -29,6 +28,7 @@ from .adapter import check_same_base
 from .manifest import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import list_step_dirs, read_meta, read_saved_config, step_of
+from .s3_io import ObjectStoreReader
 from .storage import scheme_of, storage_for
 from .state import DERIVED_SEED, ModelOptimizer, derived_seed, reseed_all, restores_rng, rng_key, rng_world_size
 
@@ -111,12 +111,12 @@ class _VerifiedReader(_VerifiedRead, FileSystemReader):
     pass
 
 
-class _VerifiedFsspecReader(_VerifiedRead, FsspecReader):
-    """The same for an object store, read through fsspec."""
+class _VerifiedObjectStoreReader(_VerifiedRead, ObjectStoreReader):
+    """The same for an object store: this rank's items, as parallel ranged GETs."""
 
 
 def _verified_reader(path: str):
-    return (_VerifiedReader if scheme_of(path) is None else _VerifiedFsspecReader)(path)
+    return (_VerifiedReader if scheme_of(path) is None else _VerifiedObjectStoreReader)(path)
 
 
 def _saved_metadata(path: str):

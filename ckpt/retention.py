@@ -13,6 +13,12 @@ commit, so no save waits for it):
 3. each rank deletes every W-th file of it (`delete_share`): O(bytes / W) per rank;
 4. after a barrier, rank 0 removes what is left: folders, files a rank could not delete (`remove_trash`).
 A sweep killed halfway leaves files in .trash for the next one, which lists what is still there.
+
+On an object store (s3://) there is no rename, so no .trash: in step 1 rank 0 deletes each doomed checkpoint's
+marker only (`delete_marker`); in step 2 it lists the objects under those prefixes (`list_trash`, one paginated
+listing each); each rank deletes its share in DeleteObjects requests of up to 1,000 keys (`delete_share`); rank 0's
+last pass deletes what is left under those prefixes (`remove_trash`). A crash after the marker leaves an unmarked
+prefix older than the newest checkpoint, which the next sweep dooms like any dead partial save.
 """
 
 from __future__ import annotations
@@ -48,10 +54,13 @@ def apply_retention(ckpt_dir: str, newest: int, keep_last: int, keep_best: int,
     out = []
     for path in doomed(ckpt_dir, newest, keep_last, keep_best):
         try:
-            (move_to_trash if scheme_of(path) is None else delete_remote)(path)
+            (move_to_trash if scheme_of(path) is None else delete_marker)(path)
         except OSError as e:
             if is_marked_committed(path):
-                on_log(f"warning: retention: cannot remove the commit marker of {path} ({e.strerror}); kept")
+                on_log(f"warning: retention: cannot remove the commit marker of {path} ({e.strerror or e}); kept")
+                continue
+            if scheme_of(path) is not None:  # a marker already gone: the sweep deletes the objects
+                out.append(path)
                 continue
             on_log(f"retention: cannot move {path} into .trash ({e.strerror}); deleting it in place")
             shutil.rmtree(path, ignore_errors=True)
@@ -79,14 +88,18 @@ def clear_stale(path: str, on_log: Callable[[str], None]) -> bool:
         return False
 
 
-def delete_remote(path: str) -> None:
-    """A checkpoint on an object store: its marker first, then every object under it (no rename there: a crash in
-    between leaves an unmarked prefix, which `doomed` hands to the next retention). Rank 0 alone: one DeleteObjects
-    request removes up to 1000 objects, server-side, so splitting it over the ranks would save little."""
-    store = storage_for(path)
+def delete_marker(path: str) -> None:
+    """An object-store checkpoint leaves the listing of checkpoints: its marker goes (its objects follow in the
+    sweep, every rank a share)."""
     with contextlib.suppress(FileNotFoundError):
-        store.delete(join(path, COMMIT_FILE))
-    store.delete_prefix(path)
+        storage_for(path).delete(join(path, COMMIT_FILE))
+
+
+def delete_remote(path: str) -> None:
+    """A leftover in the way of a save on an object store (rare: after a crash): its marker first, then every object
+    under it, on rank 0 (a crash in between leaves an unmarked prefix, which a later retention deletes)."""
+    delete_marker(path)
+    storage_for(path).delete_prefix(path)
 
 
 def move_to_trash(path: str) -> None:
@@ -103,12 +116,15 @@ def move_to_trash(path: str) -> None:
     os.rename(path, trash_slot(path))
 
 
-def list_trash(ckpt_dir: str) -> list[str] | None:
+def list_trash(ckpt_dir: str, gone: list[str] = ()) -> list[str] | None:
     """Every file (and link) under .trash, relative to it, sorted; None when there is no .trash. Names only:
     scandir's entry type says file or folder without a stat per file (on Lustre, no metadata-server load
-    per file)."""
+    per file). On an object store: every object under the prefixes `gone` (full paths), None if there are none."""
+    if scheme_of(ckpt_dir) is not None:
+        store = storage_for(ckpt_dir)
+        return [obj for path in gone for obj in store.list_objects(path)] if gone else None
     root = trash_dir(ckpt_dir)
-    if scheme_of(ckpt_dir) is not None or not os.path.isdir(root):  # an object store has no .trash
+    if not os.path.isdir(root):
         return None
     files, todo = [], [""]
     while todo:
@@ -125,15 +141,28 @@ def list_trash(ckpt_dir: str) -> list[str] | None:
 def delete_share(ckpt_dir: str, files: list[str], rank: int, world_size: int) -> None:
     """Delete this rank's share of `files`: every world_size-th, from `rank`. Never raises (the other ranks wait
     in a barrier after it): a file already gone (an earlier sweep) is fine, one that cannot be deleted is left
-    to rank 0's last pass, which says so."""
+    to rank 0's last pass, which says so. On an object store `files` are full paths, deleted in batches."""
+    if scheme_of(ckpt_dir) is not None:
+        with contextlib.suppress(OSError):
+            storage_for(ckpt_dir).delete_many(files[rank::world_size])
+        return
     root = trash_dir(ckpt_dir)
     for name in files[rank::world_size]:
         with contextlib.suppress(OSError):
             os.remove(os.path.join(root, name))
 
 
-def remove_trash(ckpt_dir: str, on_log: Callable[[str], None]) -> None:
-    """Rank 0, after every rank deleted its share: the folders and whatever is left."""
+def remove_trash(ckpt_dir: str, on_log: Callable[[str], None], gone: list[str] = ()) -> None:
+    """Rank 0, after every rank deleted its share: the folders and whatever is left (on an object store: whatever
+    is left under the prefixes `gone`)."""
+    if scheme_of(ckpt_dir) is not None:
+        for path in gone:
+            try:
+                storage_for(path).delete_prefix(path)
+            except OSError as e:
+                on_log(f"warning: retention: could not delete everything under {path} ({e}); the next retention "
+                       "tries again")
+        return
     root = trash_dir(ckpt_dir)
     shutil.rmtree(root, ignore_errors=True)
     if os.path.lexists(root):

@@ -12,12 +12,11 @@ give, none has a default here. `schema_of(path)` reads it back. A checkpoint wri
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass
 
 import yaml
 
-from .layout import CONFIG_FILE, read_meta
+from .layout import read_meta, read_saved_config
 
 
 @dataclass(frozen=True)
@@ -56,8 +55,7 @@ def schema_of_checkpoint_without_schema(path: str, meta: dict) -> CheckpointSche
     Deliberately the only code in ckpt/ that knows a trainer's strings; it never follows the trainer's changes,
     because every newer checkpoint carries its own schema."""
     try:
-        with open(os.path.join(path, CONFIG_FILE)) as f:
-            cfg = yaml.safe_load(f) or {}
+        cfg = yaml.safe_load(read_saved_config(path) or "") or {}
     except (OSError, yaml.YAMLError):
         cfg = {}
     model = cfg.get("model") or {}

@@ -16,18 +16,16 @@ Only s3:// is known; any other scheme, or s3:// without s3fs installed, is refus
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import re
-
-try:
-    from botocore.exceptions import BotoCoreError  # comes with s3fs
-except ImportError:  # no s3fs: s3:// paths are refused (`unsupported`), so nothing raises it
-    BotoCoreError = ()
+import shutil
 
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
+from .s3_io import ObjectStoreReader, PartUploadStream, RangeStream, as_oserror, s3_filesystem
+
+DELETE_BATCH = 1000  # keys per DeleteObjects request, S3's maximum
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 SUPPORTED_SCHEMES = ("s3",)
 
@@ -109,20 +107,13 @@ class LocalStorage:
     def listdir(self, path: str) -> list[str]:
         return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
+    def sizes(self, path: str) -> dict[str, int]:
+        """{name: bytes} of the files (not folders) in `path`."""
+        return {n: os.path.getsize(os.path.join(path, n)) for n in self.listdir(path)
+                if os.path.isfile(os.path.join(path, n))}
+
     def delete(self, path: str) -> None:
         os.unlink(path)
-
-
-def _as_oserror(method):
-    """botocore's own errors (endpoint unreachable, no credentials) raised as ConnectionError, an OSError, so every
-    caller's `except OSError` (one-line errors, save failures) covers an object store as it covers a disk."""
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        try:
-            return method(*args, **kwargs)
-        except BotoCoreError as e:
-            raise ConnectionError(str(e)) from e
-    return wrapper
 
 
 def _http_status(error: OSError) -> int | None:
@@ -135,13 +126,7 @@ class S3Storage:
     412 PreconditionFailed, raised here as FileExistsError); `replace` a PUT with If-Match: <etag>."""
 
     def __init__(self):
-        import s3fs  # optional third-party package, only for s3:// paths
-
-        # no listing cache: a listing must show what another rank or job just wrote or deleted. The endpoint is
-        # passed on, although s3fs reads it from the environment too, so fsspec's cache of instances (keyed by the
-        # arguments) never hands back a client of another endpoint
-        endpoint = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"]} if os.environ.get("AWS_ENDPOINT_URL") else {}
-        self.fs = s3fs.S3FileSystem(use_listings_cache=False, **endpoint)
+        self.fs = s3_filesystem()  # no listing cache, the retry policy, the endpoint (s3_io.s3_options)
 
     def _put(self, path: str, data: bytes, condition: dict) -> str:
         bucket, key, _ = self.fs.split_path(path)
@@ -154,56 +139,100 @@ class S3Storage:
         self.fs.invalidate_cache(path)
         return out["ETag"]
 
-    @_as_oserror
+    @as_oserror
     def create(self, path: str, data: bytes) -> str:
         """Create-only; returns the new object's ETag."""
         return self._put(path, data, {"IfNoneMatch": "*"})
 
-    @_as_oserror
+    @as_oserror
     def replace(self, path: str, data: bytes, etag: str) -> str:
         """Overwrite only if the object still has `etag`; returns the new ETag, FileExistsError otherwise."""
         return self._put(path, data, {"IfMatch": etag})
 
-    @_as_oserror
+    @as_oserror
     def etag(self, path: str) -> str:
         bucket, key, _ = self.fs.split_path(path)
         return self.fs.call_s3("head_object", Bucket=bucket, Key=key)["ETag"]
 
-    @_as_oserror
+    @as_oserror
     def read(self, path: str) -> bytes:
         return self.fs.cat_file(path)
 
-    @_as_oserror
+    @as_oserror
     def open_read(self, path: str):
-        """A streaming read (8 MiB ranged GETs, no read-ahead cache to fill beyond them)."""
-        return self.fs.open(path, "rb", block_size=8 << 20, cache_type="none")
+        """A streaming read: ranged GETs of PART_BYTES, PARALLEL_PARTS in flight ahead of the reader (s3_io.RangeStream)."""
+        return RangeStream(self.fs, path, self.fs.size(path))
 
-    @_as_oserror
+    @as_oserror
     def size(self, path: str) -> int:
         return self.fs.size(path)
 
     def dcp_reader(self, path: str):
-        """DCP's reader through fsspec (s3fs picks up the same AWS_* settings)."""
-        return FsspecReader(path)
+        """DCP's reader on S3: this rank's items only, as parallel ranged GETs (s3_io.ObjectStoreReader)."""
+        return ObjectStoreReader(path)
 
-    @_as_oserror
+    @as_oserror
     def exists(self, path: str) -> bool:
         """An object (not a prefix) is there."""
         return self.fs.isfile(path)
 
-    @_as_oserror
+    @as_oserror
     def listdir(self, path: str) -> list[str]:
         try:
             return sorted(os.path.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False, refresh=True))
         except FileNotFoundError:
             return []
 
-    @_as_oserror
+    @as_oserror
+    def sizes(self, path: str) -> dict[str, int]:
+        """{name: bytes} of the objects right under `path`/ (one listing)."""
+        try:
+            found = self.fs.ls(path, detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        return {os.path.basename(d["name"]): d["size"] for d in found if d["type"] == "file"}
+
+    @as_oserror
     def delete(self, path: str) -> None:
         self.fs.rm_file(path)
 
-    @_as_oserror
+    @as_oserror
+    def list_objects(self, path: str) -> list[str]:
+        """Every object under `path`/, as full s3:// paths (one paginated listing: 1,000 keys a request)."""
+        prefix = path.rstrip("/") + "/"
+        return sorted(f"s3://{p}" for p in self.fs.find(prefix) if f"s3://{p}".startswith(prefix))
+
+    @as_oserror
+    def delete_many(self, paths: list[str]) -> None:
+        """Delete `paths` (objects of one bucket), DELETE_BATCH keys per DeleteObjects request; an object already gone
+        is fine. Raises OSError naming the first key the server refused."""
+        for i in range(0, len(paths), DELETE_BATCH):
+            keys = [self.fs.split_path(p) for p in paths[i:i + DELETE_BATCH]]
+            out = self.fs.call_s3("delete_objects", Bucket=keys[0][0],
+                                  Delete={"Objects": [{"Key": key} for _, key, _ in keys], "Quiet": True})
+            for refused in out.get("Errors", [])[:1]:
+                raise OSError(f"s3://{keys[0][0]}/{refused['Key']}: not deleted ({refused.get('Code')}: "
+                              f"{refused.get('Message')})")
+
+    @as_oserror
     def delete_prefix(self, path: str) -> None:
         """Every object under `path`/ (DeleteObjects: up to 1000 keys per request, the server does the work)."""
         if self.fs.ls(path, detail=False, refresh=True):
             self.fs.rm(path, recursive=True)
+
+    def put_folder(self, local: str, url: str) -> None:
+        """Upload every file under the folder `local` to `url`/ (each in parallel parts, s3_io.PartUploadStream),
+        config.json last; on failure delete what went up, then raise."""
+        names = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
+        names.sort(key=lambda n: n == "config.json")
+        sent: list[str] = []
+        try:
+            for name in names:
+                target = join(url, *name.split(os.sep))
+                with open(os.path.join(local, name), "rb") as src, PartUploadStream(self.fs, target) as out:
+                    shutil.copyfileobj(src, out, 8 << 20)
+                sent.append(target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.delete_many(sent)
+            raise

@@ -10,7 +10,9 @@ environment a run needs: AWS_ENDPOINT_URL and dummy credentials, the standard va
 from __future__ import annotations
 
 import os
+import re
 import socket
+import time
 
 import pytest
 
@@ -63,3 +65,110 @@ def s3_client(env: dict):
 
     return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
                         aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"], region_name=env["AWS_DEFAULT_REGION"])
+
+
+class S3Proxy:
+    """An HTTP proxy in front of the test server, for what moto cannot do itself: refuse requests (`refuse(method,
+    path) -> (status, code) or None`, e.g. 503 SlowDown, 403 AccessDenied), hold part uploads a while (`hold_parts_s`,
+    so parallel ones overlap for sure), and record every request: `requests` [(method, path, query, keys, range)] with
+    `keys` the keys a DeleteObjects request names and `range` a GET's Range header, `max_parallel_parts` the
+    most part uploads in flight at once."""
+
+    def __init__(self, target_endpoint: str):
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(target_endpoint)
+        proxy = self
+        self.refuse = lambda method, path: None
+        self.hold_parts_s, self.requests, self.refused = 0.0, [], 0
+        self.max_parallel_parts, self._parts_now, self._lock = 0, 0, threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while size := int(self.rfile.readline().split(b";")[0], 16):
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                    self.rfile.readline()
+                    return out
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _reply(self, status: int, headers: list, body: bytes) -> None:
+                self.send_response(status)
+                head = self.command == "HEAD"  # no body, but the object's Content-Length
+                for k, v in headers:
+                    if k.lower() not in ("transfer-encoding", "connection", "server", "date") and \
+                            (head or k.lower() != "content-length"):
+                        self.send_header(k, v)
+                if not head:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(b"" if head else body)
+
+            def _handle(self) -> None:
+                body = self._body()
+                path, _, query = self.path.partition("?")
+                part = "partNumber=" in query
+                with proxy._lock:
+                    deleting = self.command == "POST" and "delete" in query.split("&")  # DeleteObjects: POST ?delete
+                    keys = re.findall(r"<Key>([^<]*)</Key>", body.decode(errors="replace")) if deleting else []
+                    proxy.requests.append((self.command, path, query, keys, self.headers.get("Range")))
+                    refusal = proxy.refuse(self.command, path)
+                    proxy.refused += refusal is not None
+                if refusal is not None:
+                    status, code = refusal
+                    xml = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>refused by the " \
+                          f"test proxy</Message></Error>".encode()
+                    return self._reply(status, [("Content-Type", "application/xml")], xml)
+                if part:
+                    with proxy._lock:
+                        proxy._parts_now += 1
+                        proxy.max_parallel_parts = max(proxy.max_parallel_parts, proxy._parts_now)
+                    time.sleep(proxy.hold_parts_s)
+                try:
+                    conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                    headers["Content-Length"] = str(len(body))
+                    conn.request(self.command, self.path, body=body, headers=headers)
+                    resp = conn.getresponse()
+                    self._reply(resp.status, resp.getheaders(), resp.read())
+                    conn.close()
+                finally:
+                    if part:
+                        with proxy._lock:
+                            proxy._parts_now -= 1
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def delete_requests(self) -> list[list[str]]:
+        """The keys of each DeleteObjects request so far."""
+        return [r[3] for r in self.requests if r[0] == "POST" and "delete" in r[2].split("&")]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def s3_proxy(s3_env, monkeypatch):
+    """An S3Proxy in front of the test server, its endpoint in os.environ for this test (in-process clients)."""
+    proxy = S3Proxy(s3_env["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
