@@ -68,6 +68,7 @@ class ModelConfig:
     reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 | flash_attention_3 (CUDA + flash_attn)
     activation_checkpointing: bool = False  # recompute each decoder block in backward
+    compile: bool = False  # torch.compile each decoder block (inductor; a C++ compiler on CPU): docs/performance.md
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
     init_std: float = 0.02  # std of the normal init for random-init models
     replicas: int = 1  # HSDP when > 1: shard within groups of W/replicas ranks (a node), replicate across groups

@@ -63,8 +63,11 @@ def evaluate(model, samples, num_rows: int, chunk: int, device, rank: int, world
 
 
 @torch.no_grad()
+@torch.compiler.set_stance("force_eager")  # model.compile: see the docstring
 def sample(model, tokenizer, prompts: list[str], device, max_new_tokens: int = 16) -> list[str]:
-    """Greedy decoding, one prompt at a time. Every rank runs it: FSDP forward needs all ranks."""
+    """Greedy decoding, one prompt at a time. Every rank runs it: FSDP forward needs all ranks. Eager even with
+    model.compile: each block's KV-cache entry is a guard of the compiled graph, so every block would compile
+    anew, up to dynamo's recompile limit (8) and its warnings, for a few tokens."""
     outs = []
     for prompt in prompts:
         if tokenizer.chat_template:

@@ -143,6 +143,9 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
         add_adapters(model, cfg_model.lora, src, base_dtype=resolve_param_dtype(cfg_model.param_dtype, device))
     if cfg_model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    blocks = decoder_blocks(model)
+    if cfg_model.compile:  # after activation checkpointing, before fully_shard: torchtitan's order
+        compile_blocks(blocks, device)
     mp = MixedPrecisionPolicy(param_dtype=resolve_param_dtype(cfg_model.param_dtype, device),
                               reduce_dtype=DTYPES[cfg_model.reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
@@ -150,12 +153,40 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
         if device.type == "cpu":  # FSDP2's offload pins host memory, which needs an accelerator
             raise ModelError("model.cpu_offload=true needs a GPU: without one the parameters already live on the CPU")
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in decoder_blocks(model):
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)  # default reshard_after_forward: the root stays gathered for backward
     model.to_empty(device="cpu" if cfg_model.cpu_offload else device)
     init_buffers(model)
     return model
+
+
+def compile_blocks(blocks: list[nn.Module], device: torch.device) -> None:
+    """model.compile: torch.compile (inductor) each decoder block in place, or one line saying why it cannot run here.
+
+    `nn.Module.compile` compiles the block's call and leaves the module where it is, so parameter names, state_dict
+    keys, checkpoints and the export are the eager model's (`torch.compile(block)` would wrap it, `_orig_mod.`).
+    FSDP2's hooks, added afterwards, run outside the compiled graph (torch marks them dynamo-disabled); the blocks
+    share one graph, their parameters being its inputs. Compilation happens at the first forward (and again for
+    eval and sampling: no grad, other shapes); a one-op compile first makes a missing C++ compiler (CPU) or Triton
+    (GPU) a ModelError here instead of a traceback from inside the first training step."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    try:
+        if device.type == "cpu":  # `g++ --version`, milliseconds: the usual failure, without inductor's log lines
+            get_cpp_compiler()
+        torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=device))
+    except Exception as e:  # noqa: BLE001 - whatever inductor lacks here, the user needs its first line
+        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise ModelError(f"model.compile=true: torch.compile cannot build kernels on {device.type} here ({why}); "
+                         f"{COMPILE_NEEDS[device.type == 'cuda']}, or set model.compile=false") from None
+    for block in blocks:
+        block.compile()
+
+
+# what inductor needs to build kernels, on CPU and on CUDA
+COMPILE_NEEDS = ("install a C++ compiler (g++; or name one in $CXX) and the Python headers (python3-dev)",
+                 "install Triton (it comes with the CUDA wheels of torch)")
 
 
 def init_buffers(model: nn.Module) -> None:
