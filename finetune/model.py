@@ -10,6 +10,7 @@ weights (on the same device type: a GPU draws other numbers than a CPU from the 
 from __future__ import annotations
 
 import os
+import sysconfig
 
 import torch
 import torch.nn as nn
@@ -145,7 +146,7 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     blocks = decoder_blocks(model)
     if cfg_model.compile:  # after activation checkpointing, before fully_shard: torchtitan's order
-        compile_blocks(blocks, device)
+        compile_blocks(blocks)
     mp = MixedPrecisionPolicy(param_dtype=resolve_param_dtype(cfg_model.param_dtype, device),
                               reduce_dtype=DTYPES[cfg_model.reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
@@ -161,32 +162,44 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
     return model
 
 
-def compile_blocks(blocks: list[nn.Module], device: torch.device) -> None:
-    """model.compile: torch.compile (inductor) each decoder block in place, or one line saying why it cannot run here.
+def compile_blocks(blocks: list[nn.Module]) -> None:
+    """model.compile: torch.compile (inductor) each decoder block in place.
 
-    `nn.Module.compile` compiles the block's call and leaves the module where it is, so parameter names, state_dict
-    keys, checkpoints and the export are the eager model's (`torch.compile(block)` would wrap it, `_orig_mod.`).
+    `nn.Module.compile` compiles the block's call and leaves the module where it is, so the parameter names (which
+    init, HF loading and LoRA go by), state_dict keys, checkpoints and the export are the eager model's;
+    `torch.compile(block)` would wrap it, `_orig_mod.` inside every name.
     FSDP2's hooks, added afterwards, run outside the compiled graph (torch marks them dynamo-disabled); the blocks
-    share one graph, their parameters being its inputs. Compilation happens at the first forward (and again for
-    eval and sampling: no grad, other shapes); a one-op compile first makes a missing C++ compiler (CPU) or Triton
-    (GPU) a ModelError here instead of a traceback from inside the first training step."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
-
-    try:
-        if device.type == "cpu":  # `g++ --version`, milliseconds: the usual failure, without inductor's log lines
-            get_cpp_compiler()
-        torch.compile(lambda x: x * 2 + 1)(torch.ones(4, device=device))
-    except Exception as e:  # noqa: BLE001 - whatever inductor lacks here, the user needs its first line
-        why = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise ModelError(f"model.compile=true: torch.compile cannot build kernels on {device.type} here ({why}); "
-                         f"{COMPILE_NEEDS[device.type == 'cuda']}, or set model.compile=false") from None
+    share one graph, their parameters being its inputs (LoRA: two, the first block's input needs no gradient).
+    Compilation happens at the first forward, and again for the first eval (no grad)."""
     for block in blocks:
         block.compile()
 
 
-# what inductor needs to build kernels, on CPU and on CUDA
-COMPILE_NEEDS = ("install a C++ compiler (g++; or name one in $CXX) and the Python headers (python3-dev)",
-                 "install Triton (it comes with the CUDA wheels of torch)")
+def check_compile(cfg_model) -> None:
+    """Refuse model.compile where inductor cannot build kernels, in one line, before any process group (milliseconds):
+    on CPU it needs a C++ compiler and Python.h, on CUDA Triton. Otherwise the first training step would end in a
+    traceback from inside the compiler."""
+    if not cfg_model.compile:
+        return
+    if torch.cuda.is_available():
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise ModelError("model.compile=true needs Triton to build CUDA kernels, and it is not installed (it comes "
+                             "with torch's CUDA wheels: pip install triton); or set model.compile=false")
+        return
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()  # inductor's own search: $CXX or g++, run with --version
+    except InvalidCxxCompiler as e:
+        raise ModelError(f"model.compile=true needs a C++ compiler to build CPU kernels: {str(e).strip()}; install "
+                         "g++ (or name one in $CXX), or set model.compile=false") from None
+    headers = sysconfig.get_path("include")
+    if not os.path.isfile(os.path.join(headers, "Python.h")):
+        raise ModelError(f"model.compile=true: inductor's CPU kernels include Python.h, which is not in {headers}; "
+                         "install the Python headers (python3-dev), or set model.compile=false")
 
 
 def init_buffers(model: nn.Module) -> None:
