@@ -54,8 +54,7 @@ class LoRAConfig:
     r: int = 0  # LoRA rank (peft); 0 = off: full fine-tuning. >0 freezes the base from name_or_path
     alpha: float = 16.0  # LoRA scaling is alpha / r
     dropout: float = 0.0  # dropout on the adapter's input (uses the per-rank RNG that checkpoints restore)
-    target_modules: str = "all-linear"  # comma-separated module names (q_proj,v_proj) or all-linear: every
-    #                                     Linear of the decoder blocks (attention + MLP projections), not lm_head
+    target_modules: str = "all-linear"  # q_proj,v_proj (module names), or all-linear: every block Linear, not lm_head
     quantize: str = "none"  # none | 4bit: a 4-bit base (QLoRA) needs GPU kernels and is not supported
 
 
