@@ -11,8 +11,9 @@ ways share the parameters, the memory and the machine's state. Warm-up: one eage
 step, which compiles (inductor's cache is a fresh folder, so this is the cost a first run pays; --warm-cache uses
 the default one). Then interleaved rounds, eager first in even rounds and compiled first in odd ones, --steps steps
 each.
-Reports tokens/s (all ranks) per way as median and min-max over rounds, their ratio, and the compile time
-(first compiled step minus the median compiled step) apart from the steady throughput. Writes
+Reports tokens/s (all ranks) per way as median and min-max over rounds, their ratio, the compile time (first
+compiled step minus the median compiled step) apart from the steady throughput, and the steps after which the
+compile has paid for itself (compile time / the median step time it saves). Writes
 bench/results/compile_bench.{json,md} and keeps the run under bench/results/runs/ (bench/provenance.py).
 """
 
@@ -30,8 +31,6 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.dist import free_port  # noqa: E402 - after the path insert
-
 import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 SIZE_ARGS = ("hidden", "layers", "vocab", "batch", "seq_len", "rounds", "steps")
@@ -139,6 +138,8 @@ def summarize(raw: dict, args) -> dict:
     tokens = raw["world_size"] * args.batch * args.seq_len
     rate = {way: spread([tokens * len(r) / sum(r) for r in rounds]) for way, rounds in raw["step_s"].items()}
     median_step = {way: statistics.median([s for r in rounds for s in r]) for way, rounds in raw["step_s"].items()}
+    compile_s = raw["first_step_s"]["compiled"] - median_step["compiled"]
+    saved = median_step["eager"] - median_step["compiled"]  # per step; the compile pays back after compile_s / saved
     return {"device": raw["device"],
             "model": {"hidden": args.hidden, "layers": args.layers, "vocab": args.vocab, "params": raw["params"]},
             "world_size": raw["world_size"], "batch_per_rank": args.batch, "seq_len": args.seq_len,
@@ -146,7 +147,7 @@ def summarize(raw: dict, args) -> dict:
             "inductor_cache": "warm" if args.warm_cache else "cold",
             "graphs": raw["graphs"], "graph_breaks": raw["graph_breaks"],
             "tokens_per_s": rate, "first_step_s": raw["first_step_s"], "median_step_s": median_step,
-            "compile_s": raw["first_step_s"]["compiled"] - median_step["compiled"],
+            "compile_s": compile_s, "breakeven_steps": compile_s / saved if saved > 0 else None,
             "ratios": {"compiled_over_eager_tokens_per_s": rate["compiled"]["median"] / rate["eager"]["median"]}}
 
 
@@ -161,8 +162,10 @@ def table(res: dict) -> list[str]:
     for way, r in res["tokens_per_s"].items():
         lines.append(f"| {way} | {r['median']:.0f} ({r['min']:.0f}-{r['max']:.0f}) | "
                      f"{res['first_step_s'][way]:.2f} s | {res['median_step_s'][way]:.3f} s |")
+    even = res["breakeven_steps"]
     lines += ["", f"compiled / eager tokens/s: {res['ratios']['compiled_over_eager_tokens_per_s']:.2f}x; "
-              f"compile time {res['compile_s']:.1f} s ({res['graphs']} graphs, {res['graph_breaks']} graph breaks)"]
+              f"compile time {res['compile_s']:.1f} s ({res['graphs']} graphs, {res['graph_breaks']} graph breaks); "
+              + (f"paid back after {even:.0f} steps" if even is not None else "never paid back: compiled is not faster")]
     return lines
 
 
@@ -176,8 +179,9 @@ def main(argv=None) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not args.warm_cache:
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(work, "inductor")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__), "--worker", "--work-dir", work,
+    # --standalone: torchrun's own store on a free port, so no port is chosen here and raced for
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           os.path.abspath(__file__), "--worker", "--work-dir", work,
            *[x for a in SIZE_ARGS for x in (f"--{a.replace('_', '-')}", str(getattr(args, a)))]]
     try:
         subprocess.run(cmd, check=True, cwd=ROOT, env=env)
