@@ -171,7 +171,7 @@ def compile_blocks(blocks: list[nn.Module]) -> None:
     FSDP2's hooks, added afterwards, run outside the compiled graph (torch marks them dynamo-disabled); the blocks
     share one graph, their parameters being its inputs (LoRA: two, the first block's input needs no gradient).
     Compilation happens at the first forward, and again for the first eval (no grad). No fullgraph=True (torchtitan
-    sets it for its own blocks): a HF or peft block that breaks the graph then runs slower, not stops with a
+    sets it for its own blocks): an HF or peft block that breaks the graph then runs slower, not stops with a
     traceback; tests/test_compile.py checks that the Llama block, with and without LoRA, compiles in one graph."""
     for block in blocks:
         block.compile()
