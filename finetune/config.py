@@ -54,8 +54,7 @@ class LoRAConfig:
     r: int = 0  # LoRA rank (peft); 0 = off: full fine-tuning. >0 freezes the base from name_or_path
     alpha: float = 16.0  # LoRA scaling is alpha / r
     dropout: float = 0.0  # dropout on the adapter's input (uses the per-rank RNG that checkpoints restore)
-    target_modules: str = "all-linear"  # comma-separated module names (q_proj,v_proj) or all-linear: every
-    #                                     Linear of the decoder blocks (attention + MLP projections), not lm_head
+    target_modules: str = "all-linear"  # q_proj,v_proj (module names), or all-linear: every block Linear, not lm_head
     quantize: str = "none"  # none | 4bit: a 4-bit base (QLoRA) needs GPU kernels and is not supported
 
 
@@ -68,6 +67,7 @@ class ModelConfig:
     reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 | flash_attention_3 (CUDA + flash_attn)
     activation_checkpointing: bool = False  # recompute each decoder block in backward
+    compile: bool = False  # torch.compile each decoder block (inductor; a C++ compiler on CPU): docs/performance.md
     cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
     init_std: float = 0.02  # std of the normal init for random-init models
     replicas: int = 1  # HSDP when > 1: shard within groups of W/replicas ranks (a node), replicate across groups

@@ -64,7 +64,9 @@ def evaluate(model, samples, num_rows: int, chunk: int, device, rank: int, world
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts: list[str], device, max_new_tokens: int = 16) -> list[str]:
-    """Greedy decoding, one prompt at a time. Every rank runs it: FSDP forward needs all ranks."""
+    """Greedy decoding, one prompt at a time. Every rank runs it: FSDP forward needs all ranks. Eager even with
+    model.compile: each block's KV-cache entry is a guard of the compiled graph, so every block would compile
+    anew, up to dynamo's recompile limit (8) and its warnings, for a few tokens."""
     outs = []
     for prompt in prompts:
         if tokenizer.chat_template:
@@ -75,7 +77,8 @@ def sample(model, tokenizer, prompts: list[str], device, max_new_tokens: int = 1
         ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]], device=device)
         new = []
         for _ in range(max_new_tokens):  # fixed length: all ranks do the same number of forwards
-            nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+            with torch.compiler.set_stance("force_eager"):  # model.compile: see the docstring
+                nxt = int(model(input_ids=ids).logits[0, -1].argmax())
             ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
             new.append(nxt)
         if tokenizer.eos_token_id in new:

@@ -1,5 +1,6 @@
 """The checks of a run's inputs that every rank makes, identically and in milliseconds, before any process group:
-the launch, the model and tokenizer folders, the attention kernel, the local data files.
+the launch, the model and tokenizer folders, the attention kernel, model.compile's compiler, the local data
+files.
 
     python -m pytest tests/test_launch.py -q
 
@@ -15,7 +16,7 @@ from finetune.config import Config, ConfigError
 from finetune.data.errors import DataError
 from finetune.data.sources import is_local_path, sources
 from finetune.launch import accelerate_world_problem
-from finetune.model import check_attn_implementation, check_model_folder
+from finetune.model import check_attn_implementation, check_compile, check_model_folder
 
 
 def check_inputs(cfg: Config) -> None:
@@ -24,6 +25,7 @@ def check_inputs(cfg: Config) -> None:
     if problem:
         raise ConfigError(problem)
     check_attn_implementation(cfg.model)
+    check_compile(cfg.model)
     check_model_folder(cfg.model)
     check_data_files(cfg)
 

@@ -10,6 +10,7 @@ weights (on the same device type: a GPU draws other numbers than a CPU from the 
 from __future__ import annotations
 
 import os
+import sysconfig
 
 import torch
 import torch.nn as nn
@@ -143,6 +144,9 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
         add_adapters(model, cfg_model.lora, src, base_dtype=resolve_param_dtype(cfg_model.param_dtype, device))
     if cfg_model.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    blocks = decoder_blocks(model)
+    if cfg_model.compile:  # after activation checkpointing, before fully_shard: torchtitan's order
+        compile_blocks(blocks)
     mp = MixedPrecisionPolicy(param_dtype=resolve_param_dtype(cfg_model.param_dtype, device),
                               reduce_dtype=DTYPES[cfg_model.reduce_dtype])
     kwargs = {"mesh": mesh, "mp_policy": mp}
@@ -150,12 +154,54 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
         if device.type == "cpu":  # FSDP2's offload pins host memory, which needs an accelerator
             raise ModelError("model.cpu_offload=true needs a GPU: without one the parameters already live on the CPU")
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in decoder_blocks(model):
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)  # default reshard_after_forward: the root stays gathered for backward
     model.to_empty(device="cpu" if cfg_model.cpu_offload else device)
     init_buffers(model)
     return model
+
+
+def compile_blocks(blocks: list[nn.Module]) -> None:
+    """model.compile: torch.compile (inductor) each decoder block in place.
+
+    `nn.Module.compile` compiles the block's call and leaves the module where it is, so the parameter names (which
+    init, HF loading and LoRA go by), state_dict keys, checkpoints and the export are the eager model's;
+    `torch.compile(block)` would wrap it, `_orig_mod.` inside every name.
+    FSDP2's hooks, added afterwards, run outside the compiled graph (torch marks them dynamo-disabled); the blocks
+    share one graph, their parameters being its inputs (LoRA: two, the first block's input needs no gradient).
+    Compilation happens at the first forward, and again for the first eval (no grad). No fullgraph=True (torchtitan
+    sets it for its own blocks): an HF or peft block that breaks the graph then runs slower, not stops with a
+    traceback; tests/test_compile.py checks that the Llama block, with and without LoRA, compiles in one graph."""
+    for block in blocks:
+        block.compile()
+
+
+def check_compile(cfg_model) -> None:
+    """Refuse model.compile where inductor cannot build kernels, in one line, before any process group (milliseconds):
+    on CPU it needs a C++ compiler and Python.h, on CUDA Triton. Otherwise the first training step would end in a
+    traceback from inside the compiler."""
+    if not cfg_model.compile:
+        return
+    if torch.cuda.is_available():
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            raise ModelError("model.compile=true needs Triton to build CUDA kernels, and it is not installed (it comes "
+                             "with torch's CUDA wheels: pip install triton); or set model.compile=false")
+        return
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.exc import InvalidCxxCompiler
+
+    try:
+        get_cpp_compiler()  # inductor's own search: $CXX or g++, run with --version
+    except InvalidCxxCompiler as e:
+        raise ModelError(f"model.compile=true needs a C++ compiler to build CPU kernels: {str(e).strip()}; install "
+                         "g++ (or name one in $CXX), or set model.compile=false") from None
+    headers = sysconfig.get_path("include")
+    if not os.path.isfile(os.path.join(headers, "Python.h")):
+        raise ModelError(f"model.compile=true: inductor's CPU kernels include Python.h, which is not in {headers}; "
+                         "install the Python headers (python3-dev), or set model.compile=false")
 
 
 def init_buffers(model: nn.Module) -> None:

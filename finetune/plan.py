@@ -343,6 +343,8 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
                         f"largest item: {worst[0]} {size(worst[1])} (more GPUs shard the states further; "
                         "model.activation_checkpointing=true and a smaller data.micro_batch_size cut activations)")
 
+    if cfg.model.compile:  # inductor frees some intermediates and keeps others: not measured, so not modelled
+        lines.append("model.compile: activations above are eager's estimate; what compiled blocks keep is not planned")
     offload = sum(b for what, b in gpu_states(cfg, s, shard_world(cfg, world))) if cfg.model.cpu_offload else 0
     more, host_problems = host_lines(cfg, rank_bytes, offload, args.gpus_per_node, args.host_memory)
     lines += more + memory_tier_lines(cfg, rank_bytes, args.gpus_per_node, args.nodes)

@@ -8,7 +8,8 @@
   context), and the number of open files stays flat from one save to the next;
 - a bf16 export loads with from_pretrained and gives the fp32 export's logits to bf16 precision;
 - a tiny Gemma3 (a non-persistent buffer inside a module with weights) gives from_pretrained's logits;
-- packed documents under flash_attention_2 (1 GPU, needs the flash_attn package) each get their own loss.
+- packed documents under flash_attention_2 (1 GPU, needs the flash_attn package) each get their own loss;
+- model.compile=true (Triton kernels) follows the eager losses, and its checkpoint resumes eager.
 See docs/gpu.md for the same checks by hand.
 """
 
@@ -75,6 +76,24 @@ def test_resume_two_gpus_on_one(tmp_path):
     for s in range(7, 13):
         assert b[s]["world_size"] == 1 and b[s]["sample_ids"] == a[s]["sample_ids"], f"step {s}: another batch"
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=1e-4), f"step {s}: loss left the 2-GPU run's"
+
+
+@two_gpus
+def test_compiled_blocks_follow_eager_and_resume_eager(tmp_path):
+    """model.compile=true on 2 GPUs (Triton kernels): the losses follow the eager run's, and the compiled run's step-4
+    checkpoint resumes eager on the compiled run's losses. fp32 compute on both sides, so the comparison is to kernel
+    rounding (CPU: ~1e-7 relative, tests/test_compile.py); bf16 is checked by hand (docs/gpu.md, checklist 9)."""
+    run = ["train.max_steps=8", "ckpt.interval=4", "ckpt.keep_last=0", "model.param_dtype=fp32"]
+    eager, compiled, resumed = tmp_path / "eager", tmp_path / "compiled", tmp_path / "resumed"
+    run_train(eager, nproc=2, overrides=run)
+    run_train(compiled, nproc=2, overrides=[*run, "model.compile=true"], timeout=900)  # compiling: minutes
+    run_train(resumed, nproc=2, overrides=[*run, f"ckpt.resume={compiled / 'checkpoints' / 'step-000004'}"])
+    a, b, c = losses(eager), losses(compiled), losses(resumed)
+    assert sorted(b) == list(range(1, 9)) and sorted(c) == list(range(5, 9))
+    for s in range(1, 9):
+        assert b[s] == pytest.approx(a[s], rel=1e-3), f"step {s}: the compiled loss left eager's"
+    for s in range(5, 9):
+        assert c[s] == pytest.approx(b[s], rel=1e-3), f"step {s}: eager, resumed from the compiled checkpoint"
 
 
 @two_gpus
