@@ -1,0 +1,194 @@
+"""Nodes and the files they send each other: which ranks share a node (and its memory folder), the ring of
+replicas, and the transfer of whole checkpoint files between ranks over a gloo group, checked on arrival.
+
+    python -m pytest tests/test_memory_replicas.py -q
+
+The layout is torchrun's: the same number of ranks on every node (LOCAL_WORLD_SIZE = L), ranks numbered
+node by node, so rank r is on node r // L; its node's first rank (local rank 0) is the node's leader, which
+does what is done once per node folder. The ring: with R replicas, rank r's files also go to the rank with
+the same local index on each of the next R nodes, ranks r + L, ..., r + R*L (mod W). So every rank sends and
+receives R times its own bytes, whatever the world size.
+
+`exchange` moves whole files between ranks, in rounds of one chunk per transfer: every rank posts all its
+sends and receives of a round before waiting for any, so no order of ranks can deadlock. A receiver writes
+`<name>.part-<pid>`, hashes the bytes as they arrive and renames the file into place only when size and
+checksum are the manifest's; a file the sender cannot read is sent as zeros (the receiver's check then
+fails), so a local error never leaves a peer waiting in a receive: errors come back as problem lines, and
+only the network itself can raise.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .checksum import new_hasher
+from .faults import fault_point
+
+CHUNK = 64 << 20  # bytes per message: R x 2 of these are in flight per rank
+_RANK_FILE = re.compile(r"^__(\d+)_")  # DCP names a rank's data files __<rank>_<n>.distcp
+
+
+def rank_of_file(name: str) -> int | None:
+    """The rank that wrote data file `name`; None for .metadata and the small files."""
+    m = _RANK_FILE.match(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    rank: int
+    world_size: int
+    ranks_per_node: int
+
+    @classmethod
+    def here(cls) -> "NodeLayout":
+        """This process's place: from the process group and torchrun's LOCAL_WORLD_SIZE (one node without it)."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return cls(rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    @property
+    def regular(self) -> bool:
+        """Every node has the same number of ranks (the ring needs it)."""
+        return self.ranks_per_node > 0 and self.world_size % self.ranks_per_node == 0
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.node_of(self.rank)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank % self.ranks_per_node == 0
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def ranks_of(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def ring(self, rank: int, replicas: int) -> list[int]:
+        """The ranks that receive a copy of `rank`'s files (the next `replicas` nodes, same local index)."""
+        return [(rank + j * self.ranks_per_node) % self.world_size for j in range(1, replicas + 1)]
+
+    def ring_sources(self, rank: int, replicas: int) -> list[int]:
+        """The ranks whose files `rank` receives a copy of."""
+        return [(rank - j * self.ranks_per_node) % self.world_size for j in range(1, replicas + 1)]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """File `name` of the step folder goes from rank `src` to rank `dst`; `expected` is its manifest entry
+    ({"size", <algorithm>: digest}); `tag` tells it apart from other transfers between the same two ranks."""
+    src: int
+    dst: int
+    name: str
+    expected: dict
+    tag: int
+
+
+def _chunks(size: int, chunk: int) -> int:
+    return -(-size // chunk)
+
+
+class _Incoming:
+    """One file being received: written under a temporary name, hashed as it arrives."""
+
+    def __init__(self, folder: str, t: Transfer, algorithm: str, step: int | None):
+        self.t, self.algorithm, self.step = t, algorithm, step
+        self.final = os.path.join(folder, t.name)
+        self.part = f"{self.final}.part-{os.getpid()}"
+        self.hasher, self.size = new_hasher(algorithm), 0
+        self.file = open(self.part, "wb")
+
+    def write(self, buf: torch.Tensor) -> None:
+        data = buf.numpy()
+        self.file.write(data)
+        self.hasher.update(data)
+        self.size += len(data)
+        self.file.flush()
+        fault_point("partial_replica", self.step)  # tests: a kill leaves a torn .part file, never a named one
+
+    def finish(self) -> str | None:
+        """Rename into place if size and checksum are the manifest's; else the problem."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+        if self.size != self.t.expected["size"] or self.hasher.hexdigest() != self.t.expected[self.algorithm]:
+            os.remove(self.part)
+            return f"{self.t.name} from rank {self.t.src}: checksum mismatch on arrival ({self.algorithm})"
+        os.replace(self.part, self.final)
+        return None
+
+
+def _outgoing_chunk(file, t: Transfer, k: int, chunk: int) -> torch.Tensor:
+    """Chunk `k` of the file being sent, zero-padded if the file is shorter (or None: unreadable)."""
+    n = min(chunk, t.expected["size"] - k * chunk)
+    data = b""
+    if file is not None:
+        try:
+            file.seek(k * chunk)
+            data = file.read(n)
+        except OSError:
+            data = b""
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def _open_all(folder: str, sending: list[Transfer], problems: list[str]) -> list:
+    files = []
+    for t in sending:
+        try:
+            files.append(open(os.path.join(folder, t.name), "rb"))
+        except OSError as e:
+            problems.append(f"{os.path.join(folder, t.name)}: cannot be read to send to rank {t.dst} "
+                            f"({e.strerror or e})")
+            files.append(None)
+    return files
+
+
+def exchange(transfers: list[Transfer], rank: int, pg, src_dir: str, dst_dir: str, algorithm: str,
+             step: int | None = None, chunk: int = CHUNK) -> list[str]:
+    """Every rank named in `transfers` calls this with the transfers it takes part in (the same list on both ends
+    of each): sends its files from `src_dir`, receives into `dst_dir` (made if missing), each file checked
+    against its manifest entry. Returns this rank's problems; raises only if the network fails."""
+    sending = [t for t in transfers if t.src == rank]
+    receiving = [t for t in transfers if t.dst == rank]
+    problems: list[str] = []
+    if receiving:
+        os.makedirs(dst_dir, exist_ok=True)
+    files = _open_all(src_dir, sending, problems)
+    incoming = [_Incoming(dst_dir, t, algorithm, step) for t in receiving]
+    try:
+        rounds = max([_chunks(t.expected["size"], chunk) for t in sending + receiving], default=0)
+        for k in range(rounds):
+            works, arriving = [], []
+            for file, t in zip(files, sending):
+                if k < _chunks(t.expected["size"], chunk):
+                    works.append(dist.isend(_outgoing_chunk(file, t, k, chunk), t.dst, group=pg, tag=t.tag))
+            for inc in incoming:
+                size = inc.t.expected["size"]
+                if k < _chunks(size, chunk):
+                    buf = torch.empty(min(chunk, size - k * chunk), dtype=torch.uint8)
+                    works.append(dist.irecv(buf, inc.t.src, group=pg, tag=inc.t.tag))
+                    arriving.append((inc, buf))
+            for work in works:
+                work.wait()
+            for inc, buf in arriving:
+                inc.write(buf)
+        problems += [p for p in (inc.finish() for inc in incoming) if p]
+    finally:
+        for f in [*files, *(inc.file for inc in incoming)]:
+            if f is not None and not f.closed:
+                f.close()
+    return problems
