@@ -39,11 +39,10 @@ import provenance  # noqa: E402
 
 
 def parse_args(argv=None):
+    model = ckpt_bench.parse_args([])  # ckpt_bench's default model is the size compared here
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=10)
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--seq-len", type=int, default=128)
+    for flag in ("hidden", "layers", "vocab", "seq_len"):
+        p.add_argument(f"--{flag.replace('_', '-')}", type=int, default=getattr(model, flag))
     p.add_argument("--nodes", type=int, default=2, help="torchrun agents on this machine, one memory folder each")
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5, help="rounds per comparison (the first is warm-up)")

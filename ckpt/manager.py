@@ -72,21 +72,18 @@ class CheckpointManager:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.pg, self._agree_pg = groups or checkpoint_groups(timeout)
-        self.committer = committer or Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log)
-        self.writer = writer
+        self.committer, self.writer = committer or Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log), writer
         # events go through the committer's guard: an event that fails to record is logged, never raised
         self.on_log, self.on_event = on_log, self.committer.on_event
         self._stager = ReusedStager(async_mode)  # host buffers allocated ahead of the first save (prestage.py)
         self._inflight: Future | None = None  # the committer thread's work for the last save
         self._inflight_step: int | None = None
         self._staging: StagingWait | None = None  # the last async save's staging, until the training thread waited
-        self._lock = lock
-        self.last_saved_step: int | None = None
-        self.staged: tuple[int, object] | None = None  # (step, staged copy) of the last async save (staged_copy)
+        self._lock, self.last_saved_step = lock, None
+        self.staged: tuple[int, object] | None = None  # (step, staged copy) of the last async save, for the memory tier
 
     def acquire_lock(self) -> None:
-        """Refuse to run if another live job owns this ckpt.dir (lock.py: flock, or a heartbeat where the
-        file system has no flock)."""
+        """Refuse to run if another live job owns this ckpt.dir (lock.py: flock, or a heartbeat without flock)."""
         self._lock = lock_for_job(self.dir, self.pg)
 
     # ------------------------------------------------------------ save
@@ -108,9 +105,8 @@ class CheckpointManager:
         """Save `state` (Statefuls and plain values) as step-NNNNNN; returns the training-blocking seconds.
 
         `files` (name -> text) are written beside the shards by rank 0 (meta.json, config.yaml).
-        blocking=True (or async_mode=off) returns only once the checkpoint is committed. `stager`: an async
-        save's, instead of this manager's own (the memory tier's replay of a disk save's staged copy, memory.py).
-        """
+        blocking=True (or async_mode=off) returns only once the checkpoint is committed. `stager`: instead of
+        this manager's own (memory.py: a replay of the disk save's staged copy)."""
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight; raises a previous save's error
         path = step_dir(self.dir, step)

@@ -25,6 +25,7 @@ import pytest
 from ckpt import verify_checkpoint
 from conftest import FAST, ROOT, events, free_port, kill_workers, losses, run_train
 from finetune.metrics import read_metrics
+from test_memory_tier import damage_step
 
 K = 6  # the newest memory step when T2 and T3 are killed; disk steps are 4 and 8
 RUN = ["train.max_steps=12", "ckpt.interval=4", "ckpt.keep_last=0"]
@@ -212,14 +213,7 @@ def test_a_damaged_replica_is_skipped_for_the_older_step(two, tmp_path, damage):
     run = tmp_path / "d"
     copy_nodes(t2, run, [0])
     newest = os.path.dirname(marker(run, 0, K))
-    if damage == "flipped_byte":
-        with open(os.path.join(newest, "__1_0.distcp"), "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    else:
-        os.remove(os.path.join(newest, "__1_0.distcp" if damage == "missing_file" else "commit.json"))
+    damage_step(newest, damage)  # on node 0, rank 1's files are the replica
     proc = run_train(run, 0, [*RUN, *MEMORY, "train.max_steps=7", f"ckpt.memory_dir={mem(run, 0)}"])
     assert [(e["step"], e["tier"]) for e in events(run, "resume")] == [(K - 1, "memory")]
     skips = [ln for ln in proc.stdout.splitlines() if "skipping" in ln]

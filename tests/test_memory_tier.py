@@ -40,6 +40,18 @@ def kill_after_memory_step(run_dir, step: int, **only) -> str:
     return f"wait_for@after_step:{step + 1},secs=120,file={marker}{opts};kill@after_step:{step + 1}{opts}"
 
 
+def damage_step(path: str, damage: str) -> None:
+    """Damage rank 1's shard of checkpoint folder `path` (a flipped byte, or the file missing), or its marker."""
+    if damage == "flipped_byte":
+        with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    else:
+        os.remove(os.path.join(path, "__1_0.distcp" if damage == "missing_file" else "commit.json"))
+
+
 def step_records(run_dir) -> dict[int, dict]:
     return read_metrics(os.path.join(str(run_dir), "metrics.jsonl"))[0]
 
@@ -103,14 +115,7 @@ def test_a_damaged_memory_step_is_skipped(root, tmp_path, damage):
     mem = f"{tmp_path / 'd'}-mem"
     shutil.copytree(f"{root / 'c'}-mem", mem)
     newest = os.path.join(mem, f"step-{K:06d}")
-    if damage == "flipped_byte":
-        with open(os.path.join(newest, "__1_0.distcp"), "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    else:
-        os.remove(os.path.join(newest, "__1_0.distcp" if damage == "missing_file" else "commit.json"))
+    damage_step(newest, damage)
     proc = run_train(tmp_path / "d", 2, [*with_memory(tmp_path / "d"), "train.max_steps=8"])
     assert [(e["step"], e["tier"]) for e in events(tmp_path / "d", "resume")] == [(K - 1, "memory")]
     line = next(ln for ln in proc.stdout.splitlines() if "resume: memory tier" in ln)

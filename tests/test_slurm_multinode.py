@@ -298,9 +298,15 @@ def test_preempted_on_two_nodes_resumes_on_one_with_the_same_data(cluster, refer
     assert "1 node(s) x 1 worker(s)" in one.log()
     (resumed,) = [e for e in events(run, "resume")]
     assert (resumed["step"], resumed["world_size"], resumed["saved_world_size"]) == (p, 1, 2)
+    assert_continues_on_one_rank(run, reference, p)
+
+
+def assert_continues_on_one_rank(run, reference, resumed: int) -> None:
+    """Steps 1-24 are in the run's metrics; those after `resumed` ran at W=1 on the reference's samples, with its
+    losses within the world-size tolerance."""
     after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
     assert sorted(after) == list(range(1, 25))
-    for s in range(p + 1, 25):
+    for s in range(resumed + 1, 25):
         assert after[s]["world_size"] == 1
         assert after[s]["sample_ids"] == reference[s]["sample_ids"], f"step {s}: a different global batch"
         assert after[s]["loss"] == pytest.approx(reference[s]["loss"], abs=1e-4), f"step {s}"
@@ -534,9 +540,4 @@ def test_a_lost_host_resumes_on_the_other_from_its_memory_replica(cluster, refer
     assert f"resume: memory tier, step {k}" in one.log(), one.log()[-4000:]
     (resumed,) = events(run, "resume")
     assert (resumed["step"], resumed["tier"], resumed["saved_world_size"], resumed["world_size"]) == (k, "memory", 2, 1)
-    after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
-    assert sorted(after) == list(range(1, 25))
-    for s in range(k + 1, 25):
-        assert after[s]["world_size"] == 1
-        assert after[s]["sample_ids"] == reference[s]["sample_ids"], f"step {s}: a different global batch"
-        assert after[s]["loss"] == pytest.approx(reference[s]["loss"], abs=1e-4), f"step {s}"
+    assert_continues_on_one_rank(run, reference, k)
