@@ -124,6 +124,7 @@ class TrainingCheckpoints:
         self._tolerated(step, self.mgr.poll)
         self.memory.poll(step)
         self.mgr.prepare_staging(self.state)  # once: the optimizer state exists after a step; a no-op after
+        self.memory.prepare_staging(self.state)
         if step < self.max_steps and stop_requested():
             return True
         if step < self.max_steps and self.policy.should_save(step):  # the same answer on all ranks

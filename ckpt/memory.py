@@ -208,6 +208,11 @@ class MemoryTier:
             self.drain(step)
             self.reusing = False
 
+    def prepare_staging(self, state: dict) -> None:
+        """The memory saves' own staging buffers, allocated in the background before the first (prestage.py)."""
+        if self.mgr is not None:
+            self.mgr.prepare_staging(state)
+
     def poll(self, step: int) -> None:
         if self.mgr is not None:
             self._tolerated(step, self.mgr.poll)

@@ -19,6 +19,7 @@ only the network itself can raise.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -100,33 +101,46 @@ def _chunks(size: int, chunk: int) -> int:
 
 
 class _Incoming:
-    """One file being received: written under a temporary name, hashed as it arrives."""
+    """One file being received: written under a temporary name, hashed as it arrives. A local write error (a
+    full tmpfs) is kept as the problem, and the rest of the file is still received, and dropped: the sender
+    must not be left waiting."""
 
     def __init__(self, folder: str, t: Transfer, algorithm: str, step: int | None):
-        self.t, self.algorithm, self.step = t, algorithm, step
+        self.t, self.algorithm, self.step, self.problem = t, algorithm, step, None
         self.final = os.path.join(folder, t.name)
         self.part = f"{self.final}.part-{os.getpid()}"
-        self.hasher, self.size = new_hasher(algorithm), 0
-        self.file = open(self.part, "wb")
+        self.hasher, self.size, self.file = new_hasher(algorithm), 0, None
+        self._guard(lambda: setattr(self, "file", open(self.part, "wb")))
+
+    def _guard(self, write) -> None:
+        try:
+            write()
+        except OSError as e:
+            self.problem = self.problem or f"{self.part}: cannot be written ({e.strerror or e})"
+            if self.file is not None:
+                self.file.close()
 
     def write(self, buf: torch.Tensor) -> None:
         data = buf.numpy()
-        self.file.write(data)
+        if self.problem is None:
+            self._guard(lambda: (self.file.write(data), self.file.flush()))
         self.hasher.update(data)
         self.size += len(data)
-        self.file.flush()
         fault_point("partial_replica", self.step)  # tests: a kill leaves a torn .part file, never a named one
 
     def finish(self) -> str | None:
-        """Rename into place if size and checksum are the manifest's; else the problem."""
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
-        if self.size != self.t.expected["size"] or self.hasher.hexdigest() != self.t.expected[self.algorithm]:
-            os.remove(self.part)
-            return f"{self.t.name} from rank {self.t.src}: checksum mismatch on arrival ({self.algorithm})"
-        os.replace(self.part, self.final)
-        return None
+        """Rename into place if written whole with the manifest's size and checksum; else the problem."""
+        if self.problem is None:
+            self._guard(lambda: (os.fsync(self.file.fileno()), self.file.close()))
+        if self.problem is None and (self.size != self.t.expected["size"]
+                                     or self.hasher.hexdigest() != self.t.expected[self.algorithm]):
+            self.problem = f"{self.t.name} from rank {self.t.src}: checksum mismatch on arrival ({self.algorithm})"
+        if self.problem is None:
+            self._guard(lambda: os.replace(self.part, self.final))
+        if self.problem is not None:
+            with contextlib.suppress(OSError):
+                os.remove(self.part)
+        return self.problem
 
 
 def _outgoing_chunk(file, t: Transfer, k: int, chunk: int) -> torch.Tensor:
@@ -166,7 +180,8 @@ def exchange(transfers: list[Transfer], rank: int, pg, src_dir: str, dst_dir: st
     receiving = [t for t in transfers if t.dst == rank]
     problems: list[str] = []
     if receiving:
-        os.makedirs(dst_dir, exist_ok=True)
+        with contextlib.suppress(OSError):  # if it cannot be made, each file says so (_Incoming)
+            os.makedirs(dst_dir, exist_ok=True)
     files = _open_all(src_dir, sending, problems)
     incoming = [_Incoming(dst_dir, t, algorithm, step) for t in receiving]
     try:

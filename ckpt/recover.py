@@ -39,7 +39,7 @@ from .errors import CheckpointError
 from .layout import list_step_dirs, step_dir
 from .manifest import VerifyError, check_file, held_files, read_marker, shares
 from .peers import NodeLayout, Transfer, exchange, rank_of_file
-from .replicate import remove_step
+from .replicate import SHARED, remove_step
 from .resume import check_model_matches, load, trust_metadata
 
 DATA = ".distcp"
@@ -57,8 +57,10 @@ def _entry(path: str) -> dict:
     for name, _ in data:
         by_rank[rank_of_file(name)].add(name)
     ranks = sorted(r for r, names in by_rank.items() if r is not None and names <= set(held))
+    per_node = marker.get("ranks_per_node", marker["world_size"])
+    own = [r for r in ranks if r // per_node == marker.get("node", 0)]  # written here, not copies
     return {"id": identity.hexdigest(), "world_size": marker["world_size"], "algorithm": algorithm, "ranks": ranks,
-            "files": held}
+            "own": own, "files": held}
 
 
 def node_summary(folder: str) -> dict[int, dict]:
@@ -74,7 +76,8 @@ def node_summary(folder: str) -> dict[int, dict]:
 
 @dataclass
 class Candidate:
-    """One saved step that nodes of this job hold: node -> {"ranks": set, "files": {name: manifest entry}}."""
+    """One saved step that nodes of this job hold: node -> {"ranks": the saved ranks whose files it holds, "own":
+    those it wrote, "files": {name: manifest entry}, "small": its non-data files, "checked": files verified}."""
     step: int
     world_size: int
     algorithm: str
@@ -95,9 +98,29 @@ class Candidate:
         """The small files every node needs (.metadata, meta.json, config.yaml), from a holder that has them all."""
         for holder in self.holders.values():
             names = [n for n in holder["files"] if not n.endswith(DATA)]
-            if len(names) == len(holder["all_small"]):
+            if len(names) == len(holder["small"]):
                 return sorted(names)
         return []
+
+    def to_check(self, node: int, ranks) -> list[str]:
+        """`node`'s files of saved `ranks`; with ranks None, what every node reads: its own ranks' files, rank 0's
+        small file and the small files."""
+        h = self.holders[node]
+        want = h["own"] if ranks is None else ranks
+        return sorted(n for n in h["files"] if (rank_of_file(n) in want and n.endswith(DATA) and n not in h["checked"])
+                      or (ranks is None and (n == SHARED or not n.endswith(DATA))))
+
+    def missing(self) -> set:
+        """Saved ranks no node holds checked: their copies are checked next."""
+        done = {r for h in self.holders.values() for r in h["ranks"]
+                if all(n in h["checked"] for n in h["files"] if rank_of_file(n) == r and n.endswith(DATA))}
+        return set(range(self.world_size)) - done
+
+    def keep_checked(self) -> None:
+        """Only checked copies are offered, read or sent."""
+        for h in self.holders.values():
+            h["ranks"] = {r for r in h["ranks"] if all(n in h["checked"] for n in h["files"] if rank_of_file(n) == r)}
+            h["files"] = {n: e for n, e in h["files"].items() if n in h["checked"]}
 
     def drop(self, node: int, name: str) -> None:
         """A damaged copy: `node` no longer offers `name`, nor the rank whose file it is."""
@@ -172,32 +195,43 @@ class MemoryRecovery:
     @staticmethod
     def _candidate(step: int, entries: dict[int, dict]) -> Candidate:
         first = next(iter(entries.values()))
-        holders = {n: {"ranks": set(e["ranks"]), "files": dict(e["files"]),
-                       "all_small": [f for f in e["files"] if not f.endswith(DATA)]} for n, e in entries.items()}
+        holders = {n: {"ranks": set(e["ranks"]), "own": set(e["own"]), "files": dict(e["files"]), "checked": set(),
+                       "small": [f for f in e["files"] if not f.endswith(DATA)]} for n, e in entries.items()}
         return Candidate(step, first["world_size"], first["algorithm"], holders)
 
     def _verify(self, cand: Candidate) -> str | None:
-        """Each node checks what it holds of `cand`, its local ranks splitting the bytes; damaged copies are dropped.
-        None if the step is still recoverable, else why not."""
-        problems = []
-        mine = cand.holders.get(self.layout.node)
-        if mine:
-            path = step_dir(self.folder, cand.step)
-            local = self.layout.rank % self.layout.ranks_per_node
-            for name in shares(mine["files"], self.layout.ranks_per_node)[local]:
-                problem = check_file(path, name, mine["files"][name], cand.algorithm)
-                if problem:
-                    problems.append((name, problem))
-        found = first_problem("damaged" if problems else None, self.pg)
-        bad = [(self.layout.node_of(r), *p) for r, ps in enumerate(_gather(problems, self.pg) if found else []) for p in ps]
-        for node, name, _ in bad:
-            cand.drop(node, name)
+        """Each node checks the copies of `cand` it will read: its own ranks' files and the small ones; then, if a
+        saved rank has no checked copy (its node lost, or damaged), the other copies of its files. Its local ranks
+        split the bytes; damaged copies are dropped. None if the step is still recoverable, else why not."""
+        bad = self._check(cand, None)
+        if cand.missing():
+            bad += self._check(cand, cand.missing())
+        cand.keep_checked()
         why = cand.uncovered()
         if why:
             return f"{why}; {self._node(bad[0][0])}{bad[0][2]}" if bad else why
         for node, name, problem in bad:
             self.info(f"resume: memory step {cand.step}: {self._node(node)}{problem}; another node's copy is used")
         return None
+
+    def _check(self, cand: Candidate, ranks) -> list[tuple]:
+        """One round (collective): every holder checks `cand.to_check(node, ranks)`; returns (node, name, problem)."""
+        problems, mine = [], self.layout.node in cand.holders
+        names = cand.to_check(self.layout.node, ranks) if mine else []
+        local = self.layout.rank % self.layout.ranks_per_node
+        files = cand.holders[self.layout.node]["files"] if mine else {}
+        for name in shares({n: files[n] for n in names}, self.layout.ranks_per_node)[local]:
+            problem = check_file(step_dir(self.folder, cand.step), name, files[name], cand.algorithm)
+            if problem:
+                problems.append((name, problem))
+        found = first_problem("damaged" if problems else None, self.pg)
+        bad = [(self.layout.node_of(r), *p) for r, ps in enumerate(_gather(problems, self.pg) if found else []) for p in ps]
+        for node in cand.holders:
+            cand.holders[node]["checked"] |= set(cand.to_check(node, ranks))
+        for node, name, _ in bad:
+            cand.drop(node, name)
+            cand.holders[node]["checked"].discard(name)
+        return bad
 
     def fetch(self, cand: Candidate, wanted) -> None:
         """Every rank: the files of `wanted` its node lacks, from nodes that hold them; raises on every rank if one

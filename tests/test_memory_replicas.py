@@ -23,9 +23,11 @@ import time
 import pytest
 
 from ckpt import verify_checkpoint
-from conftest import FAST, ROOT, events, free_port, kill_workers, losses, run_train
+from ckpt.reading import read_items
+from conftest import FAST, ROOT, events, free_port, kill_workers, run_train
 from finetune.metrics import read_metrics
-from test_memory_tier import damage_step
+from test_memory_tier import damage_step, same_item
+from torch.distributed.checkpoint import FileSystemReader
 
 K = 6  # the newest memory step when T2 and T3 are killed; disk steps are 4 and 8
 RUN = ["train.max_steps=12", "ckpt.interval=4", "ckpt.keep_last=0"]
@@ -131,6 +133,40 @@ def memory_fetch(run_dir) -> tuple[int, int]:
     return e["files"], e["bytes"]
 
 
+# ---------------------------------------------------------------- moving files between ranks
+
+def _exchange(rank: int, port: int, folder: str) -> None:
+    """Rank 0 sends two files to rank 1, 7 bytes a message: one it has, and one that is gone."""
+    import json
+    import torch.distributed as dist
+    from ckpt.checksum import ALGORITHM, file_digest
+    from ckpt.peers import Transfer, exchange
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        src, dst = os.path.join(folder, "src"), os.path.join(folder, "dst")
+        transfers = [Transfer(0, 1, "a.distcp", file_digest(os.path.join(src, "a.distcp")), 0),
+                     Transfer(0, 1, "gone.distcp", {"size": 10, ALGORITHM: "0" * 32}, 1)]
+        problems = exchange(transfers, rank, dist.new_group(backend="gloo"), src, dst, ALGORITHM, chunk=7)
+        with open(os.path.join(folder, f"problems-{rank}.json"), "w") as f:
+            json.dump(problems, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_file_moves_whole_and_checked_and_a_missing_one_never_hangs_the_receiver(tmp_path):
+    import json
+    from conftest import start_on_free_port
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.distcp").write_bytes(bytes(range(200)) * 3)
+    start_on_free_port(_exchange, lambda port: (port, str(tmp_path)), nprocs=2, start_method="fork")
+    assert (tmp_path / "dst" / "a.distcp").read_bytes() == bytes(range(200)) * 3  # 86 messages, in order
+    sender, receiver = (json.loads((tmp_path / f"problems-{r}.json").read_text()) for r in (0, 1))
+    assert len(sender) == 1 and "gone.distcp: cannot be read to send to rank 1" in sender[0]
+    assert receiver == ["gone.distcp from rank 0: checksum mismatch on arrival (xxh3_128)"]
+    assert sorted(os.listdir(tmp_path / "dst")) == ["a.distcp"], "no torn or temporary file is left"
+
+
 # ---------------------------------------------------------------- where the copies are
 
 def test_the_ring_puts_each_ranks_files_on_its_node_and_the_next(three):
@@ -222,6 +258,25 @@ def test_a_damaged_replica_is_skipped_for_the_older_step(two, tmp_path, damage):
     assert f"step {K - 1}" in line and f"skipped newer memory steps: step {K}" in line, line
 
 
+def test_without_replicas_a_lost_node_means_the_disk_tier(tmp_path):
+    """memory_replicas=0 on 2 nodes: each node's marker lists its own rank's files only; node 0 alone cannot
+    rebuild step 3 and says so in one line, then resumes from disk step 2."""
+    run = tmp_path / "r0"
+    disk = os.path.join(str(run), "checkpoints", "step-000002", "commit.json")
+    faults = [f"wait_for@after_step:4,secs=120,file={marker(run, i, 3)};wait_for@after_step:4,secs=120,file={disk};"
+              "kill@after_step:4" for i in range(2)]
+    procs = run_nodes(run, 2, ["ckpt.memory_replicas=0", "ckpt.memory_keep=1", "ckpt.interval=2"], faults=faults,
+                      check=False)
+    assert all(p.returncode != 0 for p in procs)
+    for node in range(2):
+        held = verify_checkpoint(os.path.dirname(marker(run, node, 3)))["held"]
+        assert [n for n in held if n.endswith("_0.distcp")] == [f"__{node}_0.distcp"], held
+    proc = run_train(run, 0, [*RUN, *MEMORY, "train.max_steps=4", "ckpt.interval=2", f"ckpt.memory_dir={mem(run, 0)}"])
+    assert [(e["step"], e["tier"]) for e in events(run, "resume")] == [(2, "disk")]
+    assert ("resume: disk tier, step 2 (newest recoverable memory step: none); skipped newer memory steps: step 3 "
+            "(the files of saved rank 1 are on no node of this job)") in proc.stdout, proc.stdout[-3000:]
+
+
 # ---------------------------------------------------------------- kills during a save
 
 def marked_steps(run_dir, nodes: int) -> dict[int, list[int]]:
@@ -233,6 +288,15 @@ def marked_steps(run_dir, nodes: int) -> dict[int, list[int]]:
         for step in out[node]:
             verify_checkpoint(os.path.dirname(marker(run_dir, node, step)))
     return out
+
+
+def assert_same_items(memory_step: str, disk_step: str) -> None:
+    """Memory step 4, the disk tier's step too, was saved from the disk save's staged copy: the same state."""
+    keys = list(FileSystemReader(disk_step).read_metadata().state_dict_metadata)
+    on_disk, in_memory = read_items(disk_step, keys), read_items(memory_step, keys)
+    assert sorted(keys) == sorted(FileSystemReader(memory_step).read_metadata().state_dict_metadata)
+    for k in keys:
+        assert same_item(on_disk[k], in_memory[k]), f"{k} differs between disk and memory step 4"
 
 
 def random_kill(run_dir, seen: list):
@@ -264,6 +328,7 @@ def test_a_kill_during_replication_leaves_no_marked_step_that_fails(two, tmp_pat
     marked = marked_steps(run, 2)
     if moment == "partial_replica":  # no agreement: no node marked step 5
         assert 5 not in marked[0] + marked[1] and marked[0][-1] == 4, marked
+        assert_same_items(os.path.dirname(marker(run, 0, 4)), str(run / "checkpoints" / "step-000004"))
     if moment == "before_commit":  # node 0 marked step 5; node 1 died before its marker
         assert marked[0][-1] == 5 and 5 not in marked[1], marked
     newest = marked[0][-1]
