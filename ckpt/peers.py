@@ -10,7 +10,8 @@ the same local index on each of the next R nodes, ranks r + L, ..., r + R*L (mod
 receives R times its own bytes, whatever the world size.
 
 `exchange` moves whole files between ranks, in rounds of one chunk per transfer: every rank posts all its
-sends and receives of a round before waiting for any, so no order of ranks can deadlock. A receiver writes
+sends and receives of a round before waiting for any, so no order of ranks can deadlock; while one chunk is
+on the wire, the next is read and the last one written (two reused buffers per file). A receiver writes
 `<name>.part-<pid>`, hashes the bytes as they arrive and renames the file into place only when size and
 checksum are the manifest's; a file the sender cannot read is sent as zeros (the receiver's check then
 fails), so a local error never leaves a peer waiting in a receive: errors come back as problem lines, and
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from .checksum import new_hasher
 from .faults import fault_point
 
-CHUNK = 64 << 20  # bytes per message: R x 2 of these are in flight per rank
+CHUNK = 16 << 20  # bytes per message; a rank holds two buffers of it per file it sends or receives
 _RANK_FILE = re.compile(r"^__(\d+)_")  # DCP names a rank's data files __<rank>_<n>.distcp
 
 
@@ -143,32 +144,41 @@ class _Incoming:
         return self.problem
 
 
-def _outgoing_chunk(file, t: Transfer, k: int, chunk: int) -> torch.Tensor:
-    """Chunk `k` of the file being sent, zero-padded if the file is shorter (or None: unreadable)."""
-    n = min(chunk, t.expected["size"] - k * chunk)
-    data = b""
-    if file is not None:
-        try:
-            file.seek(k * chunk)
-            data = file.read(n)
-        except OSError:
-            data = b""
-    buf = torch.zeros(n, dtype=torch.uint8)
-    if data:
-        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    return buf
+def _slot(bufs: list[torch.Tensor], size: int, chunk: int, k: int) -> torch.Tensor | None:
+    """Chunk `k` of a file of `size` bytes, in the buffer it alternates to (None past its end)."""
+    n = min(chunk, size - k * chunk)
+    return bufs[k % 2][:n] if n > 0 else None
 
 
-def _open_all(folder: str, sending: list[Transfer], problems: list[str]) -> list:
-    files = []
-    for t in sending:
+def _buffers(size: int, chunk: int) -> list[torch.Tensor]:
+    """Two reused buffers: one chunk on the wire while the other is read from or written to the file."""
+    return [torch.empty(min(chunk, size), dtype=torch.uint8) for _ in range(2)]
+
+
+class _Outgoing:
+    """One file being sent, read chunk by chunk straight into the buffers; zeros where it cannot be read
+    (missing, short): the receiver's check then fails, and nobody waits."""
+
+    def __init__(self, folder: str, t: Transfer, chunk: int, problems: list[str]):
+        self.t, self.chunk, self.file, self.bufs = t, chunk, None, _buffers(t.expected["size"], chunk)
         try:
-            files.append(open(os.path.join(folder, t.name), "rb"))
+            self.file = open(os.path.join(folder, t.name), "rb")
         except OSError as e:
             problems.append(f"{os.path.join(folder, t.name)}: cannot be read to send to rank {t.dst} "
                             f"({e.strerror or e})")
-            files.append(None)
-    return files
+
+    def chunk_at(self, k: int) -> torch.Tensor | None:
+        return _slot(self.bufs, self.t.expected["size"], self.chunk, k)
+
+    def read(self, k: int) -> None:
+        """Chunk `k` (the file is read in order) into its buffer."""
+        view, got = self.chunk_at(k), 0
+        if view is None:
+            return
+        with contextlib.suppress(OSError):
+            while self.file is not None and got < len(view) and (n := self.file.readinto(memoryview(view.numpy())[got:])):
+                got += n
+        view[got:] = 0
 
 
 def exchange(transfers: list[Transfer], rank: int, pg, src_dir: str, dst_dir: str, algorithm: str,
@@ -182,28 +192,33 @@ def exchange(transfers: list[Transfer], rank: int, pg, src_dir: str, dst_dir: st
     if receiving:
         with contextlib.suppress(OSError):  # if it cannot be made, each file says so (_Incoming)
             os.makedirs(dst_dir, exist_ok=True)
-    files = _open_all(src_dir, sending, problems)
-    incoming = [_Incoming(dst_dir, t, algorithm, step) for t in receiving]
+    outgoing = [_Outgoing(src_dir, t, chunk, problems) for t in sending]
+    incoming = [(_Incoming(dst_dir, t, algorithm, step), _buffers(t.expected["size"], chunk)) for t in receiving]
     try:
-        rounds = max([_chunks(t.expected["size"], chunk) for t in sending + receiving], default=0)
-        for k in range(rounds):
+        rounds, pending = max([_chunks(t.expected["size"], chunk) for t in sending + receiving], default=0), []
+        for out in outgoing:
+            out.read(0)
+        for k in range(rounds):  # chunk k on the wire while chunk k - 1 is written and chunk k + 1 read
             works, arriving = [], []
-            for file, t in zip(files, sending):
-                if k < _chunks(t.expected["size"], chunk):
-                    works.append(dist.isend(_outgoing_chunk(file, t, k, chunk), t.dst, group=pg, tag=t.tag))
-            for inc in incoming:
-                size = inc.t.expected["size"]
-                if k < _chunks(size, chunk):
-                    buf = torch.empty(min(chunk, size - k * chunk), dtype=torch.uint8)
-                    works.append(dist.irecv(buf, inc.t.src, group=pg, tag=inc.t.tag))
-                    arriving.append((inc, buf))
+            for out in outgoing:
+                if (view := out.chunk_at(k)) is not None:
+                    works.append(dist.isend(view, out.t.dst, group=pg, tag=out.t.tag))
+            for inc, bufs in incoming:
+                if (view := _slot(bufs, inc.t.expected["size"], chunk, k)) is not None:
+                    works.append(dist.irecv(view, inc.t.src, group=pg, tag=inc.t.tag))
+                    arriving.append((inc, view))
+            for inc, view in pending:
+                inc.write(view)
+            for out in outgoing:
+                out.read(k + 1)
             for work in works:
                 work.wait()
-            for inc, buf in arriving:
-                inc.write(buf)
-        problems += [p for p in (inc.finish() for inc in incoming) if p]
+            pending = arriving
+        for inc, view in pending:
+            inc.write(view)
+        problems += [p for p in (inc.finish() for inc, _ in incoming) if p]
     finally:
-        for f in [*files, *(inc.file for inc in incoming)]:
+        for f in [*(out.file for out in outgoing), *(inc.file for inc, _ in incoming)]:
             if f is not None and not f.closed:
                 f.close()
     return problems

@@ -178,12 +178,14 @@ class MemoryRecovery:
         for step in sorted({s for summary in nodes.values() for s in summary}, reverse=True):
             entries = {n: summary[step] for n, summary in nodes.items() if step in summary}
             marked = [e for e in entries.values() if "id" in e]
-            why = "; ".join(self._node(n) + e["problem"] for n, e in sorted(entries.items()) if "problem" in e)
+            unmarked = "; ".join(self._node(n) + e["problem"] for n, e in sorted(entries.items()) if "problem" in e)
+            why = unmarked
             for identity in sorted({e["id"] for e in marked}, key=lambda i: -sum(e["id"] == i for e in marked)):
                 cand = self._candidate(step, {n: e for n, e in entries.items() if e.get("id") == identity})
                 why = cand.uncovered() or self._verify(cand)
                 if why is None:
                     return cand
+                why = "; ".join(filter(None, (why, unmarked)))
             path = step_dir(self.folder, step)
             self.info(f"resume: skipping {path}: {why}")
             self.event("resume_skip", step=step, path=path, reason=why)
