@@ -5,7 +5,8 @@
 Owns how to checkpoint, and every failure rule. A training loop opens one handle, TrainingCheckpoints
 (loop.py, `open_checkpoints`: resume, when to save, what a failure means, finish, export), which drives
 CheckpointManager (manager.py: how; its parts are saver.py, committer.py, lock.py and resume.py), and with
-ckpt.memory_interval a second one for node-local memory (memory.py, the memory tier). Offline
+ckpt.memory_interval a second one for node-local memory (memory.py, the memory tier; replicate.py copies it to
+peer nodes, recover.py resumes from it, peers.py moves files between nodes). Offline
 tools: `python -m ckpt` (verify, inspect: describe.py, reshard, export). Nothing here imports the training
 config: the trainer hands over plain objects, its options, an event sink, and a CheckpointSchema (schema.py)
 naming what its checkpoints hold.

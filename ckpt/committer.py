@@ -34,7 +34,16 @@ from .manifest import commit_checkpoint
 from .errors import SAVE_ERRORS, CheckpointError, RetentionError, cause_line, collective_timed_out, save_failure
 from .faults import fault_at
 from .retention import apply_retention, delete_share, list_trash, remove_trash
-from .saver import StagingWait
+from .saver import StagingWait, prepare_step_dir
+
+
+def record_event(on_event: Callable[..., None], on_log: Callable[[str], None], name: str, **fields) -> None:
+    """`on_event(name, **fields)`; a failure to record is logged, never raised (rank 0 must not skip a collective
+    because a logger failed)."""
+    try:
+        on_event(name, **fields)
+    except Exception as e:  # noqa: BLE001 - e.g. a TensorBoard/W&B write; the protocol goes on
+        on_log(f"warning: could not record the {name} event: {type(e).__name__}: {e}")
 
 
 class Committer:
@@ -51,10 +60,13 @@ class Committer:
         self._thread.shutdown(wait=True)
 
     def on_event(self, name: str, **fields) -> None:
-        try:
-            self._on_event(name, **fields)
-        except Exception as e:  # noqa: BLE001 - e.g. a TensorBoard/W&B write; the protocol goes on
-            self.on_log(f"warning: could not record the {name} event: {type(e).__name__}: {e}")
+        record_event(self._on_event, self.on_log, name, **fields)
+
+    def prepare(self, path: str, step: int, files: dict[str, str]) -> None:
+        """Before a save writes: rank 0 makes the step folder and its small files (saver.py), every rank receives
+        the outcome; a leftover of the same step moved into .trash is swept first, so its space is free."""
+        if on_rank0_then_share(lambda: prepare_step_dir(self.dir, path, files, self.on_log), self.pg, CheckpointError):
+            self.sweep_trash(step)
 
     # ------------------------------------------------------------ commit
 

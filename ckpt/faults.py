@@ -18,7 +18,10 @@ order a step and its save reach them:
   write          storage writer starts writing this rank's shards (the upload: in process async mode
                  this runs in the uploader process, so `kill` kills only the uploader)
   partial_write  the first bytes of a shard file are on disk, the rest are not (a torn file)
-  before_commit  every rank's data is durable, commit marker not written
+  replicate      memory tier: this rank's files are written, their copies to peer nodes not started
+  partial_replica  memory tier: the first bytes of a copy from a peer are on disk (a .part file), the rest not
+  before_commit  every rank's data is durable (memory tier: and copied), commit marker not written (memory
+                 tier: this node's; it fires on every rank, the marker is its node leader's)
   after_commit   marker written (rank 0 only), retention not run yet
   sweep          retention moved the old folders into .trash, no file deleted yet (every rank, in the
                  background after a commit; also before a save whose folder held a leftover)

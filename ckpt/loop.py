@@ -23,11 +23,12 @@ what a failure means, how to resume, and exports the final checkpoint.
 - on an exception: no emergency save after a collective timed out (a save needs every rank), on a full
   disk, or in the middle of a step (the batch would be recorded as trained on); otherwise the last
   finished step is saved synchronously, after the in-flight save is drained.
-- the memory tier (memory.py, ckpt.memory_interval): a save to node-local memory at the other steps; resume
-  takes the newest step of either tier; the memory folder goes when the run ends normally.
+- the memory tier (memory.py, ckpt.memory_interval): a save to node-local memory, copied to other nodes; at a
+  step the disk tier saves too, it saves the disk save's staged copy; resume takes the newest step of either
+  tier; the memory folder goes when the run ends normally.
 `options` is any object with the attributes dir, async_mode, keep_last, keep_best, resume, interval,
 interval_minutes, mtbf_hours, save_at_end, continue_on_save_error (the trainer's checkpoint config), and
-optionally memory_interval, memory_dir, memory_keep; nothing here imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
+optionally memory_interval, memory_dir, memory_keep, memory_replicas; nothing here imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
 """
 
 from __future__ import annotations
@@ -123,13 +124,14 @@ class TrainingCheckpoints:
         self._tolerated(step, self.mgr.poll)
         self.memory.poll(step)
         self.mgr.prepare_staging(self.state)  # once: the optimizer state exists after a step; a no-op after
+        self.memory.prepare_staging(self.state)
         if step < self.max_steps and stop_requested():
             return True
         if step < self.max_steps and self.policy.should_save(step):  # the same answer on all ranks
+            self.memory.before_disk_save(step)
             self._tolerated(step, self.mgr.wait)  # a failed previous save must not skip this one
             self._tolerated(step, lambda: self._save(step))
-        else:  # a step the disk tier saves is not saved to memory too
-            self.memory.maybe_save(step, self.state, self.files_for, self.max_steps)
+        self.memory.maybe_save(step, self.state, self.files_for, self.max_steps, self.mgr)  # reuses the disk's staging
         return False
 
     def _save(self, step: int) -> None:

@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from common.dist import on_rank0_then_share
 from . import resume as _resume
 from .committer import Committer
 from .errors import CheckpointError, RetentionError
@@ -33,8 +32,8 @@ from .layout import step_dir, step_of, trash_dir
 from .lock import DirLock, lock_for_job
 from .preflight import process_staging_shortfall
 from .prestage import ReusedStager
-from .saver import StagingWait, prepare_step_dir, start_async, write_sync
-from .uploader import stop_uploader_process
+from .saver import StagingWait, start_async, write_sync
+from .uploader import CheckpointWriter, stop_uploader_process
 
 
 def _noop(*_args, **_kwargs) -> None:
@@ -63,28 +62,28 @@ class CheckpointManager:
     def __init__(self, ckpt_dir: str, async_mode: str = "thread", keep_last: int = 3,
                  on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop,
                  timeout: timedelta | None = None, keep_best: int = 0, groups: tuple | None = None,
-                 lock: DirLock | None = None):
+                 lock: DirLock | None = None, committer=None, writer: type = CheckpointWriter):
         """`groups`: checkpoint_groups(timeout), made here when None. `lock`: the ckpt.dir lock its caller took
-        on groups[0] (lock_for_job), released by close(); or acquire_lock() later."""
+        on groups[0] (lock_for_job), released by close(); or acquire_lock() later. `committer`, `writer`: the
+        memory tier's (replicate.py), made on groups[0]; else the Committer and CheckpointWriter of ckpt.dir."""
         if async_mode not in ("off", "thread", "process"):
             raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
         self.dir, self.async_mode = ckpt_dir, async_mode
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.pg, self._agree_pg = groups or checkpoint_groups(timeout)
-        self.committer = Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log)
+        self.committer, self.writer = committer or Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log), writer
         # events go through the committer's guard: an event that fails to record is logged, never raised
         self.on_log, self.on_event = on_log, self.committer.on_event
         self._stager = ReusedStager(async_mode)  # host buffers allocated ahead of the first save (prestage.py)
         self._inflight: Future | None = None  # the committer thread's work for the last save
         self._inflight_step: int | None = None
         self._staging: StagingWait | None = None  # the last async save's staging, until the training thread waited
-        self._lock = lock
-        self.last_saved_step: int | None = None
+        self._lock, self.last_saved_step = lock, None
+        self.staged: tuple[int, object] | None = None  # (step, staged copy) of the last async save, for the memory tier
 
     def acquire_lock(self) -> None:
-        """Refuse to run if another live job owns this ckpt.dir (lock.py: flock, or a heartbeat where the
-        file system has no flock)."""
+        """Refuse to run if another live job owns this ckpt.dir (lock.py: flock, or a heartbeat without flock)."""
         self._lock = lock_for_job(self.dir, self.pg)
 
     # ------------------------------------------------------------ save
@@ -102,24 +101,24 @@ class CheckpointManager:
             self.on_log(f"ckpt.async_mode=process -> thread: {reason or 'staging is short on another node'}")
             self.on_event("staging_fallback", reason=reason or "another node")
 
-    def save(self, step: int, state: dict, files: dict[str, str], blocking: bool = False) -> float:
+    def save(self, step: int, state: dict, files: dict[str, str], blocking: bool = False, stager=None) -> float:
         """Save `state` (Statefuls and plain values) as step-NNNNNN; returns the training-blocking seconds.
 
         `files` (name -> text) are written beside the shards by rank 0 (meta.json, config.yaml).
-        blocking=True (or async_mode=off) returns only once the checkpoint is committed.
-        """
+        blocking=True (or async_mode=off) returns only once the checkpoint is committed. `stager`: instead of
+        this manager's own (memory.py: a replay of the disk save's staged copy)."""
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight; raises a previous save's error
         path = step_dir(self.dir, step)
-        if on_rank0_then_share(lambda: prepare_step_dir(self.dir, path, files, self.on_log), self.pg, CheckpointError):
-            self.committer.sweep_trash(step)  # rare (after a crash): free the leftover's space before this save writes
+        self.committer.prepare(path, step, files)
         if blocking or self.async_mode == "off":
             metadata = write_sync(state, path, step, self.pg, self.dir)
             blocking_s = self.committer.commit_sync(path, step, metadata, list(files), t0, time.perf_counter() - t0)
             self._inflight = self.committer.start_retention(step)
         else:
-            upload, self._staging = start_async(state, path, step, self.pg, self._stager.ready(), self.async_mode,
-                                                self.dir)
+            upload, self._staging = start_async(state, path, step, self.pg, stager or self._stager.ready(),
+                                                self.async_mode, self.dir, self.writer)
+            self.staged = (step, self._staging.staged)
             blocking_s = time.perf_counter() - t0
             self._inflight = self.committer.start_async_commit(upload, path, step, self.async_mode, t0, blocking_s,
                                                                list(files), self._staging)

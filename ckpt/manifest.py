@@ -76,11 +76,12 @@ def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files
 
 
 def commit_checkpoint(ckpt_path: str, world_size: int, digests: dict[str, dict], metadata,
-                      own_files: list[str]) -> dict:
-    """Write the commit marker from the gathered digests. Call on one rank after the save finished."""
+                      own_files: list[str], **extra) -> dict:
+    """Write the commit marker from the gathered digests. Call on one rank after the save finished. `extra`:
+    more fields (the memory tier's "held", the files this node's folder holds, replicate.py)."""
     files = build_manifest(ckpt_path, digests, metadata, own_files)
     marker = {"step": step_of(ckpt_path), "world_size": world_size, "committed_at": time.time(),
-              "algorithm": ALGORITHM, "files": files}
+              "algorithm": ALGORITHM, "files": files, **extra}
     if scheme_of(ckpt_path) is None:
         fsync_dir(ckpt_path)  # the data files' directory entries are durable before the marker can be
         write_json_atomic(os.path.join(ckpt_path, COMMIT_FILE), marker)
@@ -177,6 +178,12 @@ def check_files(ckpt_path: str, marker: dict, names: list[str], jobs: int = 1) -
     return next((r for r in results if r is not None), None)
 
 
+def held_files(marker: dict) -> list[str]:
+    """The files a checkpoint folder holds: all of the manifest, or a memory step's "held" list (one node's folder
+    holds its own ranks' files and its replicas, docs/memory-tier.md)."""
+    return sorted(marker.get("held") or marker["files"])
+
+
 def shares(files: dict[str, dict], world_size: int) -> list[list[str]]:
     """Split the manifest's files over ranks by size (largest first to the least loaded rank), the same
     on every rank, so each verifies about total/W bytes."""
@@ -193,7 +200,7 @@ def verify_checkpoint(ckpt_path: str, jobs: int = 1) -> dict:
     """The full check in one process: manifest, then every file's size and checksum. Returns the marker;
     raises VerifyError naming the first bad file."""
     marker = check_manifest(ckpt_path)
-    problem = check_files(ckpt_path, marker, sorted(marker["files"]), jobs)
+    problem = check_files(ckpt_path, marker, held_files(marker), jobs)
     if problem:
         raise VerifyError(problem)
     return marker

@@ -1,20 +1,23 @@
 """The memory tier: the same checkpoint as the disk tier, every ckpt.memory_interval steps, into node-local memory
-(tmpfs files under /dev/shm by default), so a job whose processes died resumes from RAM, at any world size.
+(tmpfs files under /dev/shm by default), copied to `ckpt.memory_replicas` other nodes, so a job whose processes
+died, or that lost a node, resumes from RAM, at any world size.
 
-    python -m pytest tests/test_memory_tier.py -q
+    python -m pytest tests/test_memory_tier.py tests/test_memory_replicas.py -q
 
 The protocol (docs/memory-tier.md):
-- a memory step is a second CheckpointManager's checkpoint in `memory_dir`: the same DCP files, per-file
-  checksums and commit marker (committer.py), saved off the training thread (async thread mode); a step counts
-  only once marked, all or nothing. Its retention keeps the newest `memory_keep` steps and never sees ckpt.dir.
-- a step where the disk tier saves is not saved to memory too (the disk copy is the newer tier's equal).
+- a memory step is a second CheckpointManager's checkpoint in `memory_dir`: the same DCP files and per-file
+  checksums, saved off the training thread (async thread mode), copied to the next nodes of the ring, and marked
+  per node once every rank's files have their copies (replicate.py); all or nothing. Retention is per node: the
+  newest `memory_keep` steps; it never sees ckpt.dir.
+- a step the disk tier saves too reuses the disk save's staged copy (no second staging): the newest step is in
+  memory as well. Its buffers are the disk tier's, so the disk tier's next save waits for that memory save.
 - the files live in the folder, not in a process: they outlive a SIGKILLed rank; under `torchrun --max-restarts`
   the restarted ranks resume from them. The folder is removed when the run ends normally (exit 0).
-- resume=auto: the ranks agree (verify's all-reduce) on the newest verified memory step, then on the newest
-  verified disk step after it; the newer wins. A damaged memory step is skipped with one line.
-- one node only: with several nodes the tier turns off with one line (replication to peers is not built).
-- budget: (memory_keep + 1) x the rank's state bytes per local rank must fit the folder's filesystem (and RAM,
-  for tmpfs), or the tier turns off at start with one line: never a SIGBUS mid-run.
+- resume=auto: the ranks agree on the newest memory step the live nodes hold every file of (recover.py), verify
+  it, then look for a newer verified disk step; the newer wins. What a rank reads and its node lacks comes from
+  a peer over gloo. A damaged or incomplete memory step is skipped with one line.
+- budget: (memory_keep + 1) x (1 + replicas) x the rank's state bytes per local rank must fit the folder's
+  filesystem (and RAM, for tmpfs), or the tier turns off at start with one line: never a SIGBUS mid-run.
 A failed memory save is a warning (a `checkpoint_failed` event with tier=memory): the disk tier still stands.
 """
 
@@ -25,14 +28,18 @@ import hashlib
 import os
 import shutil
 
+from common.dist import all_ranks_reduce
 from common.words import plural
 from .errors import CheckpointError
-from .layout import step_of
+from .layout import step_dir, step_of
 from .manager import CheckpointManager, checkpoint_groups
+from .peers import NodeLayout
 from .preflight import mem_available_bytes, shm_free_bytes
+from .recover import MemoryRecovery, PeerLoad
+from .replicate import MemoryWriter, NodeCommitter
+from .saver import Replay
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
-QUIET = ("checkpoint step", "retention: deleted")  # the memory manager's per-save lines (committer.py)
 
 
 def default_memory_dir(ckpt_dir: str) -> str:
@@ -43,10 +50,6 @@ def default_memory_dir(ckpt_dir: str) -> str:
     except (KeyError, OSError):  # no passwd entry (containers)
         user = str(os.getuid())
     return f"/dev/shm/fsdp-ckpt-{digest}-{user}"
-
-
-def node_count() -> int:
-    return max(1, int(os.environ.get("WORLD_SIZE", "1")) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def _existing(path: str) -> str:
@@ -76,12 +79,13 @@ def _held_bytes(folder: str) -> int:
 
 
 def memory_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, free: int, held: int,
-                     mem_available: int | None) -> str | None:
-    """Why `local_ranks` ranks of `nbytes` state each cannot keep `keep` memory steps (plus the one being written)
-    in `folder`, or None. `mem_available`: RAM, when the folder is in RAM (tmpfs), else None. Pure: tests pass
-    fake numbers."""
-    need, gib = nbytes * local_ranks * (keep + 1), 2**30
-    what = f"{plural(local_ranks, 'rank')} x {keep + 1} steps x {nbytes / gib:.2f} GiB need {need / gib:.2f} GiB"
+                     mem_available: int | None, replicas: int = 0) -> str | None:
+    """Why `local_ranks` ranks of `nbytes` state each, with `replicas` other nodes' copies, cannot keep `keep`
+    memory steps (plus the one being written) in `folder`, or None. `mem_available`: RAM, when the folder is in
+    RAM (tmpfs), else None. Pure: tests pass fake numbers."""
+    need, gib = nbytes * local_ranks * (keep + 1) * (1 + replicas), 2**30
+    copies = f" x (1 + {plural(replicas, 'replica')})" if replicas else ""
+    what = f"{plural(local_ranks, 'rank')} x {keep + 1} steps{copies} x {nbytes / gib:.2f} GiB need {need / gib:.2f} GiB"
     if need > free + held:
         return f"{what} in {folder}, {(free + held) / gib:.2f} GiB free"
     if mem_available is not None and need > mem_available + held:
@@ -89,12 +93,22 @@ def memory_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, free
     return None
 
 
-def folder_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str) -> str | None:
+def folder_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, replicas: int) -> str | None:
     """`memory_shortfall` with this node's numbers."""
     in_ram = _filesystem_type(_existing(folder)) in RAM_FILESYSTEMS
     held = _held_bytes(folder) if os.path.isdir(folder) else 0
     return memory_shortfall(nbytes, local_ranks, keep, folder, shm_free_bytes(_existing(folder)), held,
-                            mem_available_bytes() if in_ram else None)
+                            mem_available_bytes() if in_ram else None, replicas)
+
+
+def node_layout() -> NodeLayout | str:
+    """This rank's node layout, or why the ring cannot be built (the same answer on every rank: two all-reduces)."""
+    layout = NodeLayout.here()
+    smallest, largest = all_ranks_reduce(layout.ranks_per_node, "min"), -all_ranks_reduce(-layout.ranks_per_node, "min")
+    if smallest != largest or not layout.regular:
+        return (f"{layout.world_size} ranks are not the same number on every node (LOCAL_WORLD_SIZE {smallest} to "
+                f"{largest}), which the ring of replicas needs")
+    return layout
 
 
 class MemoryTier:
@@ -103,27 +117,35 @@ class MemoryTier:
     def __init__(self, log, interval: int = 0, keep: int = 1):
         self.log, self.interval, self.keep = log, interval, keep
         self.mgr: CheckpointManager | None = None
-        self.skipped: list[str] = []  # resume: memory steps that failed verification, with why
+        self.layout, self.replicas = NodeLayout(0, 1, 1), 0
+        self.skipped: list[str] = []  # resume: memory steps that could not be used, with why
+        self.reusing = False  # the save in flight reads the disk tier's staged copy (its buffers)
 
     @classmethod
     def open(cls, options, timeout, log) -> "MemoryTier":
-        """The tier `options` (memory_interval, memory_dir, memory_keep; absent: off) asks for, on every rank."""
+        """The tier `options` (memory_interval, memory_dir, memory_keep, memory_replicas; absent: off) asks for,
+        on every rank."""
         tier = cls(log, getattr(options, "memory_interval", 0), getattr(options, "memory_keep", 1))
         if not tier.interval:
             return tier
-        if node_count() > 1:
-            tier.turn_off(f"{plural(node_count(), 'node')}, and replication of memory steps to other nodes is not "
-                          "built yet (docs/memory-tier.md); the disk tier stands")
+        layout = node_layout()
+        if isinstance(layout, str):
+            tier.turn_off(f"{layout}; the disk tier stands")
             return tier
+        tier.layout, tier.replicas = layout, min(getattr(options, "memory_replicas", 1), layout.nodes - 1)
         folder = getattr(options, "memory_dir", "") or default_memory_dir(options.dir)
-        tier.mgr = CheckpointManager(folder, "thread", tier.keep, tier._event, tier._info,
-                                     groups=checkpoint_groups(timeout))
-        log.info(f"memory tier: every {plural(tier.interval, 'step')} into {folder} (keeping {tier.keep})")
+        groups = checkpoint_groups(timeout)
+        committer = NodeCommitter(folder, groups[0], tier.keep, layout, tier.replicas, tier._event, tier._info)
+        tier.mgr = CheckpointManager(folder, "thread", tier.keep, tier._event, tier._info, groups=groups,
+                                     committer=committer, writer=MemoryWriter)
+        copies = (f", {plural(layout.nodes, 'node')}, each step's files also on the next "
+                  f"{plural(tier.replicas, 'node') if tier.replicas > 1 else 'node'}" if tier.replicas else
+                  f", {plural(layout.nodes, 'node')}, no replicas" if layout.nodes > 1 else "")
+        log.info(f"memory tier: every {plural(tier.interval, 'step')} into {folder} (keeping {tier.keep}{copies})")
         return tier
 
     def _info(self, line: str) -> None:
-        if not line.startswith(QUIET):  # a save every step: its commit and retention are events, not log lines
-            self.log.info(f"memory tier: {line}")
+        self.log.info(f"memory tier: {line}")
 
     def _event(self, name: str, **fields) -> None:
         if name == "resume_skip":
@@ -141,32 +163,55 @@ class MemoryTier:
         """Turn the tier off on every rank (`any_rank`: the flag OR-ed over ranks) if a node lacks the room."""
         if self.mgr is None:
             return
-        reason = folder_shortfall(nbytes, local_ranks, self.keep, self.mgr.dir)
+        reason = folder_shortfall(nbytes, local_ranks, self.keep, self.mgr.dir, self.replicas)
         if any(any_rank(reason is not None)):
             self.turn_off(reason or "memory is short on another node")
 
     def resume_candidate(self, disk: CheckpointManager, resume: str) -> tuple:
-        """(manager, path or None, tier): with resume=auto and the tier on, the newest verified step of either
-        tier (the disk one only if newer), with one line saying which and why newer memory steps were skipped."""
+        """(manager, path or None, tier): with resume=auto and the tier on, the newest step of either tier (the disk
+        one only if newer), with one line saying which and why newer memory steps were skipped; a memory step's
+        `manager` fetches, inside its load, the files this node lacks (recover.py)."""
         if self.mgr is None or resume != "auto":
             return disk, disk.find_resume(resume), "disk"
-        mem_path = self.mgr.find_resume("auto")
-        mem_step = step_of(mem_path) if mem_path else -1
+        recovery = MemoryRecovery(self.mgr.dir, self.layout, self.mgr.pg, self.log.info, self._event)
+        found = recovery.find()
+        mem_step = found.step if found else -1
         path = disk.find_resume("auto", newer_than=mem_step)
         why = f"; skipped newer memory steps: {', '.join(self.skipped)}" if self.skipped else ""
-        if path is not None or mem_path is None:
-            newest = f"step {mem_step}" if mem_path else "none"
-            self.log.info(f"resume: disk tier, {f'step {step_of(path)}' if path else 'nothing'} (newest verified "
+        if path is not None or found is None:
+            newest = f"step {mem_step}" if found else "none"
+            self.log.info(f"resume: disk tier, {f'step {step_of(path)}' if path else 'nothing'} (newest recoverable "
                           f"memory step: {newest}){why}")
             return disk, path, "disk"
+        mem_path = step_dir(self.mgr.dir, mem_step)
         self.log.info(f"resume: memory tier, step {mem_step} from {mem_path} (no newer verified step in "
                       f"{disk.dir}){why}")
-        return self.mgr, mem_path, "memory"
+        recovery.fetch_small_files(found)
+        return PeerLoad(self.mgr, recovery, found), mem_path, "memory"
 
-    def maybe_save(self, step: int, state: dict, files_for, max_steps: int) -> None:
-        """Every `interval` steps before the last (the final save covers that one): a background save."""
-        if self.mgr is not None and step % self.interval == 0 and step < max_steps:
-            self._tolerated(step, lambda: self.mgr.save(step, state, files_for(step)))
+    def maybe_save(self, step: int, state: dict, files_for, max_steps: int, disk: CheckpointManager) -> None:
+        """Every `interval` steps before the last (the final save covers that one): a background save. At a step
+        the disk tier saved in the background too, it saves the disk save's staged copy; after a synchronous disk
+        save (async_mode=off) there is none, and the disk copy is as new: no memory save then."""
+        if self.mgr is None or step % self.interval or step >= max_steps:
+            return
+        staged = disk.staged[1] if disk.staged and disk.staged[0] == step else None
+        if staged is None and disk.last_saved_step == step:
+            return
+        self.reusing = staged is not None
+        self._tolerated(step, lambda: self.mgr.save(step, {} if self.reusing else state, files_for(step),
+                                                    stager=Replay(staged) if self.reusing else None))
+
+    def before_disk_save(self, step: int) -> None:
+        """The disk tier is about to stage into its buffers again: a memory save still reading them finishes first."""
+        if self.reusing:
+            self.drain(step)
+            self.reusing = False
+
+    def prepare_staging(self, state: dict) -> None:
+        """The memory saves' own staging buffers, allocated in the background before the first (prestage.py)."""
+        if self.mgr is not None:
+            self.mgr.prepare_staging(state)
 
     def poll(self, step: int) -> None:
         if self.mgr is not None:
@@ -195,5 +240,5 @@ class MemoryTier:
         folder = self.mgr.dir
         self.mgr.close()
         self.mgr = None
-        if remove and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if remove and self.layout.leader:
             shutil.rmtree(folder, ignore_errors=True)

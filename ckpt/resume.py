@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from common.dist import on_rank0_then_share
+from common.dist import first_problem, on_rank0_then_share
 from common.progress import phase
 from common.words import plural
 from .adapter import check_same_base
@@ -73,13 +73,7 @@ def verify(path: str, pg) -> dict:
     except VerifyError as e:  # the same on every rank (one file); still joins the agreement below
         metadata, problem = None, str(e)
     problem = problem or check_files(path, marker, shares(marker["files"], world_size)[rank])
-    if pg is not None:
-        flag = torch.tensor([float(problem is not None)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=pg)
-        if flag.item():  # only on failure: every rank learns the first problem found
-            problems = [None] * world_size
-            dist.all_gather_object(problems, problem, group=pg)
-            problem = next(p for p in problems if p is not None)
+    problem = first_problem(problem, pg) if pg is not None else problem
     if problem:
         raise VerifyError(problem)
     _verified[os.path.normpath(path)] = metadata
@@ -113,6 +107,13 @@ class _VerifiedReader(_VerifiedRead, FileSystemReader):
 
 class _VerifiedObjectStoreReader(_VerifiedRead, ObjectStoreReader):
     """The same for an object store: this rank's items, as parallel ranged GETs."""
+
+
+def trust_metadata(path: str, metadata) -> None:
+    """`metadata`, read from `path`'s .metadata after its checksum passed, is the one the next load of `path` uses
+    (the memory tier verifies its own way, recover.py)."""
+    _verified.clear()
+    _verified[os.path.normpath(path)] = metadata
 
 
 def _verified_reader(path: str):

@@ -75,10 +75,11 @@ def write_sync(state: dict, path: str, step: int, pg, ckpt_dir: str) -> Metadata
 
 class StagingWait:
     """One async save's staging as the training thread sees it: `future` (background staging on CUDA, else
-    None: staged already), how long the training thread waited for it, and `done` once it has."""
+    None: staged already), how long the training thread waited for it, and `done` once it has. `staged`: what
+    the stager returned (the staged state dict, or its future), which a second save of the same step may reuse."""
 
-    def __init__(self, future: Future | None):
-        self.future, self.wait_s, self.done = future, 0.0, threading.Event()
+    def __init__(self, future: Future | None, staged=None):
+        self.future, self.staged, self.wait_s, self.done = future, staged, 0.0, threading.Event()
         if future is None:
             self.done.set()
 
@@ -94,20 +95,53 @@ class StagingWait:
             self.done.set()
 
 
+class _Recorded:
+    """A stager that remembers what it staged (StagingWait.staged); everything else is the stager's."""
+
+    def __init__(self, stager):
+        self.stager, self.staged = stager, None
+
+    def stage(self, state_dict):
+        self.staged = self.stager.stage(state_dict)
+        return self.staged
+
+    def __getattr__(self, name):
+        return getattr(self.stager, name)
+
+
+class Replay:
+    """A stager that stages nothing: it hands DCP a copy another save already staged (StagingWait.staged)."""
+    should_synchronize_after_execute = False
+
+    def __init__(self, staged):
+        self.staged = staged
+
+    def stage(self, _state_dict):
+        return self.staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @fault_at("staged", after=True)
 def start_async(state: dict, path: str, step: int, pg, stager: DefaultStager, async_mode: str,
-                ckpt_dir: str) -> tuple[Future, StagingWait]:
+                ckpt_dir: str, writer: type = CheckpointWriter) -> tuple[Future, StagingWait]:
     """Every rank: stage `state` and start its upload in DCP's uploader (`async_mode` thread or process, whose
-    signal mask keeps preemption signals out, uploader.py). Returns the upload's future (DCP's metadata) and
-    the staging to wait for."""
+    signal mask keeps preemption signals out, uploader.py), through `writer` and its planner. Returns the
+    upload's future (DCP's metadata) and the staging to wait for."""
     kind = AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
+    recorded = _Recorded(stager)
     try:
         with preemption_signals_blocked():
-            resp = dcp.async_save(state, storage_writer=CheckpointWriter(path, step), process_group=pg, async_stager=stager,
-                                  planner=save_planner(ckpt_dir, pg), async_checkpointer_type=kind)
+            resp = dcp.async_save(state, storage_writer=writer(path, step), process_group=pg, async_stager=recorded,
+                                  planner=save_planner(ckpt_dir, pg, writer.dedup_to_lowest_rank),
+                                  async_checkpointer_type=kind)
     except SAVE_ERRORS as e:  # staging: process mode copies into shared memory (/dev/shm)
         raise save_failure(e, "/dev/shm" if async_mode == "process" else ckpt_dir,
                            f"the staged copy of checkpoint {path}") from e
     if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
-        return resp.upload_completion, StagingWait(resp.staging_completion)
-    return resp, StagingWait(None)
+        return resp.upload_completion, StagingWait(resp.staging_completion, recorded.staged)
+    return resp, StagingWait(None, recorded.staged)

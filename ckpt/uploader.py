@@ -31,6 +31,7 @@ class CheckpointWriter(ChecksummingWriter):
     per_thread_copy_ahead=0: the staged state is already in host memory, and DCP's default (10 MB) sends
     the upload through its CUDA-stream loader, which opens a CUDA context on GPU 0 from every rank's
     uploader thread or process."""
+    dedup_to_lowest_rank = False  # the save planner's: DCP spreads the items every rank holds over the ranks
 
     def __init__(self, path: str, step: int):
         # tests: files that tear early, on a local disk (an object store shows an object whole or not at all)
@@ -43,15 +44,16 @@ class CheckpointWriter(ChecksummingWriter):
         return super().write_data(plan, planner)
 
 
-def save_planner(ckpt_dir: str, pg) -> DefaultSavePlanner:
+def save_planner(ckpt_dir: str, pg, to_lowest_rank: bool = False) -> DefaultSavePlanner:
     """Save-plan caching: from the second save on, a rank whose local plan is unchanged (same keys,
     shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan.
 
     DCP keeps that cache per planner class name, process-wide (and a forked process inherits it), so two
     managers in one process, or one world size after another, would merge their plans: a W=2 save after a
     W=1 one in the same process failed in gloo's scatter with one plan for two ranks. One key per checkpoint
-    dir and world size keeps them apart."""
-    planner = DefaultSavePlanner(enable_plan_caching=True)
+    dir and world size keeps them apart. `to_lowest_rank`: an item several ranks hold is written by the lowest
+    of them, not spread over them (the memory tier, replicate.py)."""
+    planner = DefaultSavePlanner(enable_plan_caching=True, dedup_save_to_lowest_rank=to_lowest_rank)
     world_size = dist.get_world_size(pg) if dist.is_initialized() else 1
     planner._cached_plans_key = f"{type(planner).__name__}:{os.path.realpath(ckpt_dir)}:W={world_size}"
     return planner

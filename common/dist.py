@@ -1,5 +1,6 @@
 """Rank-0 helpers shared by data loading and ckpt/: rank-0 work that other ranks wait for through the filesystem
-(no collective deadline), rank-0 work whose result or error every rank receives, a small integer all-reduce,
+(no collective deadline), rank-0 work whose result or error every rank receives, the first problem any rank
+found (every rank learns it), a small integer all-reduce,
 a free local port for a one-process group, and the world-size divisibility rule.
 
     python -m pytest tests/test_data.py -q -k wait
@@ -99,6 +100,20 @@ def on_rank0_then_share(fn: Callable[[], object], group, error_type: type[Except
     if out[1] is not None:
         raise error_type(out[1])
     return out[0]
+
+
+def first_problem(problem: str | None, group) -> str | None:
+    """The first problem any rank of `group` found (in rank order), on every rank; None if none did. One 1-float
+    all-reduce; the problems themselves are gathered only when there is one."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return problem
+    flag = torch.tensor([float(problem is not None)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not flag.item():
+        return None
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)
+    return next(p for p in problems if p is not None)
 
 
 def free_port() -> int:

@@ -132,7 +132,7 @@ class CkptConfig:
     memory_interval: int = 0  # also save to node-local memory every N steps (0: off; docs/memory-tier.md)
     memory_dir: str = ""  # default /dev/shm/fsdp-ckpt-<hash of ckpt.dir>-<user>; or node-local NVMe
     memory_keep: int = 1  # keep the newest 1 or 2 memory steps
-    memory_replicas: int = 1  # copies on other nodes (multi-node; not built yet: docs/memory-tier.md)
+    memory_replicas: int = 1  # copies of each node's memory steps on the next nodes (several nodes; ring by node)
 
 
 @dataclass

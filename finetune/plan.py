@@ -296,13 +296,13 @@ def memory_tier_lines(cfg, rank_bytes: int, ranks_per_node: int, nodes: int) -> 
     c = cfg.ckpt
     if not c.memory_interval:
         return []
-    if nodes > 1:
-        return [f"memory tier (ckpt.memory_interval={c.memory_interval}): off with {nodes} nodes (replication to "
-                "other nodes is not built yet: docs/memory-tier.md)"]
-    need = (c.memory_keep + 1) * ranks_per_node * rank_bytes
+    replicas = min(c.memory_replicas, nodes - 1)  # as ckpt/memory.py: at most one copy on each other node
+    copies = f" x (1 + {plural(replicas, 'replica')})" if replicas else ""
+    need = (c.memory_keep + 1) * (1 + replicas) * ranks_per_node * rank_bytes
     return [f"memory tier (ckpt.memory_interval={c.memory_interval}): {size(need)} per node in "
-            f"{c.memory_dir or '/dev/shm'} ((memory_keep {c.memory_keep} + 1) x {plural(ranks_per_node, 'rank')} x "
-            f"{size(rank_bytes)}), and {size(ranks_per_node * rank_bytes)} of RAM to stage its saves"]
+            f"{c.memory_dir or '/dev/shm'} ((memory_keep {c.memory_keep} + 1){copies} x "
+            f"{plural(ranks_per_node, 'rank')} x {size(rank_bytes)}), and {size(ranks_per_node * rank_bytes)} of RAM "
+            "to stage its saves"]
 
 
 def make_plan(cfg, args) -> tuple[list[str], list[str]]:

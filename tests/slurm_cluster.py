@@ -10,7 +10,7 @@ it through SLURM_CONF), daemons run in the foreground as our children and are st
 `unavailable_reason()` says precisely why a cluster cannot run here, for a skip message.
 
 With nodes=N the cluster is N+1 simulated machines (`Host`): slurmctld in one, one slurmd in each of the
-others, every one in its own network, UTS (host name) and mount namespaces (its own /etc/hosts). The
+others, every one in its own network, UTS (host name) and mount namespaces (its own /etc/hosts and /dev/shm). The
 controller's namespace holds a bridge; each node has a veth link `eth0` into it. Traffic never leaves
 namespaces created here, and they vanish, links included, once their processes are killed.
 """
@@ -169,6 +169,8 @@ class Host:
         self.netns = os.readlink(f"/proc/{self.holder.pid}/ns/net")
         self.sh("hostname", self.name)
         self.sh("ip", "link", "set", "lo", "up")
+        self.sh("mount", "-t", "tmpfs", "-o", "mode=1777", "tmpfs", "/dev/shm")  # its own, as a machine has
+        self.shm = f"/proc/{self.holder.pid}/root/dev/shm"  # that /dev/shm, as this process sees it
         if hosts_file:  # this machine's own name resolution, as DNS or /etc/hosts gives it on a real cluster
             self.sh("mount", "--bind", hosts_file, "/etc/hosts")
 

@@ -97,3 +97,23 @@ def test_ckpt_bench_tiny(tmp_path):
     assert scaled["per_rank_GB"] == measured["per_rank_GB"] / 2 and scaled["old_commit_s"] == measured["old_commit_s"]
     md = (out / "ckpt_scale.md").read_text()
     assert "| 7B | 84 GB | 4 |" in md and md.count("(extrapolated: W=2 x 2)") == 3
+
+
+def test_memory_bench_tiny(tmp_path):
+    """Two local nodes: memory against disk saves, throughput, restarts; every figure it promises is there."""
+    out = tmp_path / "res"
+    args = ["--hidden", "64", "--layers", "1", "--vocab", "256", "--seq-len", "16", "--rounds", "2", "--steps", "2",
+            "--out", str(out)]
+    run("memory_bench", args, 300)
+    r = check_provenance(out, "memory_bench", args)
+    assert (r["nodes"], r["world_size"], r["replicas"]) == (2, 2, 1)
+    for tier in ("memory", "disk"):
+        save, restart = r["saves"][tier], r["restart"][tier]
+        assert 0 < save["blocking_s"]["min"] <= save["blocking_s"]["max"] <= save["committed_s"]["max"]
+        assert 0 < restart["resume_s"]["max"] <= restart["resume_and_first_step_s"]["max"]
+        assert restart["resume_and_first_step_s"]["median"] < restart["restart_to_first_step_s"]["median"]
+    tp = r["throughput_steps_per_s"]
+    assert r["ratios"]["throughput_memory_every_step_over_none"] == tp["memory"]["median"] / tp["none"]["median"]
+    assert all(r["ratios"][k] > 0 for k in ("restart_disk_over_memory", "resume_and_first_step_disk_over_memory",
+                                            "resume_disk_over_memory"))
+    assert "| memory tier (committed: replicated and marked on every node) |" in (out / "memory_bench.md").read_text()

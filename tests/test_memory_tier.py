@@ -40,6 +40,18 @@ def kill_after_memory_step(run_dir, step: int, **only) -> str:
     return f"wait_for@after_step:{step + 1},secs=120,file={marker}{opts};kill@after_step:{step + 1}{opts}"
 
 
+def damage_step(path: str, damage: str) -> None:
+    """Damage rank 1's shard of checkpoint folder `path` (a flipped byte, or the file missing), or its marker."""
+    if damage == "flipped_byte":
+        with open(os.path.join(path, "__1_0.distcp"), "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    else:
+        os.remove(os.path.join(path, "__1_0.distcp" if damage == "missing_file" else "commit.json"))
+
+
 def step_records(run_dir) -> dict[int, dict]:
     return read_metrics(os.path.join(str(run_dir), "metrics.jsonl"))[0]
 
@@ -103,14 +115,7 @@ def test_a_damaged_memory_step_is_skipped(root, tmp_path, damage):
     mem = f"{tmp_path / 'd'}-mem"
     shutil.copytree(f"{root / 'c'}-mem", mem)
     newest = os.path.join(mem, f"step-{K:06d}")
-    if damage == "flipped_byte":
-        with open(os.path.join(newest, "__1_0.distcp"), "r+b") as f:
-            f.seek(100)
-            byte = f.read(1)
-            f.seek(100)
-            f.write(bytes([byte[0] ^ 0xFF]))
-    else:
-        os.remove(os.path.join(newest, "__1_0.distcp" if damage == "missing_file" else "commit.json"))
+    damage_step(newest, damage)
     proc = run_train(tmp_path / "d", 2, [*with_memory(tmp_path / "d"), "train.max_steps=8"])
     assert [(e["step"], e["tier"]) for e in events(tmp_path / "d", "resume")] == [(K - 1, "memory")]
     line = next(ln for ln in proc.stdout.splitlines() if "resume: memory tier" in ln)
@@ -141,7 +146,7 @@ def test_a_disk_step_newer_than_memory_wins(root, tmp_path):
     shutil.copytree(f"{root / 'c'}-mem", f"{tmp_path / 'e'}-mem")
     proc = run_train(tmp_path / "e", 2, with_memory(tmp_path / "e"))
     assert [(e["step"], e["tier"]) for e in events(tmp_path / "e", "resume")] == [(10, "disk")]
-    assert f"resume: disk tier, step 10 (newest verified memory step: step {K})" in proc.stdout
+    assert f"resume: disk tier, step 10 (newest recoverable memory step: step {K})" in proc.stdout
     assert losses(tmp_path / "e") == {s: v for s, v in losses(root / "a").items() if s > 10}
 
 
@@ -153,6 +158,8 @@ def test_memory_shortfall_names_what_is_short():
     assert memory_shortfall(gib, 2, 1, "/dev/shm/x", 3 * gib, 1 * gib, 8 * gib) is None  # old steps get freed
     assert "of RAM" in memory_shortfall(gib, 2, 2, "/dev/shm/x", 9 * gib, 0, 5 * gib)
     assert memory_shortfall(gib, 2, 2, "/nvme/x", 9 * gib, 0, None) is None  # not in RAM: the disk's room only
+    why = memory_shortfall(gib, 2, 1, "/dev/shm/x", 5 * gib, 0, 8 * gib, replicas=1)  # a peer's copy doubles it
+    assert why == "2 ranks x 2 steps x (1 + 1 replica) x 1.00 GiB need 8.00 GiB in /dev/shm/x, 5.00 GiB free"
 
 
 def test_a_folder_too_small_turns_the_tier_off_at_start(tmp_path):
@@ -177,4 +184,4 @@ def test_plan_shows_the_memory_tier_per_node(capsys, monkeypatch):
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory tier"))
     assert "per node in /dev/shm ((memory_keep 1 + 1) x 8 ranks x" in line
     assert train_fsdp.main(["--config", tiny, "--plan", "--nodes", "2", "ckpt.memory_interval=1"]) == 0
-    assert "off with 2 nodes" in capsys.readouterr().out
+    assert "((memory_keep 1 + 1) x (1 + 1 replica) x 8 ranks x" in capsys.readouterr().out

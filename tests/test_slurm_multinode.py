@@ -1,4 +1,5 @@
-"""Multi-node SLURM for real: slurm/train.sbatch on a two-host cluster, preempted, resumed on fewer nodes.
+"""Multi-node SLURM for real: slurm/train.sbatch on a two-host cluster, preempted, resumed on fewer nodes, a host
+lost and its ranks resumed from the other host's memory replica.
 
     python -m pytest tests/test_slurm_multinode.py -q -rs     # as root, after `bash .ci/install-slurm.sh`
 
@@ -26,6 +27,7 @@ import pytest
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
 from ckpt.layout import LOCK_FILE
 from ckpt.lock import STALE_S
+from ckpt.memory import default_memory_dir
 from conftest import FAST, ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
 from slurm_cluster import Host, SlurmCluster, SlurmError, running, unavailable_reason
@@ -296,9 +298,15 @@ def test_preempted_on_two_nodes_resumes_on_one_with_the_same_data(cluster, refer
     assert "1 node(s) x 1 worker(s)" in one.log()
     (resumed,) = [e for e in events(run, "resume")]
     assert (resumed["step"], resumed["world_size"], resumed["saved_world_size"]) == (p, 1, 2)
+    assert_continues_on_one_rank(run, reference, p)
+
+
+def assert_continues_on_one_rank(run, reference, resumed: int) -> None:
+    """Steps 1-24 are in the run's metrics; those after `resumed` ran at W=1 on the reference's samples, with its
+    losses within the world-size tolerance."""
     after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
     assert sorted(after) == list(range(1, 25))
-    for s in range(p + 1, 25):
+    for s in range(resumed + 1, 25):
         assert after[s]["world_size"] == 1
         assert after[s]["sample_ids"] == reference[s]["sample_ids"], f"step {s}: a different global batch"
         assert after[s]["loss"] == pytest.approx(reference[s]["loss"], abs=1e-4), f"step {s}"
@@ -493,3 +501,43 @@ def test_agent_killed_alone_takes_its_workers_with_it(cluster, tmp_path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while an orphan holds it
     info = job.wait_end(timeout=120)
     assert info["JobState"] in ("FAILED", "CANCELLED", "COMPLETED") and info["ExitCode"] != "0:0", job.explain()
+
+
+# ---------------------------------------------------------------- 7. a host lost: the memory tier's replica
+
+def test_a_lost_host_resumes_on_the_other_from_its_memory_replica(cluster, reference, tmp_path):
+    """Memory steps every step with one replica: each host's /dev/shm holds its rank's files and a copy of the
+    other's. After step K + 1 (memory step K marked on both hosts) node2's job processes are SIGKILLed and its
+    memory folder wiped; the job is cancelled. Resubmitted on node1 alone, it resumes at step K from memory,
+    W=2 -> W=1, reading node2's rank from node1's copy, and trains the reference's samples."""
+    k, run = 5, tmp_path / "run"
+    folder = default_memory_dir(os.path.join(str(run), "checkpoints"))  # each host's own /dev/shm (slurm_cluster.py)
+    paused = tmp_path / "paused"
+    overrides = ["ckpt.memory_interval=1", "ckpt.keep_last=0"]
+    job = Job(cluster, run, nodes=2, overrides=overrides,
+              fault=f"wait_for@after_step:{k + 1},secs=120,file={folder}/step-{k:06d}/commit.json;"
+                    f"sleep@after_step:{k + 1},secs=600,file={paused}")
+    job.wait_for("both ranks to pause after memory step {k}", lambda: paused.exists() or
+                 job.info()["JobState"] in FINAL_STATES, 240)
+    markers = {n: f"{cluster.hosts[n].shm}{folder[len('/dev/shm'):]}/step-{k:06d}/commit.json" for n in cluster.nodes}
+    job.wait_for("both hosts' markers", lambda: all(os.path.exists(m) for m in markers.values()), 60)
+    lost = workers(cluster, "node2")
+    (lost_rank,) = lost
+    held = json.load(open(markers["node1"]))["held"]
+    assert f"__{lost_rank}_0.distcp" in held, f"node1 holds no copy of node2's rank {lost_rank}: {held}"
+    for pid in [*lost.values(), parent(next(iter(lost.values())))]:  # the rank and its torchrun agent
+        os.kill(pid, signal.SIGKILL)
+    cluster.hosts["node2"].sh("rm", "-rf", folder)
+    cluster.run("scancel", "--full", "--signal=KILL", str(job.id))
+    job.wait_end()
+    cluster.run("scontrol", "update", "NodeName=node2", "State=DRAIN", "Reason=pytest-host-lost")
+    try:
+        one = Job(cluster, run, nodes=1, overrides=overrides, log_name="one-node")
+        info = one.wait_end()
+    finally:
+        cluster.run("scontrol", "update", "NodeName=node2", "State=RESUME", check=False)
+    assert (info["JobState"], info["ExitCode"], info["NodeList"]) == ("COMPLETED", "0:0", "node1"), one.explain()
+    assert f"resume: memory tier, step {k}" in one.log(), one.log()[-4000:]
+    (resumed,) = events(run, "resume")
+    assert (resumed["step"], resumed["tier"], resumed["saved_world_size"], resumed["world_size"]) == (k, "memory", 2, 1)
+    assert_continues_on_one_rank(run, reference, k)

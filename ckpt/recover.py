@@ -1,0 +1,283 @@
+"""Recovery from the memory tier: the ranks agree on the newest memory step the live nodes can rebuild, verify
+what they hold of it, and fetch from each other what a rank reads but its node lacks.
+
+    python -m pytest tests/test_memory_replicas.py tests/test_memory_tier.py -q
+
+The protocol (docs/memory-tier.md), every rank taking part:
+1. each node's leader reads the markers in its memory folder (`node_summary`): per step, the step's identity
+   (a hash of every data file's checksum, so two saves of one step never mix), the saved world size, the saved
+   ranks whose files it holds completely, and its held files' sizes and checksums. One gather shares them:
+   a few hundred bytes per node and step.
+2. newest step first: it is recoverable if the nodes of this job that marked it hold, between them, every saved
+   rank's files and one verified set of .metadata, meta.json and config.yaml. Each such node checks the sizes
+   and checksums of what it holds, split over its local ranks (O(the node's bytes / L) per rank); a damaged
+   copy is dropped, and if no other node holds that file the step is skipped with one line saying why, and the
+   next older one is tried. Nothing found: the disk tier.
+3. the chosen step's small files go to every node that lacks them; then, inside the load (`PeerLoad`), each rank
+   works out from .metadata which files its own load reads (DCP's planner, the same one dcp.load runs), and the
+   ones its node lacks come from a node that holds them (peers.py `exchange`: over gloo, checked against the
+   holder's marker on arrival; each needed file once per node; the sending work spread over the holders' ranks
+   by bytes). At the same world size on the same nodes nothing moves. Then dcp.load reads the local folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.stateful import Stateful
+
+from common.dist import first_problem
+from common.words import plural
+from .checksum import new_hasher
+from .errors import CheckpointError
+from .layout import list_step_dirs, step_dir
+from .manifest import VerifyError, check_file, held_files, read_marker, shares
+from .peers import NodeLayout, Transfer, exchange, rank_of_file
+from .replicate import SHARED, remove_step
+from .resume import check_model_matches, load, trust_metadata
+
+DATA = ".distcp"
+
+
+def _entry(path: str) -> dict:
+    """What one marked step folder offers (raises VerifyError for a missing or unreadable marker)."""
+    marker = read_marker(path)
+    files, algorithm = marker["files"], marker["algorithm"]
+    held = {n: files[n] for n in held_files(marker) if n in files}
+    data = sorted((n, d[algorithm]) for n, d in files.items() if n.endswith(DATA))
+    identity = new_hasher(algorithm)
+    identity.update(json.dumps(data).encode())
+    by_rank = defaultdict(set)
+    for name, _ in data:
+        by_rank[rank_of_file(name)].add(name)
+    ranks = sorted(r for r, names in by_rank.items() if r is not None and names <= set(held))
+    per_node = marker.get("ranks_per_node", marker["world_size"])
+    own = [r for r in ranks if r // per_node == marker.get("node", 0)]  # written here, not copies
+    return {"id": identity.hexdigest(), "world_size": marker["world_size"], "algorithm": algorithm, "ranks": ranks,
+            "own": own, "files": held}
+
+
+def node_summary(folder: str) -> dict[int, dict]:
+    """Every step folder in this node's memory folder: step -> `_entry`, or {"problem": why} without a marker."""
+    out = {}
+    for step, path in list_step_dirs(folder):
+        try:
+            out[step] = _entry(path)
+        except VerifyError as e:
+            out[step] = {"problem": str(e)}
+    return out
+
+
+@dataclass
+class Candidate:
+    """One saved step that nodes of this job hold: node -> {"ranks": the saved ranks whose files it holds, "own":
+    those it wrote, "files": {name: manifest entry}, "small": its non-data files, "checked": files verified}."""
+    step: int
+    world_size: int
+    algorithm: str
+    holders: dict[int, dict]
+    fetched: set = field(default_factory=set)  # files this node received during the resume
+
+    def uncovered(self) -> str | None:
+        held = set().union(*(h["ranks"] for h in self.holders.values()))
+        missing = sorted(set(range(self.world_size)) - held)
+        if missing:
+            shown = ", ".join(map(str, missing[:4])) + (" ..." if len(missing) > 4 else "")
+            return f"the files of saved {'rank' if len(missing) == 1 else 'ranks'} {shown} are on no node of this job"
+        if not self.common():
+            return "no node of this job holds a verified .metadata, meta.json and config.yaml"
+        return None
+
+    def common(self) -> list[str]:
+        """The small files every node needs (.metadata, meta.json, config.yaml), from a holder that has them all."""
+        for holder in self.holders.values():
+            names = [n for n in holder["files"] if not n.endswith(DATA)]
+            if len(names) == len(holder["small"]):
+                return sorted(names)
+        return []
+
+    def to_check(self, node: int, ranks) -> list[str]:
+        """`node`'s files of saved `ranks`; with ranks None, what every node reads: its own ranks' files, rank 0's
+        small file and the small files."""
+        h = self.holders[node]
+        want = h["own"] if ranks is None else ranks
+        return sorted(n for n in h["files"] if (rank_of_file(n) in want and n.endswith(DATA) and n not in h["checked"])
+                      or (ranks is None and (n == SHARED or not n.endswith(DATA))))
+
+    def missing(self) -> set:
+        """Saved ranks no node holds checked: their copies are checked next."""
+        done = {r for h in self.holders.values() for r in h["ranks"]
+                if all(n in h["checked"] for n in h["files"] if rank_of_file(n) == r and n.endswith(DATA))}
+        return set(range(self.world_size)) - done
+
+    def keep_checked(self) -> None:
+        """Only checked copies are offered, read or sent."""
+        for h in self.holders.values():
+            h["ranks"] = {r for r in h["ranks"] if all(n in h["checked"] for n in h["files"] if rank_of_file(n) == r)}
+            h["files"] = {n: e for n, e in h["files"].items() if n in h["checked"]}
+
+    def drop(self, node: int, name: str) -> None:
+        """A damaged copy: `node` no longer offers `name`, nor the rank whose file it is."""
+        self.holders[node]["files"].pop(name, None)
+        self.holders[node]["ranks"].discard(rank_of_file(name))
+
+
+def _gather(obj, pg) -> list:
+    if pg is None:
+        return [obj]
+    out = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(out, obj, group=pg)
+    return out
+
+
+def files_read_by(state: dict, metadata) -> set[str]:
+    """The data files this rank's load of `state` reads: the plan dcp.load would make, from `metadata`."""
+    flat = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(flat, metadata, False)
+    return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
+
+
+def plan_fetch(requests: list[list[str]], cand: Candidate, layout: NodeLayout) -> list[Transfer]:
+    """Who sends what: each (node, file) once, to the node's lowest requesting rank, from the holder node with the
+    fewest bytes to send so far, by its ranks in turn. The same list on every rank (the same inputs)."""
+    load, count, seen, out = defaultdict(int), defaultdict(int), set(), []
+    for rank, names in enumerate(requests):
+        node = layout.node_of(rank)
+        for name in names:
+            holders = sorted(n for n, h in cand.holders.items() if name in h["files"] and n != node)
+            if (node, name) in seen or not holders:
+                continue  # a file no node holds: the load names it (resume.py) if a rank really reads it
+            seen.add((node, name))
+            src_node = min(holders, key=lambda n: (load[n], n))
+            expected = cand.holders[src_node]["files"][name]
+            load[src_node] += expected["size"]
+            src = layout.ranks_of(src_node)[count[src_node] % layout.ranks_per_node]
+            count[src_node] += 1
+            out.append(Transfer(src, rank, name, expected, tag=len(out)))
+    return out
+
+
+class MemoryRecovery:
+    """Steps 1-3 of the docstring for one resume. `log`: the memory tier's (info, event)."""
+
+    def __init__(self, folder: str, layout: NodeLayout, pg, info, event):
+        self.folder, self.layout, self.pg, self.info, self.event = folder, layout, pg, info, event
+        self.moved: list[Transfer] = []
+
+    def find(self) -> Candidate | None:
+        """The newest recoverable step, verified; each newer one skipped with one line (and a resume_skip event)."""
+        mine = node_summary(self.folder) if self.layout.leader else None
+        nodes = {self.layout.node_of(r): s for r, s in enumerate(_gather(mine, self.pg)) if s is not None}
+        for step in sorted({s for summary in nodes.values() for s in summary}, reverse=True):
+            entries = {n: summary[step] for n, summary in nodes.items() if step in summary}
+            marked = [e for e in entries.values() if "id" in e]
+            unmarked = "; ".join(self._node(n) + e["problem"] for n, e in sorted(entries.items()) if "problem" in e)
+            why = unmarked
+            for identity in sorted({e["id"] for e in marked}, key=lambda i: -sum(e["id"] == i for e in marked)):
+                cand = self._candidate(step, {n: e for n, e in entries.items() if e.get("id") == identity})
+                why = cand.uncovered() or self._verify(cand)
+                if why is None:
+                    return cand
+                why = "; ".join(filter(None, (why, unmarked)))
+            path = step_dir(self.folder, step)
+            self.info(f"resume: skipping {path}: {why}")
+            self.event("resume_skip", step=step, path=path, reason=why)
+        return None
+
+    def _node(self, node: int) -> str:
+        return f"node {node}: " if self.layout.nodes > 1 else ""
+
+    @staticmethod
+    def _candidate(step: int, entries: dict[int, dict]) -> Candidate:
+        first = next(iter(entries.values()))
+        holders = {n: {"ranks": set(e["ranks"]), "own": set(e["own"]), "files": dict(e["files"]), "checked": set(),
+                       "small": [f for f in e["files"] if not f.endswith(DATA)]} for n, e in entries.items()}
+        return Candidate(step, first["world_size"], first["algorithm"], holders)
+
+    def _verify(self, cand: Candidate) -> str | None:
+        """Each node checks the copies of `cand` it will read: its own ranks' files and the small ones; then, if a
+        saved rank has no checked copy (its node lost, or damaged), the other copies of its files. Its local ranks
+        split the bytes; damaged copies are dropped. None if the step is still recoverable, else why not."""
+        bad = self._check(cand, None)
+        if cand.missing():
+            bad += self._check(cand, cand.missing())
+        cand.keep_checked()
+        why = cand.uncovered()
+        if why:
+            return f"{why}; {self._node(bad[0][0])}{bad[0][2]}" if bad else why
+        for node, name, problem in bad:
+            self.info(f"resume: memory step {cand.step}: {self._node(node)}{problem}; another node's copy is used")
+        return None
+
+    def _check(self, cand: Candidate, ranks) -> list[tuple]:
+        """One round (collective): every holder checks `cand.to_check(node, ranks)`; returns (node, name, problem)."""
+        problems, mine = [], self.layout.node in cand.holders
+        names = cand.to_check(self.layout.node, ranks) if mine else []
+        local = self.layout.rank % self.layout.ranks_per_node
+        files = cand.holders[self.layout.node]["files"] if mine else {}
+        for name in shares({n: files[n] for n in names}, self.layout.ranks_per_node)[local]:
+            problem = check_file(step_dir(self.folder, cand.step), name, files[name], cand.algorithm)
+            if problem:
+                problems.append((name, problem))
+        found = first_problem("damaged" if problems else None, self.pg)
+        bad = [(self.layout.node_of(r), *p) for r, ps in enumerate(_gather(problems, self.pg) if found else []) for p in ps]
+        for node in cand.holders:
+            cand.holders[node]["checked"] |= set(cand.to_check(node, ranks))
+        for node, name, _ in bad:
+            cand.drop(node, name)
+            cand.holders[node]["checked"].discard(name)
+        return bad
+
+    def fetch(self, cand: Candidate, wanted) -> None:
+        """Every rank: the files of `wanted` its node lacks, from nodes that hold them; raises on every rank if one
+        did not arrive intact."""
+        have = set(cand.holders.get(self.layout.node, {}).get("files", {})) | cand.fetched
+        transfers = plan_fetch(_gather(sorted(set(wanted) - have), self.pg), cand, self.layout)
+        path = step_dir(self.folder, cand.step)
+        mine = [t for t in transfers if self.layout.rank in (t.src, t.dst)]
+        problems = exchange(mine, self.layout.rank, self.pg, path, path, cand.algorithm, cand.step)
+        problem = first_problem(problems[0] if problems else None, self.pg)
+        if problem:
+            raise CheckpointError(f"resume from memory step {cand.step}: a file from another node: {problem}")
+        cand.fetched |= {t.name for t in transfers if self.layout.node_of(t.dst) == self.layout.node}
+        self.moved += transfers
+
+    def fetch_small_files(self, cand: Candidate) -> None:
+        """Step 3's first half: a node that does not hold the step (a new node, or a leftover of another save
+        there, which goes first) receives its .metadata, meta.json and config.yaml."""
+        if self.layout.leader and self.layout.node not in cand.holders:
+            remove_step(step_dir(self.folder, cand.step))
+        self.fetch(cand, cand.common())
+
+    def report(self, cand: Candidate) -> None:
+        """One line (rank 0) and a `memory_fetch` event: what moved between nodes for this resume."""
+        nbytes = sum(t.expected["size"] for t in self.moved)
+        what = (f"{plural(len(self.moved), 'file')} ({nbytes / 2**20:.1f} MiB) fetched from other nodes over gloo, "
+                "checked against the markers' checksums") if self.moved else "every file read is on its own node"
+        self.info(f"resume: memory step {cand.step}: {what}")
+        self.event("memory_fetch", step=cand.step, files=len(self.moved), bytes=nbytes)
+
+
+class PeerLoad:
+    """What resume.py's resume_from asks of a manager (rank, world_size, pg, load) for a memory step: the load
+    first fetches the files this node lacks, then dcp.load reads the node's folder."""
+
+    def __init__(self, mgr, recovery: MemoryRecovery, cand: Candidate):
+        self.rank, self.world_size, self.pg = mgr.rank, mgr.world_size, mgr.pg
+        self.recovery, self.cand = recovery, cand
+
+    def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:
+        metadata = FileSystemReader(path).read_metadata()  # its checksum passed (verified, or checked on arrival)
+        trust_metadata(path, metadata)  # read once: the model check and dcp.load take this one
+        if model_state is not None:
+            check_model_matches(path, model_state, prefix)
+        self.recovery.fetch(self.cand, files_read_by(state, metadata))
+        self.recovery.report(self.cand)
+        load(path, state, self.pg, model_state, prefix)
