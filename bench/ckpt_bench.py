@@ -258,7 +258,7 @@ def interleaved_saves(model, optim, work, rounds: int) -> dict:
     """Every method once per round, in an order rotated each round, so machine load hits all of them alike."""
     import torch.distributed as dist
     from ckpt import CheckpointManager
-    from ckpt.uploader import make_stager
+    from ckpt.prestage import make_stager
     events: list = []
     stager = make_stager("thread")
     managers = {name: CheckpointManager(os.path.join(work, name), mode, keep_last=1,

@@ -9,6 +9,7 @@ naming the key, before any process group exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import difflib
@@ -54,8 +55,7 @@ class LoRAConfig:
     r: int = 0  # LoRA rank (peft); 0 = off: full fine-tuning. >0 freezes the base from name_or_path
     alpha: float = 16.0  # LoRA scaling is alpha / r
     dropout: float = 0.0  # dropout on the adapter's input (uses the per-rank RNG that checkpoints restore)
-    target_modules: str = "all-linear"  # comma-separated module names (q_proj,v_proj) or all-linear: every
-    #                                     Linear of the decoder blocks (attention + MLP projections), not lm_head
+    target_modules: str = "all-linear"  # comma-separated module names (q_proj,v_proj) or all-linear: every Linear of the decoder blocks, not lm_head
     quantize: str = "none"  # none | 4bit: a 4-bit base (QLoRA) needs GPU kernels and is not supported
 
 
@@ -122,6 +122,7 @@ class CkptConfig:
     interval_minutes: float = 0.0  # also save once this many minutes of wall clock passed since the last save (0: off)
     mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
     async_mode: str = "thread"  # off | thread | process (thread: commits sooner, cheap first save; docs/performance.md)
+    upload_nice: int = 10  # niceness 0-19 of async uploads: higher slows training steps less, commits later
     keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
     keep_best: int = 0  # also keep the k checkpoints with the lowest eval loss (needs train.eval_interval)
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
@@ -203,6 +204,7 @@ _RANGES = {
     "ckpt.mtbf_hours": _above(0),
     "ckpt.keep_last": _at_least(0),
     "ckpt.keep_best": _at_least(0),
+    "ckpt.upload_nice": _between(0, 19),
     "train.eval_interval": _at_least(0),
     "train.eval_batches": _at_least(0),
     "data.num_proc": _at_least(0),
@@ -221,10 +223,8 @@ def _coerce(key: str, value, typ):
         except yaml.YAMLError:
             pass
         if typ is float and isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)  # YAML 1.1 reads "1e-3" as a string
-            except ValueError:
-                pass
     if typ is bool and isinstance(value, bool):
         return value
     if typ is int and isinstance(value, int) and not isinstance(value, bool):
