@@ -80,6 +80,9 @@ def test_ckpt_bench_tiny(tmp_path):
         assert r["ratios"][f"async_committed_over_bare_async_{mode}"] > 0
         assert r["ratios"][f"async_blocking_over_memcpy_{mode}"] > 0
     assert set(r["throughput_steps_per_s"]) == {"none", "thread", "process"}
+    assert r["disk_GBps"]["min"] > 0  # the disk's own rate, probed in every round beside the methods
+    for name in ("dcp_plain", "dcp_sync", "dcp_async_thread", "dcp_async_process"):
+        assert r["ratios"][f"write_over_disk_{name}"] == r["methods"][name]["write_over_disk"]["median"] > 0
     assert "| dcp_async_thread |" in (out / "ckpt_bench.md").read_text()
 
     # the scale table from those rates (plus the committed checksum rates): one measured W, one extrapolated
@@ -97,3 +100,27 @@ def test_ckpt_bench_tiny(tmp_path):
     assert scaled["per_rank_GB"] == measured["per_rank_GB"] / 2 and scaled["old_commit_s"] == measured["old_commit_s"]
     md = (out / "ckpt_scale.md").read_text()
     assert "| 7B | 84 GB | 4 |" in md and md.count("(extrapolated: W=2 x 2)") == 3
+
+
+def test_realsize_bench_tiny(tmp_path):
+    """The real-size benchmark end to end at a toy size: phases with each rank's peak, the plan's components
+    against them, the loads at both world sizes, blocking against the memcpy floor, writes against the disk."""
+    out = tmp_path / "res"
+    args = ["--layers", "1", "--vocab", "512", "--steps", "3", "--seq-len", "16", "--upload-nice", "10", "--out",
+            str(out)]
+    run("realsize_bench", args, 900)
+    r = check_provenance(out, "realsize_bench", args)
+    phases = {p["phase"]: p for p in r["phases"]}
+    assert {"build", "step 1 (the first)", "save 2: staging (blocking)", "save 2: upload until committed",
+            "final save (sync)", "export"} <= set(phases)
+    assert all(p["rank0_peak_GiB"] > 0 and p["rank1_peak_GiB"] > 0 for p in phases.values())
+    for world, load in r["loads"].items():
+        assert "load (in build)" in {p["phase"] for p in load["phases"]} and load["peak_rss_GiB"], world
+    assert set(r["loads"]) == {"W=2", "W=1"} and set(r["loads"]["W=1"]["peak_rss_GiB"]) == {"0"}
+    total = r["plan_check"][-1]
+    assert total["component"].startswith("total") and total["planned_GiB"] > 0
+    assert total["measured_GiB"] == r["peak_rss_GiB"] and len(r["plan_check"]) == 4
+    saves = r["upload_nice"]["10"]
+    assert saves["first_blocking_s"] > 0 and saves["sync_write_over_disk"] > 0 and saves["checkpoint_GB"] > 0
+    assert r["blocking"]["steady_over_floor"] == saves["steady_blocking_s"] / r["host"]["memcpy_floor_s"]
+    assert r["machine_min_available_GiB"] > 0 and "| plan component |" in (out / "realsize_bench.md").read_text()
