@@ -2,7 +2,7 @@
 measured at the Qwen2.5-0.5B shape on this machine: arithmetic on a results file, written as one, so the docs quote
 a file and not hand arithmetic.
 
-    python bench/realsize_bench.py && python bench/realsize_extrapolate.py     # writes realsize_extrapolated.{json,md}
+    python bench/realsize_bench.py && python bench/realsize_extrapolate.py     # writes realsize_extrapolate.{json,md}
     python bench/realsize_extrapolate.py --results /tmp/rs --out /tmp/rs       # from a smoke run's results
 
 Rates taken from the results file (each named in the output with the file's commit and date):
@@ -90,8 +90,8 @@ def main(argv=None) -> None:
     res = {"source": {"file": os.path.relpath(path, ROOT) if path.startswith(ROOT) else path,
                       **{k: measured.get("provenance", {}).get(k) for k in ("git_commit", "finished_utc")}},
            "rates": rates, "rows": rows(rates)}
-    provenance.record(res, "realsize_extrapolated", a.out, started)
-    provenance.write_markdown(a.out, "realsize_extrapolated", to_markdown(res))
+    provenance.record(res, "realsize_extrapolate", a.out, started)
+    provenance.write_markdown(a.out, "realsize_extrapolate", to_markdown(res))
 
 
 if __name__ == "__main__":

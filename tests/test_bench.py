@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 PROVENANCE = {"git_commit", "git_dirty", "started_utc", "finished_utc", "load_average_before", "load_average_after",
@@ -124,3 +126,13 @@ def test_realsize_bench_tiny(tmp_path):
     assert saves["first_blocking_s"] > 0 and saves["sync_write_over_disk"] > 0 and saves["checkpoint_GB"] > 0
     assert r["blocking"]["steady_over_floor"] == saves["steady_blocking_s"] / r["host"]["memcpy_floor_s"]
     assert r["machine_min_available_GiB"] > 0 and "| plan component |" in (out / "realsize_bench.md").read_text()
+
+    # the presets' times from those rates: a results file naming its source, every row marked extrapolated
+    args = ["--results", str(out), "--out", str(out)]
+    run("realsize_extrapolate", args, 120)
+    x = check_provenance(out, "realsize_extrapolate", args)
+    assert x["source"]["git_commit"] == r["provenance"]["git_commit"] and len(x["rows"]) == 3
+    assert all(row["how"] == "extrapolated" and row["async_blocking_s"] > 0 for row in x["rows"])
+    assert x["rows"][2]["rank_GB"] == pytest.approx(x["rows"][1]["rank_GB"] / 8, rel=1e-3)  # 70B: 512 vs 64 GPUs
+    md = (out / "realsize_extrapolate.md").read_text()
+    assert md.startswith("Extrapolated from ") and md.count("(extrapolated)") == 9
