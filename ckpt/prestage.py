@@ -72,7 +72,7 @@ class HostStager:
         the storages copied in this save; None: allocate only)."""
         local = t.to_local() if isinstance(t, DTensor) else t
         storage = local.untyped_storage()
-        if storage not in self._staged:
+        if storage not in self._staged or self._staged[storage][0].nbytes() != storage.nbytes():  # new, or resized
             buf = torch.UntypedStorage._new_shared(storage.nbytes()) if self.shared else \
                 torch.UntypedStorage(storage.nbytes())
             buf.fill_(0)  # fault the pages in now (ahead of the first save: in the background)
