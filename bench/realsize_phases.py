@@ -10,8 +10,8 @@ build (start until "world"; a resume's load inside it is its own phase), the fir
 each later step, each async save's staging (its step's end + blocking) and upload (until committed), the final
 save, the export. The plan check compares, per rank: the process with its parameter shards (VmRSS once built),
 the staging buffers (VmRSS after the first save's staging minus after step 1: they are allocated in between),
-the working set of a step (the first step's peak minus VmRSS once built) and the run's peak, with the planner's
-items for each.
+the working set of a step (the peak of the steps after the first, once AdamW's state exists all through a step,
+minus the staging and the VmRSS once built) and the run's peak, with the planner's items for each.
 """
 
 from __future__ import annotations
@@ -89,16 +89,21 @@ def plan_check(plan: str, run: dict, saves: list[dict]) -> list[dict]:
     """The plan's components next to what the run's phases measured, per rank, GiB."""
     items, s, steps = plan_items(plan), run["sampler"], run["steps"]
     built = _line_time(run["lines"], r"^world \d+ \|") or run["t0"]
-    base = _planned(items, "parameters", "python")
-    staging = _planned(items, "async staging")
-    checks = [("the process and its parameter shards (once built)", base, {r: s.at(r, built) for r in s.samples}),
-              ("a step's working set: gradients, AdamW, gathered, activations, logits (first step's peak - built)",
-               items.get("total", 0) - base - staging,
-               {r: s.peak_between(r, built, steps[0]["time"]) - s.at(r, built) for r in s.samples} if steps else {})]
+    base, staging = _planned(items, "parameters", "python"), _planned(items, "async staging")
+    measured_base = {r: s.at(r, built) for r in s.samples}
+    measured_staging = {r: 0 for r in s.samples}
+    checks = [("the process and its parameter shards (once built)", base, measured_base)]
     if saves and steps:
         staged = steps[[x["step"] for x in steps].index(saves[0]["step"])]["time"] + saves[0]["blocking_s"]
+        measured_staging = {r: s.at(r, staged) - s.at(r, steps[0]["time"]) for r in s.samples}
         checks.append(("async staging buffers (after the first save's staging - after step 1)", staging,
-                       {r: s.at(r, staged) - s.at(r, steps[0]["time"]) for r in s.samples}))
+                       measured_staging))
+    if steps:  # from step 2 on AdamW's state exists through the whole step (step 1 allocates it at its end)
+        later = steps[0]["time"] if len(steps) > 1 else built
+        checks.append(("a step's working set: gradients, AdamW, gathered, activations, logits (the later steps' "
+                       "peak - staging - built)", items.get("total", 0) - base - staging,
+                       {r: s.peak_between(r, later, steps[-1]["time"]) - measured_staging[r] - measured_base[r]
+                        for r in s.samples}))
     checks.append(("total: the run's peak", items.get("total", 0), {r: s.peak(r) for r in s.samples}))
     return [{"component": what, "planned_GiB": round(planned / GIB, 3),
              "measured_GiB": {r: round(m / GIB, 3) for r, m in sorted(measured.items())},
