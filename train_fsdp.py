@@ -29,7 +29,8 @@ from common.dist import free_port, rank0_builds_others_wait
 from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
-from finetune.config import ArgumentParser, Config, ConfigError, config_help, load_config, resume_changes, to_yaml
+from finetune.config import ArgumentParser, Config, ConfigError, config_help, load_config, to_yaml
+from finetune.resume_rules import resume_changes
 from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path,
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
@@ -194,7 +195,7 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
 
 def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
     """List every difference between the checkpoint's config (`saved`, the text of its config.yaml) and this
-    one; refuse the ones that make the continuation meaningless (finetune/config.py RESUME_REFUSED,
+    one; refuse the ones that make the continuation meaningless (finetune/resume_rules.py RESUME_REFUSED,
     docs/resume-rules.md). ckpt/ calls it before loading `path` (resume.py resume_state)."""
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")

@@ -1,15 +1,17 @@
 """Checkpoint benchmark: rank-0 torch.save and plain dcp.save (each with the old checkpoint deleted before, or
-kept until the new one is written), DCP's own async_save, our DCP sync / async (thread, process), memcpy floor.
+kept until the new one is written), DCP's own async_save, our DCP sync / async (thread, process), memcpy floor,
+and the disk's own write rate in every round (dd), which each method's rate is compared with.
 
     python bench/ckpt_bench.py                          # ~190M params, 2 ranks, CPU here (CUDA where present)
     python bench/ckpt_bench.py --hidden 768 --layers 6 --saves 8 --train-steps 0   # ~90M, what docs/ reports
     python bench/ckpt_bench.py --hidden 256 --layers 2  # seconds, for a smoke test
 
-Launches itself under torchrun: a save worker at 2 ranks (every way of saving, interleaved over rounds;
-resume verification; load at the same world size; optionally training throughput with periodic saves)
+Launches itself under torchrun: a save worker at 2 ranks (every way of saving and a disk probe, interleaved over
+rounds; resume verification; load at the same world size; optionally training throughput with periodic saves)
 and a load worker at 1 rank (load and verification at another world size). Per method: blocking,
-upload (until every rank's files and .metadata are written) and commit overhead (committed - upload),
-as median and min-max. Writes bench/results/ckpt_bench.{json,md},
+upload (until every rank's files and .metadata are written), commit overhead (committed - upload) and the write
+rate against the disk's in the same round, as median and min-max (bench/ckpt_summary.py). Writes
+bench/results/ckpt_bench.{json,md},
 keeps the run under bench/results/runs/ (bench/provenance.py); docs/checkpoint-integrity.md reads them.
 """
 
@@ -27,7 +29,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from common.dist import free_port  # noqa: E402 - after the path insert
+from bench.ckpt_summary import summarize  # noqa: E402 - after the path insert
+from bench.host_rates import disk_write_s, probe_bytes  # noqa: E402
+from common.dist import free_port  # noqa: E402
 
 import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
@@ -104,7 +108,8 @@ def memcpy_floor(state, pinned: bool = True) -> tuple[float, int]:
     import torch
     src = local_tensors(state)
     dst = [torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pinned and t.is_cuda) for t in src]
-    for _ in range(2):  # first pass faults the pages in; the second is the floor
+    for _ in range(2):  # first pass faults the pages in; the second is the floor, every rank copying at once
+        torch.distributed.barrier()
         t0 = time.perf_counter()
         for d, s in zip(dst, src):
             d.copy_(s, non_blocking=s.is_cuda)
@@ -112,6 +117,16 @@ def memcpy_floor(state, pinned: bool = True) -> tuple[float, int]:
             torch.cuda.synchronize()
         secs = time.perf_counter() - t0
     return secs, sum(t.numel() * t.element_size() for t in src)
+
+
+def disk_probe(work: str, nbytes: int) -> dict:
+    """Every rank writes `nbytes` with dd (conv=fdatasync) at the same time: the disk's rate for a save's bytes."""
+    import torch.distributed as dist
+    dist.barrier()
+    t0 = time.perf_counter()
+    disk_write_s(work, nbytes)
+    dist.barrier()
+    return {"seconds": time.perf_counter() - t0, "bytes": probe_bytes(nbytes) * dist.get_world_size()}
 
 
 def dir_bytes(path: str) -> int:
@@ -254,20 +269,25 @@ METHODS = ("rank0_torch_save", "rank0_torch_save_keep_old", "dcp_plain", "dcp_pl
            "dcp_sync", "dcp_async_thread", "dcp_async_process")
 
 
-def interleaved_saves(model, optim, work, rounds: int) -> dict:
-    """Every method once per round, in an order rotated each round, so machine load hits all of them alike."""
+def interleaved_saves(model, optim, work, rounds: int, nbytes: int) -> tuple[dict, list]:
+    """Every method once per round, and a disk probe of `nbytes` per rank, in an order rotated each round, so
+    machine load hits all of them alike. Returns (records per method, the probes)."""
     import torch.distributed as dist
     from ckpt import CheckpointManager
-    from ckpt.uploader import make_stager
+    from ckpt.prestage import make_stager
     events: list = []
     stager = make_stager("thread")
     managers = {name: CheckpointManager(os.path.join(work, name), mode, keep_last=1,
                                         on_event=lambda name, **kw: events.append((name, kw)))
                 for name, mode in (("dcp_sync", "off"), ("dcp_async_thread", "thread"),
                                    ("dcp_async_process", "process"))}
-    out = {name: [] for name in METHODS}
+    out, disk = {name: [] for name in METHODS}, []
+    order = METHODS + ("disk",)
     for r in range(rounds):
-        for name in METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]:
+        for name in order[r % len(order):] + order[:r % len(order)]:
+            if name == "disk":
+                disk.append(disk_probe(work, nbytes))
+                continue
             if name == "rank0_torch_save":
                 rec = rank0_torch_save(model, optim, os.path.join(work, name))
             elif name == "dcp_plain":
@@ -285,7 +305,7 @@ def interleaved_saves(model, optim, work, rounds: int) -> dict:
     for mgr in managers.values():
         mgr.close()
     stager.close()
-    return out
+    return out, disk
 
 
 def worker(args):
@@ -309,8 +329,9 @@ def worker(args):
     else:
         from ckpt import ModelOptimizer
         floor_s, nbytes = memcpy_floor(ModelOptimizer(model, optim).state_dict())
+        methods, disk = interleaved_saves(model, optim, work, args.saves, nbytes)
         result.update(params=sum(p.numel() for p in model.parameters()), rank_state_bytes=nbytes,
-                      memcpy_floor_s=floor_s, methods=interleaved_saves(model, optim, work, args.saves))
+                      memcpy_floor_s=floor_s, methods=methods, disk=disk)
         if device.type == "cuda":
             result["memcpy_pageable_s"] = memcpy_floor(ModelOptimizer(model, optim).state_dict(), pinned=False)[0]
         result["load_same_world_s"] = bench_load(model, optim, committed)
@@ -339,65 +360,6 @@ def launch(args, worker_kind, nproc, work):
         return json.load(f)
 
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def summarize(save: dict, load: dict, every: int) -> dict:
-    """Per method: first save, then median and min-max over the later (steady-state) rounds."""
-    rows = {}
-    for name, saves in save["methods"].items():
-        steady = saves[1:] or saves
-        row = {"first_blocking_s": saves[0]["blocking_s"], "rounds": len(saves),
-               "checkpoint_GB": steady[-1]["bytes"] / 1e9}
-        for key in ("blocking_s", "upload_s", "committed_s"):
-            row[key] = spread([x[key] for x in steady])
-        row["commit_overhead_s"] = spread([x["committed_s"] - x["upload_s"] for x in steady])
-        # ours only: deleting the checkpoint keep_last pushed out, after the marker, in the background (all modes)
-        row["retention_s"] = spread([x.get("retention_s", 0.0) for x in steady])
-        row["write_GBps"] = row["checkpoint_GB"] / row["committed_s"]["median"]
-        rows[name] = row
-    med = {name: {k: rows[name][k]["median"] for k in ("blocking_s", "upload_s", "committed_s", "commit_overhead_s")}
-           for name in rows}
-    ours = ("dcp_sync", "dcp_async_thread", "dcp_async_process")
-    ratios = {
-        # worst of our three modes: the commit (manifest from the gathered digests + marker) against the upload
-        "commit_overhead_over_upload": max(med[m]["commit_overhead_s"] / med[m]["upload_s"] for m in ours),
-        "rank0_torch_save_over_dcp_sync": med["rank0_torch_save"]["blocking_s"] / med["dcp_sync"]["blocking_s"],
-        # like for like: a torch.save that also keeps the previous checkpoint until the new one is written
-        "rank0_torch_save_keep_old_over_dcp_sync": (med["rank0_torch_save_keep_old"]["blocking_s"]
-                                                    / med["dcp_sync"]["blocking_s"]),
-        "bare_async_committed_over_plain_dcp": med["dcp_async_bare"]["committed_s"] / med["dcp_plain"]["committed_s"],
-        # what keeping the previous checkpoint during a save costs a plain dcp.save, and our sync upload against that
-        "plain_keep_old_over_plain": med["dcp_plain_keep_old"]["upload_s"] / med["dcp_plain"]["upload_s"],
-        "sync_upload_over_plain_keep_old": med["dcp_sync"]["upload_s"] / med["dcp_plain_keep_old"]["upload_s"],
-        "verify_rank0_sha256_over_parallel_w2": save["verify"]["rank0_sha256_s"] / save["verify"]["parallel_xxh3_s"],
-    }
-    for m in ours:
-        ratios[f"commit_overhead_over_upload_{m}"] = med[m]["commit_overhead_s"] / med[m]["upload_s"]
-    for mode in ("thread", "process"):  # each async mode against the same controls, never the better of the two
-        m = med[f"dcp_async_{mode}"]
-        ratios[f"async_committed_over_plain_dcp_{mode}"] = m["committed_s"] / med["dcp_plain"]["committed_s"]
-        # against DCP's own async_save (thread mode, our stager, stock writer): what our layer adds
-        ratios[f"async_committed_over_bare_async_{mode}"] = m["committed_s"] / med["dcp_async_bare"]["committed_s"]
-        ratios[f"async_blocking_over_memcpy_{mode}"] = m["blocking_s"] / save["memcpy_floor_s"]
-        ratios[f"async_blocking_over_sync_{mode}"] = m["blocking_s"] / med["dcp_sync"]["blocking_s"]
-    out = {
-        "params": save["params"], "world_size": save["world_size"], "rank_state_GB": save["rank_state_bytes"] / 1e9,
-        "memcpy_floor_s": save["memcpy_floor_s"], "memcpy_pageable_s": save.get("memcpy_pageable_s"), "methods": rows,
-        "checkpoint_files": save["checkpoint_files"],
-        "load_s": {"same_world": save["load_same_world_s"], "world_1": load["load_s"]},
-        "verify_s": {f"w{save['world_size']}": save["verify"], "w1": load["verify"]},
-        "ratios": ratios, "save_every": every,
-    }
-    if "steps_per_s" in save:
-        tp = save["steps_per_s"]
-        out["throughput_steps_per_s"] = tp
-        ratios["throughput_thread_over_none"] = tp["thread"] / tp["none"]
-        ratios["throughput_process_over_none"] = tp["process"] / tp["none"]
-    return out
-
-
 def speed_words(time_ratio: float) -> str:
     """`time of the other / time of this` -> "1.77x faster" or "1.06x slower" (never "0.94x slower")."""
     if time_ratio >= 1:
@@ -412,11 +374,12 @@ def to_markdown(r: dict) -> str:
              f"AdamW state per rank; {r['device']}. Median (min-max) over {r['methods']['dcp_sync']['rounds'] - 1} "
              "steady-state rounds after the first, methods interleaved. " + provenance.markdown_line(r), "",
              "| method | first blocking (s) | blocking (s) | upload (s) | commit overhead (s) | until committed (s) | "
-             "then retention (s) | write GB/s |", "|---|---|---|---|---|---|---|---|"]
+             "then retention (s) | write GB/s | write / disk's, same round |", "|---|---|---|---|---|---|---|---|---|"]
     for name, m in r["methods"].items():
         lines.append(f"| {name} | {m['first_blocking_s']:.2f} | {ms(m['blocking_s'])} | {ms(m['upload_s'])} | "
                      f"{ms(m['commit_overhead_s'])} | {ms(m['committed_s'])} | {ms(m['retention_s'])} | "
-                     f"{m['write_GBps']:.2f} |")
+                     f"{m['write_GBps']:.2f} | {ms(m['write_over_disk'])} |")
+    lines.append(f"| disk: dd of every rank's bytes at once (GB/s) | | | | | | | {ms(r['disk_GBps'])} | 1 |")
     if r.get("memcpy_pageable_s") is None:
         lines.append(f"| memcpy floor (rank's state bytes) | | {r['memcpy_floor_s']:.2f} | | | | | |")
     else:  # CUDA: device-to-host into pinned buffers (what the stager uses) and into pageable ones
@@ -437,6 +400,9 @@ def to_markdown(r: dict) -> str:
                 f"blocking / memcpy floor {ra[f'async_blocking_over_memcpy_{mode}']:.2f}x; blocking / sync DCP save "
                 f"{ra[f'async_blocking_over_sync_{mode}']:.1%} (target <= 10%)" for mode in ("thread", "process")),
               f"- DCP's own async_save committed / plain dcp.save: {ra['bare_async_committed_over_plain_dcp']:.2f}x",
+              "- write rate / the disk's (dd) in the same round, median (target >= 80%): " + ", ".join(
+                  f"{m} {ra[f'write_over_disk_{m}']:.0%}" for m in ("dcp_plain", "dcp_sync", "dcp_async_thread",
+                                                                   "dcp_async_process")),
               f"- plain dcp.save keeping the old folder until written / deleting it first: "
               f"{ra['plain_keep_old_over_plain']:.2f}x; our sync upload / the former: "
               f"{ra['sync_upload_over_plain_keep_old']:.2f}x"]

@@ -1,17 +1,20 @@
-"""Real-size run: the Qwen2.5-0.5B shape (random init) on 2 CPU ranks with process-mode async saves, each rank's
-memory attributed to phases, the checkpoint events' timings against the memcpy floor, and the CPU plan.
+"""Real-size run: the Qwen2.5-0.5B shape (random init) on 2 CPU ranks with process-mode async saves: each rank's
+memory by phase against `--plan --cpu`, the saves against the memcpy floor and the disk's own write rate, steps
+that overlap an upload against quiet ones, and the loads and the export.
 
-    python bench/realsize_bench.py                     # 24 blocks, 494M params: ~15 min, ~2 x 11 GiB; opt-in
-    python bench/realsize_bench.py --layers 8          # the 255M shape the tests use: ~2 x 6 GiB
-    python bench/realsize_bench.py --layers 8 --repo /path/to/other/checkout --tag baseline   # the same, other code
+    python bench/realsize_bench.py                          # 24 blocks, 494M params: ~20 min, ~2 x 10 GiB; opt-in
+    python bench/realsize_bench.py --layers 8               # the 255M shape tests/test_plan_measured.py uses
+    python bench/realsize_bench.py --layers 1 --vocab 512 --steps 4 --out /tmp/rs   # seconds: a smoke run
+    python bench/realsize_bench.py --layers 8 --repo /path/to/other/checkout --tag baseline   # other code
 
-Runs train_fsdp.py under torchrun with bench/rss_sampler.py on its process tree, then a resume of the last
-checkpoint at 1 rank (load at another world size) for one step. Phases come from metrics.jsonl's clock: build
-(until the first step), each step, and each save (from its step's record until its commit); a rank's peak
-in each is the largest VmRSS sampled then. Also: `--plan --cpu`'s per-rank total, the first and steady async
-save's blocking against a bare copy of the rank's bytes (memcpy floor), and the steps that overlapped an
-upload against the others. Writes bench/results/realsize_bench[-TAG].json and keeps the run under
-bench/results/runs/ (bench/provenance.py: commit and dirty flag, date, machine, load, command). Nothing here is run by the tests.
+Runs train_fsdp.py under torchrun with bench/rss_sampler.py on its process tree (saves every --every steps, an
+export at the end), then two resumes of its last checkpoint for one step each: at the same world size (load) and
+at 1 rank (load at another world size). Phases come from metrics.jsonl's clock and rank 0's log lines, stamped as
+they arrive (bench/realsize_phases.py). Beside the runs, in the same invocation: the disk's sequential write rate
+(dd, every rank's bytes at once) and the memcpy floor of a rank's bytes (all ranks at once), before and after
+training (bench/host_rates.py). --upload-nice trains again at each further ckpt.upload_nice (the overlap and
+time-to-commit trade-off). Writes bench/results/realsize_bench[-TAG].{json,md} and keeps the run under
+bench/results/runs/ (bench/provenance.py). Nothing here is run by the default tests but a smoke run.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from bench.host_rates import disk_write_s, memcpy_floor_s, probe_bytes  # noqa: E402 - after the path insert
 from bench.qwen_shape import write_qwen_config  # noqa: E402
+from bench.realsize_phases import overlapped_steps, phase_windows, plan_check, rank_peaks, to_markdown  # noqa: E402
 from bench.rss_sampler import RSSSampler  # noqa: E402
-from finetune.config import load_config  # noqa: E402
 from common.dist import free_port  # noqa: E402
-import provenance  # noqa: E402 - bench/provenance.py, beside this script
+from finetune.config import CkptConfig, load_config  # noqa: E402
 from finetune.plan import checkpoint_bytes, model_shapes  # noqa: E402
+import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 GIB = 2 ** 30
 
@@ -42,25 +47,37 @@ GIB = 2 ** 30
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=24, help="decoder blocks: 24 is Qwen2.5-0.5B, 8 the test's 255M")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default Qwen's 151,936); small for a smoke run")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--every", type=int, default=2, help="ckpt.interval")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--upload-nice", type=int, nargs="*", default=None,
+                   help="ckpt.upload_nice of the run, then of one more training run each (default: the config's, "
+                        "then 0; none with --repo, whose code may not know the key)")
     p.add_argument("--repo", default=ROOT, help="the checkout whose train_fsdp.py runs (default: this one)")
     p.add_argument("--tag", default="", help="suffix of the results file")
-    p.add_argument("--work-dir", default=None, help="where the run goes (default: a temp dir, removed)")
+    p.add_argument("--work-dir", default=None, help="where the runs go (default: a temp dir, removed)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.upload_nice is None:
+        a.upload_nice = [CkptConfig().upload_nice, 0] if os.path.realpath(a.repo) == ROOT else []
+    return a
 
 
-def run_sampled(cmd: list[str], cwd: str) -> tuple[RSSSampler, float, float]:
-    t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+def run_sampled(cmd: list[str], cwd: str) -> dict:
+    """Run `cmd` with the sampler on its process tree; rank 0's output lines are stamped as they arrive."""
+    t0, lines = time.time(), []
+    proc = subprocess.Popen(cmd, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with RSSSampler(proc.pid) as sampler:
+        for line in proc.stdout:
+            lines.append((time.time(), line.rstrip("\n")))
         code = proc.wait()
     if code:
+        print("\n".join(text for _, text in lines[-40:]), file=sys.stderr)
         raise SystemExit(f"error: {' '.join(cmd[:6])} ... exited {code}")
-    return sampler, t0, time.time()
+    return {"sampler": sampler, "t0": t0, "t1": time.time(), "lines": lines}
 
 
 def read_jsonl(path: str) -> tuple[list[dict], list[dict]]:
@@ -72,43 +89,71 @@ def read_jsonl(path: str) -> tuple[list[dict], list[dict]]:
     return steps, events
 
 
-def phases(steps: list[dict], saves: list[dict], t_start: float, t_end: float) -> list[tuple[str, float, float]]:
-    """(name, t0, t1): build until the first step ends, each step, each save from its step until its commit."""
-    out, prev = [("build + first step", t_start, steps[0]["time"])], steps[0]["time"]
-    for s in steps[1:]:
-        out.append((f"step {s['step']}", prev, s["time"]))
-        prev = s["time"]
-    by_step = {s["step"]: s["time"] for s in steps}
-    for e in saves:
-        t = by_step.get(e["step"], prev)
-        out.append((f"save {e['step']} ({e['mode']}: staging, upload, commit)", t, t + e["committed_s"]))
-    out.append(("final save and exit", prev, t_end))
+def host_probes(folder: str, rank_bytes: int, nproc: int) -> dict:
+    """The disk's write rate (every rank's bytes by dd at once) and the memcpy floor (all ranks copying at once)."""
+    disk_s = disk_write_s(folder, rank_bytes, nproc)
+    return {"disk_GBps": nproc * probe_bytes(rank_bytes) / disk_s / 1e9, "memcpy_floor_s": memcpy_floor_s(rank_bytes, nproc)}
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+class Runs:
+    """The torchrun invocations of one benchmark: the same model, data and shape; each its own run folder."""
+
+    def __init__(self, a, work: str, model: str):
+        self.a, self.work = a, work
+        self.common = ["--config", "configs/tiny.yaml", f"model.config_path={model}",
+                       "model.tokenizer_path=assets/tiny-llama", f"data.seq_len={a.seq_len}",
+                       f"data.global_batch_size={a.nproc}", "data.micro_batch_size=1", "ckpt.async_mode=process",
+                       f"data.cache_dir={os.path.join(work, 'tok')}", "train.sample_at_end=false",
+                       "train.eval_interval=0", "run.log_interval=1", "run.progress_bar=false"]
+
+    def plan(self) -> str:
+        return subprocess.run([sys.executable, "train_fsdp.py", *self.common, "--plan", "--cpu", "--gpus-per-node",
+                               str(self.a.nproc)], cwd=self.a.repo, capture_output=True, text=True, check=True).stdout
+
+    def train(self, name: str, nproc: int, extra: list[str]) -> dict:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--master_addr", "127.0.0.1", "--master_port",
+               str(free_port()), "--nproc_per_node", str(nproc), "train_fsdp.py", *self.common,
+               f"run.dir={os.path.join(self.work, name)}", *extra]
+        run = run_sampled(cmd, self.a.repo)
+        run["steps"], run["events"] = read_jsonl(os.path.join(self.work, name, "metrics.jsonl"))
+        return run
+
+    def training(self, name: str, nice: int | None, export: bool) -> dict:
+        return self.train(name, self.a.nproc, [f"train.max_steps={self.a.steps}", f"ckpt.interval={self.a.every}",
+                                               "ckpt.keep_last=1", f"export.at_end={str(export).lower()}"]
+                          + ([f"ckpt.upload_nice={nice}"] if nice is not None else []))
+
+    def resume(self, name: str, nproc: int, ckpt: str) -> dict:
+        """One step from `ckpt` and no save: what loading it costs, in time and memory."""
+        return self.train(name, nproc, [f"train.max_steps={self.a.steps + 1}", f"ckpt.resume={ckpt}",
+                                        "ckpt.interval=0", "ckpt.save_at_end=false"])
+
+
+def async_saves(run: dict) -> list[dict]:
+    return [{k: e[k] for k in ("step", "mode", "blocking_s", "upload_s", "committed_s")}
+            for e in run["events"] if e["event"] == "checkpoint" and e["mode"] != "sync"]
+
+
+def save_summary(run: dict, ckpt_bytes: int, disk_GBps: float) -> dict:
+    """Blocking (first, steady), time to commit, each save kind's write rate against the disk's."""
+    saves = async_saves(run)
+    final = [e for e in run["events"] if e["event"] == "checkpoint" and e["mode"] == "sync"]
+    out = {"saves": saves, "checkpoint_GB": ckpt_bytes / 1e9, "overlap": overlapped_steps(run["steps"], saves)}
+    if saves:
+        steady = saves[1:] or saves
+        out.update(first_blocking_s=saves[0]["blocking_s"],
+                   steady_blocking_s=statistics.median(e["blocking_s"] for e in steady),
+                   committed_s_median=statistics.median(e["committed_s"] for e in steady),
+                   async_write_GBps=statistics.median(ckpt_bytes / e["upload_s"] / 1e9 for e in steady))
+        out["async_write_over_disk"] = out["async_write_GBps"] / disk_GBps
+    if final:  # the final save at the end: sync, nothing else running
+        out["sync_write_GBps"] = ckpt_bytes / final[-1]["upload_s"] / 1e9
+        out["sync_write_over_disk"] = out["sync_write_GBps"] / disk_GBps
     return out
-
-
-def memcpy_floor_s(nbytes: int) -> float:
-    """A warm copy of one rank's checkpoint bytes into a preallocated buffer: what staging cannot beat."""
-    import torch
-    src, dst = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
-    dst.copy_(src)
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return min(times)
-
-
-def overlapped_steps(steps: list[dict], saves: list[dict]) -> dict:
-    """Step durations split by whether an upload was running during them."""
-    windows = [(next(s["time"] for s in steps if s["step"] == e["step"]), e["committed_s"]) for e in saves
-               if any(s["step"] == e["step"] for s in steps)]
-    quiet, busy = [], []
-    for a, b in zip(steps, steps[1:]):
-        overlap = any(t < b["time"] and t + c > a["time"] for t, c in windows)
-        (busy if overlap else quiet).append(b["time"] - a["time"])
-    return {"quiet_step_s": quiet, "overlapping_step_s": busy,
-            "ratio": statistics.median(busy) / statistics.median(quiet) if quiet and busy else None}
 
 
 def main(argv=None):
@@ -118,46 +163,47 @@ def main(argv=None):
         started.update(repo=a.repo, git_commit=subprocess.run(["git", "rev-parse", "HEAD"], cwd=a.repo,
                                                               capture_output=True, text=True).stdout.strip())
     work = a.work_dir or tempfile.mkdtemp(prefix="realsize-")
-    model = write_qwen_config(os.path.join(work, "model"), a.layers)
-    run = os.path.join(work, "run")
-    common = ["--config", "configs/tiny.yaml", f"model.config_path={model}", "model.tokenizer_path=assets/tiny-llama",
-              f"data.seq_len={a.seq_len}", f"data.global_batch_size={a.nproc}", "data.micro_batch_size=1",
-              "ckpt.async_mode=process"]
-    plan = subprocess.run([sys.executable, "train_fsdp.py", *common, "--plan", "--cpu", "--gpus-per-node",
-                           str(a.nproc)], cwd=a.repo, capture_output=True, text=True)
-    planned = re.search(r"^\s+total\s+([\d.]+) GiB", plan.stdout, re.M)
-    train = common + [f"run.dir={run}", f"data.cache_dir={os.path.join(work, 'tok')}", f"ckpt.interval={a.every}",
-                      "ckpt.keep_last=1", "train.sample_at_end=false", "train.eval_interval=0", "run.log_interval=1",
-                      "run.progress_bar=false"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--master_addr", "127.0.0.1"]
-    sampler, t0, t1 = run_sampled(torchrun + ["--nproc_per_node", str(a.nproc), "--master_port", str(free_port()),
-                                              "train_fsdp.py", *train, f"train.max_steps={a.steps}"], a.repo)
-    steps, events = read_jsonl(os.path.join(run, "metrics.jsonl"))
-    saves = [e for e in events if e["event"] == "checkpoint" and e["mode"] != "sync"]
-    rank_bytes = checkpoint_bytes(model_shapes(load_config(None, [f"model.config_path={model}"]).model), a.nproc)[1]
-    floor = memcpy_floor_s(rank_bytes)
+    model = write_qwen_config(os.path.join(work, "model"), a.layers, a.vocab)
+    shapes = model_shapes(load_config(None, [f"model.config_path={model}"]).model)
+    rank_bytes = checkpoint_bytes(shapes, a.nproc)[1]
+    runs = Runs(a, work, model)
+    plan = runs.plan()
+    probes = [host_probes(work, rank_bytes, a.nproc)]
+    main_nice = a.upload_nice[0] if a.upload_nice else None
+    train = runs.training("run", main_nice, export=True)
+    probes.append(host_probes(work, rank_bytes, a.nproc))
+    ckpt = os.path.join(work, "run", "checkpoints", f"step-{a.steps:06d}")
+    loads = {f"W={a.nproc}": runs.resume("load-same", a.nproc, ckpt), "W=1": runs.resume("load-1", 1, ckpt)}
+    disk = statistics.median(p["disk_GBps"] for p in probes)
+    floor = statistics.median(p["memcpy_floor_s"] for p in probes)
+    ckpt_bytes = dir_bytes(ckpt)
     result = {
-        "layers": a.layers, "nproc": a.nproc, "steps": a.steps, "every": a.every, "seq_len": a.seq_len,
-        "planned_total_GiB_per_rank": float(planned.group(1)) if planned else None, "plan": plan.stdout,
-        "peak_rss_GiB": {r: round(sampler.peak(r) / GIB, 3) for r in sorted(sampler.samples)},
-        "uploader_peak_rss_GiB": round(sampler.uploader_peak / GIB, 3),
-        "phases": [{"phase": name, **{f"rank{r}_peak_GiB": round(sampler.peak_between(r, p0, p1) / GIB, 3)
-                                      for r in sorted(sampler.samples)}, "seconds": round(p1 - p0, 2)}
-                   for name, p0, p1 in phases(steps, saves, t0, t1)],
-        "saves": [{k: e[k] for k in ("step", "mode", "blocking_s", "upload_s", "committed_s")} for e in saves],
-        "memcpy_floor_s": floor, "rank_bytes": rank_bytes,
-        "upload_overlap": overlapped_steps(steps, saves), "losses": [s["loss"] for s in steps]}
-    if len(saves) >= 2:
-        steady = statistics.median(e["blocking_s"] for e in saves[1:])
-        result["first_over_steady_blocking"] = saves[0]["blocking_s"] / steady
-        result["steady_blocking_over_memcpy_floor"] = steady / floor if floor else None
-    resume, r0, r1 = run_sampled(torchrun + ["--nproc_per_node", "1", "--master_port", str(free_port()),
-                                             "train_fsdp.py", *train, f"train.max_steps={a.steps + 1}",
-                                             "data.global_batch_size=2", "ckpt.resume=auto"], a.repo)
-    result["resume_at_1_rank_peak_rss_GiB"] = round(resume.peak(0) / GIB, 3)
+        "layers": a.layers, "vocab": shapes.vocab, "params": shapes.params, "nproc": a.nproc, "steps": a.steps,
+        "every": a.every, "seq_len": a.seq_len, "rank_bytes": rank_bytes, "plan": plan,
+        "peak_rss_GiB": {r: round(train["sampler"].peak(r) / GIB, 3) for r in sorted(train["sampler"].samples)},
+        "uploader_peak_rss_GiB": round(train["sampler"].uploader_peak / GIB, 3),
+        "machine_min_available_GiB": round((train["sampler"].min_available or 0) / GIB, 2),
+        "phases": rank_peaks(train, phase_windows(train, async_saves(train))),
+        "loads": {w: {"seconds": round(run["t1"] - run["t0"], 1),
+                      "phases": rank_peaks(run, phase_windows(run, [])),
+                      "peak_rss_GiB": {r: round(run["sampler"].peak(r) / GIB, 3) for r in sorted(run["sampler"].samples)}}
+                  for w, run in loads.items()},
+        "host": {"probes": probes, "disk_GBps": disk, "memcpy_floor_s": floor},
+        "losses": [s["loss"] for s in train["steps"]]}
+    result["plan_check"] = plan_check(plan, train, async_saves(train))
+    result["upload_nice"] = {str(main_nice if main_nice is not None else "default"): save_summary(train, ckpt_bytes, disk)}
+    for nice in a.upload_nice[1:]:
+        result["upload_nice"][str(nice)] = save_summary(runs.training(f"nice-{nice}", nice, export=False),
+                                                        ckpt_bytes, disk)
+    main = next(iter(result["upload_nice"].values()))
+    result["blocking"] = {"first_s": main.get("first_blocking_s"), "steady_s": main.get("steady_blocking_s"),
+                          "memcpy_floor_s": floor}
+    if main.get("steady_blocking_s"):
+        result["blocking"].update(first_over_steady=main["first_blocking_s"] / main["steady_blocking_s"],
+                                  steady_over_floor=main["steady_blocking_s"] / floor)
     name = f"realsize_bench{'-' + a.tag if a.tag else ''}"
     provenance.record(result, name, a.out, started)
-    print(json.dumps({k: v for k, v in result.items() if k not in ("plan", "phases")}, indent=1))
+    provenance.write_markdown(a.out, name, to_markdown(result))
     print(f"wrote {os.path.join(a.out, name + '.json')} and a copy under runs/{name}/")
     if not a.work_dir:
         shutil.rmtree(work, ignore_errors=True)

@@ -5,7 +5,9 @@
 A background thread walks the process tree under one pid every `interval` seconds and records, per training
 rank (RANK from its environment; DCP's uploader processes, which multiprocessing spawns below a rank, are
 kept apart), VmRSS and its peak, with time stamps, so a caller can attribute a peak to what the job was
-doing then. Shared-memory pages a rank touched (process-mode staging) count in that rank's VmRSS.
+doing then. Shared-memory pages a rank touched (process-mode staging) count in that rank's VmRSS. It also
+records the machine's smallest MemAvailable (/proc/meminfo) over the run: whether the job fits the machine, with
+shared pages counted once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ def _field_kib(pid: int, field: str) -> int | None:
         return None
 
 
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")), None)
+    except OSError:
+        return None
+
+
 def _rank_of(pid: int) -> int | None:
     """RANK of a torchrun worker; -1 for DCP's spawned uploader; None for anything else (torchrun itself)."""
     try:
@@ -48,13 +58,15 @@ def _rank_of(pid: int) -> int | None:
 
 class RSSSampler:
     """`samples[rank]`: [(time.time(), VmRSS bytes)], on the clock metrics.jsonl records; `peak(rank)`: the largest VmRSS sampled,
-    or the kernel's own high-water mark (VmHWM) where that was read and is larger."""
+    or the kernel's own high-water mark (VmHWM) where that was read and is larger; `min_available`: the machine's
+    smallest MemAvailable, bytes."""
 
     def __init__(self, root_pid: int, interval: float = 0.05):
         self.root, self.interval = root_pid, interval
         self.samples: dict[int, list[tuple[float, int]]] = {}
         self.hwm: dict[int, int] = {}
         self.uploader_peak = 0
+        self.min_available: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
 
@@ -69,7 +81,9 @@ class RSSSampler:
     def _run(self) -> None:
         ranks: dict[int, int | None] = {}
         while not self._stop.is_set():
-            stack, now = [self.root], time.time()
+            stack, now, available = [self.root], time.time(), _mem_available()
+            if available is not None:
+                self.min_available = min(available, self.min_available or available)
             while stack:
                 pid = stack.pop()
                 stack += _children(pid)
@@ -96,6 +110,10 @@ class RSSSampler:
         """The largest VmRSS sampled between the times t0 and t1 (time.time()): one phase's peak."""
         return max((b for t, b in self.samples.get(rank, []) if t0 <= t <= t1), default=0)
 
+    def at(self, rank: int, when: float) -> int:
+        """VmRSS of `rank` at the time `when`: the last sample before it (0 before the first)."""
+        return max(((t, b) for t, b in self.samples.get(rank, []) if t <= when), default=(0, 0))[1]
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -111,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in sorted(sampler.samples):
         print(f"rank {r}: peak VmRSS {sampler.peak(r) / 2 ** 30:.2f} GiB ({len(sampler.samples[r])} samples)")
     print(f"uploader processes: peak VmRSS {sampler.uploader_peak / 2 ** 30:.2f} GiB")
+    if sampler.min_available is not None:
+        print(f"machine: smallest MemAvailable {sampler.min_available / 2 ** 30:.2f} GiB")
     return code
 
 

@@ -28,7 +28,8 @@ what a failure means, how to resume, and exports the final checkpoint.
   tier; the memory folder goes when the run ends normally.
 `options` is any object with the attributes dir, async_mode, keep_last, keep_best, resume, interval,
 interval_minutes, mtbf_hours, save_at_end, continue_on_save_error (the trainer's checkpoint config), and
-optionally memory_interval, memory_dir, memory_keep, memory_replicas; nothing here imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
+optionally upload_nice, memory_interval, memory_dir, memory_keep, memory_replicas; nothing here imports it. `log`,
+the event sink: any object with info(line) and event(name, **fields).
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def open_checkpoints(options, max_steps: int, timeout: timedelta | None, open_lo
     lock = lock_for_job(options.dir, groups[0])
     log = open_log()
     mgr = CheckpointManager(options.dir, options.async_mode, options.keep_last, log.event, log.info,
-                            keep_best=options.keep_best, groups=groups, lock=lock)
+                            keep_best=options.keep_best, groups=groups, lock=lock,
+                            upload_nice=getattr(options, "upload_nice", 0))
     return TrainingCheckpoints(mgr, options, max_steps, log, MemoryTier.open(options, timeout, log)), log
 
 

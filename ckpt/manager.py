@@ -62,15 +62,15 @@ class CheckpointManager:
     def __init__(self, ckpt_dir: str, async_mode: str = "thread", keep_last: int = 3,
                  on_event: Callable[..., None] = _noop, on_log: Callable[[str], None] = _noop,
                  timeout: timedelta | None = None, keep_best: int = 0, groups: tuple | None = None,
-                 lock: DirLock | None = None, committer=None, writer: type = CheckpointWriter):
+                 lock: DirLock | None = None, committer=None, writer: type = CheckpointWriter, upload_nice: int = 0):
         """`groups`: checkpoint_groups(timeout), made here when None. `lock`: the ckpt.dir lock its caller took
         on groups[0] (lock_for_job), released by close(); or acquire_lock() later. `committer`, `writer`: the
-        memory tier's (replicate.py), made on groups[0]; else the Committer and CheckpointWriter of ckpt.dir."""
+        memory tier's (replicate.py), made on groups[0]; else the Committer and CheckpointWriter of ckpt.dir.
+        `upload_nice`: the upload thread's niceness (uploader.py)."""
         if async_mode not in ("off", "thread", "process"):
             raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
-        self.dir, self.async_mode = ckpt_dir, async_mode
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.dir, self.async_mode, self.upload_nice = ckpt_dir, async_mode, upload_nice
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.pg, self._agree_pg = groups or checkpoint_groups(timeout)
         self.committer, self.writer = committer or Committer(ckpt_dir, self.pg, keep_last, keep_best, on_event, on_log), writer
         # events go through the committer's guard: an event that fails to record is logged, never raised
@@ -117,7 +117,7 @@ class CheckpointManager:
             self._inflight = self.committer.start_retention(step)
         else:
             upload, self._staging = start_async(state, path, step, self.pg, stager or self._stager.ready(),
-                                                self.async_mode, self.dir, self.writer)
+                                                self.async_mode, self.dir, self.writer, self.upload_nice)
             self.staged = (step, self._staging.staged)
             blocking_s = time.perf_counter() - t0
             self._inflight = self.committer.start_async_commit(upload, path, step, self.async_mode, t0, blocking_s,

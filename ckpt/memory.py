@@ -137,7 +137,8 @@ class MemoryTier:
         groups = checkpoint_groups(timeout)
         committer = NodeCommitter(folder, groups[0], tier.keep, layout, tier.replicas, tier._event, tier._info)
         tier.mgr = CheckpointManager(folder, "thread", tier.keep, tier._event, tier._info, groups=groups,
-                                     committer=committer, writer=MemoryWriter)
+                                     committer=committer, writer=MemoryWriter,
+                                     upload_nice=getattr(options, "upload_nice", 0))
         copies = (f", {plural(layout.nodes, 'node')}, each step's files also on the next "
                   f"{plural(tier.replicas, 'node') if tier.replicas > 1 else 'node'}" if tier.replicas else
                   f", {plural(layout.nodes, 'node')}, no replicas" if layout.nodes > 1 else "")

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.staging import DefaultStager
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
 from .errors import SAVE_ERRORS, save_failure
@@ -127,17 +127,17 @@ class Replay:
 
 
 @fault_at("staged", after=True)
-def start_async(state: dict, path: str, step: int, pg, stager: DefaultStager, async_mode: str,
-                ckpt_dir: str, writer: type = CheckpointWriter) -> tuple[Future, StagingWait]:
+def start_async(state: dict, path: str, step: int, pg, stager: AsyncStager, async_mode: str,
+                ckpt_dir: str, writer: type = CheckpointWriter, upload_nice: int = 0) -> tuple[Future, StagingWait]:
     """Every rank: stage `state` and start its upload in DCP's uploader (`async_mode` thread or process, whose
-    signal mask keeps preemption signals out, uploader.py), through `writer` and its planner. Returns the
-    upload's future (DCP's metadata) and the staging to wait for."""
+    signal mask keeps preemption signals out and whose priority is lowered to `upload_nice`, uploader.py),
+    through `writer` and its planner. Returns the upload's future (DCP's metadata) and the staging to wait for."""
     kind = AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
     recorded = _Recorded(stager)
     try:
         with preemption_signals_blocked():
-            resp = dcp.async_save(state, storage_writer=writer(path, step), process_group=pg, async_stager=recorded,
-                                  planner=save_planner(ckpt_dir, pg, writer.dedup_to_lowest_rank),
+            resp = dcp.async_save(state, storage_writer=writer(path, step, upload_nice), process_group=pg,
+                                  async_stager=recorded, planner=save_planner(ckpt_dir, pg, writer.dedup_to_lowest_rank),
                                   async_checkpointer_type=kind)
     except SAVE_ERRORS as e:  # staging: process mode copies into shared memory (/dev/shm)
         raise save_failure(e, "/dev/shm" if async_mode == "process" else ckpt_dir,

@@ -1,4 +1,4 @@
-"""The fine-tuning parts train_fsdp.py assembles: the typed config (config.py), data (the data/ package), the
+"""The fine-tuning parts train_fsdp.py assembles: the typed config (config.py) and which of its changes a resume refuses (resume_rules.py), data (the data/ package), the
 model and its sharding (model.py, shards.py), LoRA adapters (lora.py), the checks of a run's inputs before any
 process group and how bad input is reported once (inputs.py, launch.py, model_identity.py), the loss, metrics
 and loggers, evaluation, what a checkpoint holds (checkpoint_contents.py) and the memory planner (plan.py, `train_fsdp.py --plan`).

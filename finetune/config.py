@@ -9,6 +9,7 @@ naming the key, before any process group exists.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import difflib
@@ -122,6 +123,7 @@ class CkptConfig:
     interval_minutes: float = 0.0  # also save once this many minutes of wall clock passed since the last save (0: off)
     mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
     async_mode: str = "thread"  # off | thread | process (thread: commits sooner, cheap first save; docs/performance.md)
+    upload_nice: int = 19  # niceness 0-19 of async uploads: higher slows training steps less, commits later
     keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
     keep_best: int = 0  # also keep the k checkpoints with the lowest eval loss (needs train.eval_interval)
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
@@ -203,6 +205,7 @@ _RANGES = {
     "ckpt.mtbf_hours": _above(0),
     "ckpt.keep_last": _at_least(0),
     "ckpt.keep_best": _at_least(0),
+    "ckpt.upload_nice": _between(0, 19),
     "train.eval_interval": _at_least(0),
     "train.eval_batches": _at_least(0),
     "data.num_proc": _at_least(0),
@@ -221,10 +224,8 @@ def _coerce(key: str, value, typ):
         except yaml.YAMLError:
             pass
         if typ is float and isinstance(value, str):
-            try:
+            with contextlib.suppress(ValueError):
                 value = float(value)  # YAML 1.1 reads "1e-3" as a string
-            except ValueError:
-                pass
     if typ is bool and isinstance(value, bool):
         return value
     if typ is int and isinstance(value, int) and not isinstance(value, bool):
@@ -298,12 +299,12 @@ def _get(cfg: Config, key: str):
     return cfg
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
     flat = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict):
-            flat.update(_flatten(v, key + "."))
+            flat.update(flatten(v, key + "."))
         else:
             flat[key] = v
     return flat
@@ -384,7 +385,7 @@ def load_config(yaml_path: str | None, overrides: list[str] = ()) -> Config:
         tree = _read_yaml(yaml_path)
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {yaml_path} must hold a mapping of sections")
-        for key, value in _flatten(tree).items():
+        for key, value in flatten(tree).items():
             _apply(cfg, key, value)
     for item in overrides:
         if "=" not in item:
@@ -397,94 +398,6 @@ def load_config(yaml_path: str | None, overrides: list[str] = ()) -> Config:
         cfg.data.cache_dir = os.path.join(cfg.run.dir, "data-cache")
     validate(cfg)
     return cfg
-
-
-# ---------------------------------------------------------------- resume: the checkpoint's config vs this one
-
-# Changes that make a continuation meaningless: refused on resume unless ckpt.resume_config_check=warn.
-# Every other field takes effect as the new config says (docs/resume-rules.md).
-RESUME_REFUSED = {
-    "model.name_or_path": "the weights trained on are another model's",
-    "model.config_path": "the architecture trained is another one",
-    "model.tokenizer_path": "token ids would mean other tokens",
-    "model.lora.r": "the saved adapters have another rank",
-    "model.lora.alpha": "the saved adapters would be scaled otherwise (alpha / r)",
-    "model.lora.target_modules": "other modules would carry the adapters",
-    "data.path": "the saved data position counts samples of another data set",
-    "data.name": "the saved data position counts samples of another data set",
-    "data.split": "the saved data position counts samples of another data set",
-    "data.revision": "the saved data position counts samples of another data set",
-    "data.mixture": "the saved data position counts samples of another data set",
-    "data.format": "samples would be tokenized otherwise",
-    "data.text_field": "samples would come from another column",
-    "data.messages_field": "samples would come from another column",
-    "data.pack": "the saved data position counts other samples",
-    "data.seq_len": "the saved data position counts other samples",
-    "data.global_batch_size": "steps, the schedule and the data position count other batches",
-    "train.seed": "the saved data position is only meaningful in the order made with its seed",
-}
-_MOVABLE = ("model.name_or_path", "model.config_path", "model.tokenizer_path")  # compared by content if moved
-_RESUME_EFFECT = {  # what applying a change means, where it is more than "takes effect"
-    "train.lr": "the LR schedule follows the new config from the resumed step on",
-    "train.min_lr_ratio": "the LR schedule follows the new config from the resumed step on",
-    "train.warmup_steps": "the LR schedule follows the new config from the resumed step on",
-    "train.max_steps": "the LR schedule follows the new config from the resumed step on",
-    "train.weight_decay": "set in the restored optimizer",
-    "train.beta1": "set in the restored optimizer",
-    "train.beta2": "set in the restored optimizer",
-    "train.seed": "the data order continues with the checkpoint's seed",
-    "model.init_std": "no effect: the weights come from the checkpoint",
-}
-
-
-@dataclass
-class ConfigChange:
-    key: str
-    saved: object
-    current: object
-    verdict: str  # refused | warned (refused, but ckpt.resume_config_check=warn) | applied
-    why: str  # why refused, or what applying it means
-
-    def line(self) -> str:
-        return f"{self.key}: {self.saved!r} -> {self.current!r} ({self.verdict}: {self.why})"
-
-
-def _same(key: str, a, b) -> bool:
-    """Equal values; paths are equal when they name the same files from here."""
-    if a == b:
-        return True
-    if key in ("model.name_or_path", "model.config_path", "model.tokenizer_path", "data.path") and \
-            isinstance(a, str) and isinstance(b, str):
-        def norm(v):
-            return [os.path.realpath(p.strip()) for p in v.split(",") if p.strip()]
-        return norm(a) == norm(b)
-    return False
-
-
-def resume_changes(saved_yaml: str, cfg: Config,
-                   same_content: typing.Callable[[str, str], bool] | None = None) -> list[ConfigChange]:
-    """Every field whose value differs between a checkpoint's config.yaml and `cfg`, with its rule.
-    Fields that only one side knows (another version of this file) are not compared. A model folder key whose
-    path changed but whose content is the same (`same_content(key, saved path)`, finetune/model_identity.py)
-    is applied, not refused: the model moved, it did not change."""
-    try:
-        saved = _flatten(yaml.safe_load(saved_yaml) or {})
-    except (yaml.YAMLError, AttributeError) as e:
-        raise ConfigError(f"the checkpoint's config.yaml cannot be read: {e}") from None
-    changes = []
-    for key, current in _flatten(to_dict(cfg)).items():
-        if key not in saved or _same(key, saved[key], current):
-            continue
-        if key not in RESUME_REFUSED:
-            verdict, why = "applied", _RESUME_EFFECT.get(key, "takes effect")
-        elif key in _MOVABLE and same_content is not None and same_content(key, saved[key]):
-            verdict, why = "applied", "the same files at another path (their fingerprints match the checkpoint's)"
-        elif cfg.ckpt.resume_config_check == "refuse":
-            verdict, why = "refused", RESUME_REFUSED[key]
-        else:
-            verdict, why = "warned", f"{RESUME_REFUSED[key]}; {_RESUME_EFFECT.get(key, 'takes effect')}"
-        changes.append(ConfigChange(key, saved[key], current, verdict, why))
-    return changes
 
 
 def to_dict(cfg: Config) -> dict:

@@ -5,7 +5,7 @@
 Each checkpoint's meta.json records them ("model_content": {config key: fingerprint}). A resume whose
 model.config_path / name_or_path / tokenizer_path names another folder compares fingerprints, not paths: an
 identical copy (the run continued on another machine) is a logged change, an edited one is refused as before
-(finetune/config.py RESUME_REFUSED). A checkpoint saved before this record is compared with its saved folder
+(finetune/resume_rules.py RESUME_REFUSED). A checkpoint saved before this record is compared with its saved folder
 when that folder still exists.
 """
 

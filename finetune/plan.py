@@ -34,6 +34,27 @@ LOGITS_COPIES = 3.3  # logits + their gradient + fp32 chunks of the chunked loss
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not a measurement
 CPU_PROCESS_GIB = 0.6  # a CPU rank's own VmRSS: 0.38 GiB measured after imports + gloo, the rest data and malloc slack
 
+# How each line's figure is known, by the start of its text (the first match): from the parameter shapes, a
+# formula, a measurement on this project's CPU machine, or an assumption. The plan prints it beside each line.
+HOW_KNOWN = (("activations", "estimate: formula"),
+             ("logits", "estimate: formula, copies measured (bench/loss_memory.py)"),
+             ("CUDA context", "assumed"),
+             ("python", "measured 0.38 GiB, rest assumed"),
+             ("", "exact: parameter shapes"))
+
+
+def how_known(what: str) -> str:
+    return next(tag for start, tag in HOW_KNOWN if what.startswith(start))
+
+
+def known_split(items: list[tuple[str, float]]) -> str:
+    """The total by how it is known: 'exact 15.00 GiB, estimate 10.0 GiB, ...' (the first word of each tag)."""
+    split: dict[str, float] = {}
+    for what, b in items:
+        kind = how_known(what).split(":")[0].split()[0]
+        split[kind] = split.get(kind, 0) + b
+    return ", ".join(f"{kind} {size(b)}" for kind, b in split.items() if b)
+
 
 def _positive(typ):
     """An argparse type: a finite number > 0 (a negative GPU memory or bandwidth is a typo, not a plan)."""
@@ -233,6 +254,10 @@ def cpu_node_lines(total: float, args, problems: bool = False) -> list[str]:
     return [f"  {'total':<72} {size(total):>10}", f"  {f'per node: {args.gpus_per_node} ranks':<72} {size(node):>10}{budget}"]
 
 
+def item_lines(items: list[tuple[str, float]]) -> list[str]:
+    return [f"  {what:<72} {size(b):>10}  [{how_known(what)}]" for what, b in items]
+
+
 # ---------------------------------------------------------------- the plan
 
 def size(n: float) -> str:
@@ -330,13 +355,14 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     items = cpu_items(cfg, s, world, micro, rank_bytes) if args.cpu else gpu_items(cfg, s, world, micro, accum)
     total = sum(b for _, b in items)
     lines.append("per rank (CPU process, VmRSS):" if args.cpu else "per GPU:")
-    lines += [f"  {what:<72} {size(b):>10}" for what, b in items]
+    lines += item_lines(items)
     if args.cpu:  # the ranks of a node share its RAM; staging is in each rank's total already
         more, problems = cpu_node_lines(total, args), problems + cpu_node_lines(total, args, problems=True)
         lines += more
     else:
         budget = f" of {args.gpu_memory:g} GiB" if args.gpu_memory else " (--gpu-memory GiB checks the fit)"
         lines.append(f"  {'total':<72} {size(total):>10}{budget}")
+    lines.append(f"  of which: {known_split(items)} (docs/planner.md: how each figure is known)")
     if not args.cpu and args.gpu_memory and total > args.gpu_memory * GIB:
         worst = max(items, key=lambda it: it[1])
         problems.append(f"GPU memory: {size(total)} per GPU needed, --gpu-memory {args.gpu_memory:g} GiB; "
@@ -356,9 +382,10 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
                  f"HF export {size(2 * s.params)} in bf16")
     write_s = ckpt / (args.write_gbps * 1e9)
     copy_s = rank_bytes / (args.copy_gbps * 1e9)
-    lines.append(f"save time at {args.write_gbps:g} GB/s aggregate write (--write-gbps): a sync save {seconds(write_s)}; "
+    lines.append(f"save time at {args.write_gbps:g} GB/s aggregate write (--write-gbps: assumed, set your filesystem's): "
+                 f"a sync save {seconds(write_s)}; "
                  + (f"an async save blocks training ~{seconds(copy_s)} (staging at {args.copy_gbps:g} GB/s per GPU, "
-                    f"--copy-gbps), committed after ~{seconds(copy_s + write_s)}" if cfg.ckpt.async_mode != "off" else
+                    f"--copy-gbps: assumed), committed after ~{seconds(copy_s + write_s)}" if cfg.ckpt.async_mode != "off" else
                     "async off: every save blocks for the whole write")
                  + f"; preemption lead time >= ~{seconds(copy_s + 2 * write_s)} (in-flight save + final save)")
     return lines, problems

@@ -9,6 +9,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 PROVENANCE = {"git_commit", "git_dirty", "started_utc", "finished_utc", "load_average_before", "load_average_after",
@@ -80,6 +82,9 @@ def test_ckpt_bench_tiny(tmp_path):
         assert r["ratios"][f"async_committed_over_bare_async_{mode}"] > 0
         assert r["ratios"][f"async_blocking_over_memcpy_{mode}"] > 0
     assert set(r["throughput_steps_per_s"]) == {"none", "thread", "process"}
+    assert r["disk_GBps"]["min"] > 0  # the disk's own rate, probed in every round beside the methods
+    for name in ("dcp_plain", "dcp_sync", "dcp_async_thread", "dcp_async_process"):
+        assert r["ratios"][f"write_over_disk_{name}"] == r["methods"][name]["write_over_disk"]["median"] > 0
     assert "| dcp_async_thread |" in (out / "ckpt_bench.md").read_text()
 
     # the scale table from those rates (plus the committed checksum rates): one measured W, one extrapolated
@@ -117,3 +122,37 @@ def test_memory_bench_tiny(tmp_path):
     assert all(r["ratios"][k] > 0 for k in ("restart_disk_over_memory", "resume_and_first_step_disk_over_memory",
                                             "resume_disk_over_memory"))
     assert "| memory tier (committed: replicated and marked on every node) |" in (out / "memory_bench.md").read_text()
+
+
+def test_realsize_bench_tiny(tmp_path):
+    """The real-size benchmark end to end at a toy size: phases with each rank's peak, the plan's components
+    against them, the loads at both world sizes, blocking against the memcpy floor, writes against the disk."""
+    out = tmp_path / "res"
+    args = ["--layers", "1", "--vocab", "512", "--steps", "3", "--seq-len", "16", "--upload-nice", "10", "--out",
+            str(out)]
+    run("realsize_bench", args, 900)
+    r = check_provenance(out, "realsize_bench", args)
+    phases = {p["phase"]: p for p in r["phases"]}
+    assert {"build", "step 1 (the first)", "save 2: staging (blocking)", "save 2: upload until committed",
+            "final save (sync)", "export"} <= set(phases)
+    assert all(p["rank0_peak_GiB"] > 0 and p["rank1_peak_GiB"] > 0 for p in phases.values())
+    for world, load in r["loads"].items():
+        assert "load (in build)" in {p["phase"] for p in load["phases"]} and load["peak_rss_GiB"], world
+    assert set(r["loads"]) == {"W=2", "W=1"} and set(r["loads"]["W=1"]["peak_rss_GiB"]) == {"0"}
+    total = r["plan_check"][-1]
+    assert total["component"].startswith("total") and total["planned_GiB"] > 0
+    assert total["measured_GiB"] == r["peak_rss_GiB"] and len(r["plan_check"]) == 4
+    saves = r["upload_nice"]["10"]
+    assert saves["first_blocking_s"] > 0 and saves["sync_write_over_disk"] > 0 and saves["checkpoint_GB"] > 0
+    assert r["blocking"]["steady_over_floor"] == saves["steady_blocking_s"] / r["host"]["memcpy_floor_s"]
+    assert r["machine_min_available_GiB"] > 0 and "| plan component |" in (out / "realsize_bench.md").read_text()
+
+    # the presets' times from those rates: a results file naming its source, every row marked extrapolated
+    args = ["--results", str(out), "--out", str(out)]
+    run("realsize_extrapolate", args, 120)
+    x = check_provenance(out, "realsize_extrapolate", args)
+    assert x["source"]["git_commit"] == r["provenance"]["git_commit"] and len(x["rows"]) == 3
+    assert all(row["how"] == "extrapolated" and row["async_blocking_s"] > 0 for row in x["rows"])
+    assert x["rows"][2]["rank_GB"] == pytest.approx(x["rows"][1]["rank_GB"] / 8, rel=1e-3)  # 70B: 512 vs 64 GPUs
+    md = (out / "realsize_extrapolate.md").read_text()
+    assert md.startswith("Extrapolated from ") and md.count("(extrapolated)") == 9

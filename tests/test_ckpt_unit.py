@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 import socket
+import sys
+import threading
 import time
 import warnings
 
@@ -327,3 +329,34 @@ def test_save_plan_cache_is_per_checkpoint_dir_and_world_size(tmp_path):
     mgr.close()
     start_on_free_port(_w2_save, lambda port: (port, str(tmp_path / "w2")), nprocs=2, start_method="fork")
     assert verify_checkpoint(step_dir(str(tmp_path / "w2"), 1))["world_size"] == 2
+
+
+class _NicenessProbe:
+    """A checkpoint value that records the niceness of the thread that serializes it: the upload's."""
+
+    seen: list = []
+
+    def __deepcopy__(self, memo):  # staging copies it on the training thread: keep the object, record nothing
+        return self
+
+    def __reduce__(self):
+        _NicenessProbe.seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        return (int, (0,))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_async_upload_runs_at_upload_nice_and_the_training_thread_keeps_its_priority(tmp_path):
+    """ckpt.upload_nice: the uploader thread writes (and checksums) at the asked niceness, so the training threads
+    get the cores first; the training thread itself, which also runs the final (sync) save, is never lowered."""
+    me = threading.get_native_id()
+    before = os.getpriority(os.PRIO_PROCESS, me)
+    for mode, nice in (("thread", 7), ("off", 7)):
+        _NicenessProbe.seen = []
+        mgr = CheckpointManager(str(tmp_path / mode), mode, keep_last=0, upload_nice=nice)
+        try:
+            mgr.save(1, {"w": torch.arange(10.0), "probe": _NicenessProbe()}, {"meta.json": "{}"})
+            mgr.wait()
+        finally:
+            mgr.close()
+        assert _NicenessProbe.seen == [max(nice, before) if mode == "thread" else before], mode
+        assert os.getpriority(os.PRIO_PROCESS, me) == before

@@ -11,7 +11,9 @@ import shutil
 import pytest
 
 from conftest import ROOT, events, run_train
-from finetune.config import load_config, resume_changes, to_yaml
+from finetune.config import load_config, to_yaml
+from finetune.model_identity import same_content_as
+from finetune.resume_rules import ConfigChange, resume_changes
 from finetune.data import GlobalOrder
 from train_fsdp import lr_factor
 
@@ -105,8 +107,6 @@ def test_moved_model_folder_resumes_an_edited_one_is_refused(tmp_path):
 
 def test_moved_model_of_an_older_checkpoint_compared_by_its_saved_folder(tmp_path):
     """A checkpoint without meta.json's model_content: compared with the saved folder while it exists."""
-    from finetune.config import ConfigChange
-    from finetune.model_identity import same_content_as
     first, moved = copy_model(tmp_path / "a"), copy_model(tmp_path / "b")
     edited = copy_model(tmp_path / "c", edit={"hidden_act": "gelu"})
     saved = to_yaml(load_config(None, [f"model.config_path={first}"]))

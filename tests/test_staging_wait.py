@@ -53,13 +53,13 @@ def test_first_save_finds_its_buffers_allocated_and_stages_the_live_values(tmp_p
     try:
         state = {"w": torch.randn(300_000), "v": torch.randn(50, 7)}
         mgr.prepare_staging(state)
-        cache = mgr._stager.ready()._state_dict_stager._cached_storage_mapping  # ready(): allocation joined
-        before = {id(buf) for buf in cache.values()}
+        staged = mgr._stager.ready()._staged  # ready(): allocation joined; source storage -> (buffer, views)
+        before = {id(buf) for buf, _ in staged.values()}
         assert len(before) == 2
         state["w"].add_(1.0)  # training goes on between the allocation and the save
         mgr.save(1, state, {"meta.json": "{}"})
         mgr.wait()
-        assert {id(buf) for buf in cache.values()} == before  # nothing allocated by the save
+        assert {id(buf) for buf, _ in staged.values()} == before  # nothing allocated by the save
         loaded = {"w": torch.zeros(300_000), "v": torch.zeros(50, 7)}
         dcp.load(loaded, checkpoint_id=str(tmp_path / "step-000001"))
         assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["v"], state["v"])
@@ -67,16 +67,39 @@ def test_first_save_finds_its_buffers_allocated_and_stages_the_live_values(tmp_p
         mgr.close()
 
 
+def test_a_steady_save_copies_into_the_same_staged_tensors():
+    """Every save after the first returns the staged tensors of the one before (no tensor built, no buffer
+    allocated: DCP's own stager deep-copies each tensor on every save), holding the values of now; two views of
+    one storage are copied once and stay views of one buffer; the small values are copies."""
+    from ckpt.prestage import make_stager
+
+    stager = make_stager("thread")
+    try:
+        w = torch.randn(4, 5)
+        state = {"m": {"w": w, "row": w[1]}, "opt": [{"step": torch.tensor(3.0), "lr": 0.1, "betas": (0.9, 0.95)}]}
+        first = stager.stage(state)
+        w.add_(1.0)
+        state["opt"][0]["lr"] = 0.2
+        second = stager.stage(state)
+        assert second["m"]["w"] is first["m"]["w"] and second["opt"][0]["step"] is first["opt"][0]["step"]
+        assert torch.equal(second["m"]["w"], w) and torch.equal(second["m"]["row"], w[1])
+        assert second["m"]["row"].untyped_storage().data_ptr() == second["m"]["w"].untyped_storage().data_ptr()
+        assert second["m"]["w"].untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+        assert second["opt"][0]["lr"] == 0.2 and second["opt"][0]["betas"] == (0.9, 0.95)
+    finally:
+        stager.close()
+
+
 def test_process_mode_buffers_are_shared_memory():
     """Process mode's uploader reads the staged copy from shared memory: the early buffers must be shared too."""
-    from ckpt.prestage import allocate_in_background
-    from ckpt.uploader import make_stager
+    from ckpt.prestage import allocate_in_background, make_stager
 
     stager = make_stager("process")
     try:
         w = torch.randn(1000)  # the cache holds its buffer only while the source tensor lives
         allocate_in_background(stager, {"w": w}).join()
-        (buf,) = stager._state_dict_stager._cached_storage_mapping.values()
+        ((buf, _),) = stager._staged.values()
         assert buf.is_shared() and buf.size() == 4000
+        assert stager.stage({"w": w})["w"].untyped_storage().data_ptr() == buf.data_ptr()
     finally:
         stager.close()
