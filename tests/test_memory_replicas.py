@@ -333,6 +333,10 @@ def test_a_kill_during_replication_leaves_no_marked_step_that_fails(two, tmp_pat
     if moment == "before_commit":  # node 0 marked step 5; node 1 died before its marker
         assert marked[0][-1] == 5 and 5 not in marked[1], marked
     newest = marked[0][-1]
+    # a random kill may land after the job went on past step 5: a newer disk step then wins, as it should
+    on_disk = [int(d[5:]) for d in os.listdir(run / "checkpoints") if (run / "checkpoints" / d / "commit.json").exists()]
+    tier = "disk" if max(on_disk, default=-1) > newest else "memory"
+    newest = max(newest, *on_disk)
     proc = run_train(run, 0, [*RUN, *MEMORY, f"ckpt.memory_dir={mem(run, 0)}"])
-    assert [(e["step"], e["tier"]) for e in events(run, "resume")][-1:] == [(newest, "memory")], (seen, proc.stdout[-3000:])
+    assert [(e["step"], e["tier"]) for e in events(run, "resume")][-1:] == [(newest, tier)], (seen, proc.stdout[-3000:])
     assert_continues(run, r2, newest + 1, exact=False)
