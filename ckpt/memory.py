@@ -135,10 +135,10 @@ class MemoryTier:
         tier.layout, tier.replicas = layout, min(getattr(options, "memory_replicas", 1), layout.nodes - 1)
         folder = getattr(options, "memory_dir", "") or default_memory_dir(options.dir)
         groups = checkpoint_groups(timeout)
-        committer = NodeCommitter(folder, groups[0], tier.keep, layout, tier.replicas, tier._event, tier._info)
+        nice = getattr(options, "upload_nice", 0)
+        committer = NodeCommitter(folder, groups[0], tier.keep, layout, tier.replicas, tier._event, tier._info, nice)
         tier.mgr = CheckpointManager(folder, "thread", tier.keep, tier._event, tier._info, groups=groups,
-                                     committer=committer, writer=MemoryWriter,
-                                     upload_nice=getattr(options, "upload_nice", 0))
+                                     committer=committer, writer=MemoryWriter, upload_nice=nice)
         copies = (f", {plural(layout.nodes, 'node')}, each step's files also on the next "
                   f"{plural(tier.replicas, 'node') if tier.replicas > 1 else 'node'}" if tier.replicas else
                   f", {plural(layout.nodes, 'node')}, no replicas" if layout.nodes > 1 else "")

@@ -50,7 +50,7 @@ from .manifest import METADATA_FILE, VerifyError, commit_checkpoint
 from .peers import NodeLayout, Transfer, exchange, rank_of_file
 from .retention import doomed
 from .saver import StagingWait
-from .uploader import CheckpointWriter
+from .uploader import CheckpointWriter, lower_priority
 
 SMALL = "s"  # DCP file-name prefix suffix of a rank's items that are not shards: __<rank>_s0.distcp
 
@@ -130,10 +130,13 @@ class NodeCommitter:
     thread `ckpt-memory` for async saves; the memory tier saves nothing synchronously."""
 
     def __init__(self, folder: str, pg, keep: int, layout: NodeLayout, replicas: int, on_event: Callable[..., None],
-                 on_log: Callable[[str], None]):
+                 on_log: Callable[[str], None], nice: int = 0):
+        """`nice`: the thread's niceness (ckpt.upload_nice): copies to peers and their checksums take the cores
+        training leaves, like the uploads (uploader.py lower_priority)."""
         self.dir, self.pg, self.keep, self.layout, self.replicas = folder, pg, keep, layout, replicas
         self._on_event, self.on_log = on_event, on_log
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-memory")
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-memory",
+                                          initializer=lower_priority, initargs=(nice,))
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

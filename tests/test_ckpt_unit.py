@@ -23,6 +23,8 @@ from ckpt.checksum import ChecksummingWriter
 from ckpt.manifest import VerifyError, check_files, commit_checkpoint, shares, verify_checkpoint
 from ckpt.layout import COMMIT_FILE, list_step_dirs, step_dir
 from ckpt.manager import CheckpointError, CheckpointManager
+from ckpt.peers import NodeLayout
+from ckpt.replicate import NodeCommitter
 
 DATA = "__0_0.distcp"
 
@@ -360,3 +362,17 @@ def test_async_upload_runs_at_upload_nice_and_the_training_thread_keeps_its_prio
             mgr.close()
         assert _NicenessProbe.seen == [max(nice, before) if mode == "thread" else before], mode
         assert os.getpriority(os.PRIO_PROCESS, me) == before
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_memory_tier_copies_run_at_upload_nice(tmp_path):
+    """The memory tier's committer thread (copies to peers, their checksums, the marker) takes ckpt.upload_nice
+    like the uploads, so replication takes the cores training leaves."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    committer = NodeCommitter(str(tmp_path), None, 1, NodeLayout(0, 1, 1), 0, lambda *a, **k: None, print, nice=7)
+    try:
+        seen = committer._thread.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result()
+    finally:
+        committer.close()
+    assert seen == max(7, before)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
