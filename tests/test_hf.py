@@ -25,7 +25,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import FAST, ROOT, start_on_free_port, run_train
+from conftest import FAST, ROOT, start_on_free_port, run_train, token_cache
 from finetune.config import load_config
 from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
@@ -221,7 +221,7 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
     # step-0 loss (the step-1 record, computed before the update) == from_pretrained's on the same rows
     steps, _ = read_metrics(str(run / "metrics.jsonl"))
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                      [*FAST, f"model.name_or_path={llama}", f"data.cache_dir={tmp_path / '.tok-cache'}"])
+                      [*FAST, f"model.name_or_path={llama}", f"data.cache_dir={token_cache()}"])
     samples = open_samples(cache_path(cfg.data, load_tokenizer(cfg.model)), cfg.data)  # the run's token cache
     input_ids, labels, _ = samples.batch(steps[1]["sample_ids"])
     hf_model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()

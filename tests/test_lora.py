@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt import verify_checkpoint
-from conftest import FAST, ROOT, events, kill_after_commit, losses, run_train
+from conftest import FAST, ROOT, events, kill_after_commit, losses, run_train, token_cache
 from finetune.config import load_config
 from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
@@ -82,7 +82,7 @@ def test_lora_learns_and_saves_only_adapters(root, straight):
     assert sorted(records) == list(range(1, 13))
     rows = [i for s in range(1, 13) for i in records[s]["sample_ids"]]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                      [*FAST, f"model.name_or_path={base_of(root)}", f"data.cache_dir={root / '.tok-cache'}"])
+                      [*FAST, f"model.name_or_path={base_of(root)}", f"data.cache_dir={token_cache()}"])
     cache = cache_path(cfg.data, load_tokenizer(cfg.model))  # the training set's cache, not the eval set's
     ids, labels, _ = open_samples(cache, cfg.data).batch(rows)  # the rows train_fsdp.py trained on
     with torch.no_grad():

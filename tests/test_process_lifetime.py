@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 
-from conftest import ROOT, kill_workers, run_train, train_cmd, FAST
+from conftest import ROOT, kill_workers, run_train, token_cache, train_cmd, FAST
 
 
 def children(pid: int) -> list[int]:
@@ -49,7 +49,7 @@ def test_workers_and_their_uploaders_die_with_their_agent(tmp_path):
     """kill -9 of torchrun's agent alone: its workers must stop at once and free the ckpt.dir lock, and their
     process-mode uploaders too, even one stuck in the middle of writing a save (held there by a fault point)."""
     run = tmp_path / "run"
-    args = [*FAST, f"run.dir={run}", f"data.cache_dir={tmp_path}/.tok-cache", "train.max_steps=100000",
+    args = [*FAST, f"run.dir={run}", f"data.cache_dir={token_cache()}", "train.max_steps=100000",
             "data.epochs=100000", "ckpt.interval=2", "ckpt.async_mode=process", "ckpt.save_at_end=false"]
     stuck = tmp_path / "uploader-stuck"  # created by each uploader as it starts to sleep in the write
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CKPT_FAULT": f"sleep@write:2,secs=600,file={stuck}"}
