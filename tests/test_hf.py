@@ -14,8 +14,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -210,9 +208,10 @@ def _trained_model(hf_dir: str, ckpt_path: str):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_train_from_hf_then_export(hf_models, tmp_path):
+def test_train_from_hf_then_export(hf_models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ckpt.__main__ import main as ckpt_cli
     from ckpt.export import export_cli
 
     llama, run = hf_models["llama"], tmp_path / "run"
@@ -240,15 +239,17 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
     assert AutoTokenizer.from_pretrained(str(run / "hf"))(text)["input_ids"] == \
         AutoTokenizer.from_pretrained(llama)(text)["input_ids"]
 
-    # the command line, no process group: bf16, sharded with an index, logits within bf16 tolerance
+    # the command line (python -m ckpt export: its main() called here), no process group: bf16, sharded with an
+    # index, logits within bf16 tolerance
     out = tmp_path / "hf-bf16"
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", ckpt, str(out), "--dtype", "bf16",
-                          "--max-shard-size", "100KB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 0 and cli.stdout.startswith("OK:"), cli.stdout + cli.stderr
+    capsys.readouterr()
+    code, printed = ckpt_cli(["export", ckpt, str(out), "--dtype", "bf16", "--max-shard-size", "100KB"]), \
+        capsys.readouterr()
+    assert code == 0 and printed.out.startswith("OK:"), printed
     parallel = tmp_path / "hf-bf16-jobs3"  # three writer processes: the same bytes in every file
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", ckpt, str(parallel), "--max-shard-size", "100KB",
-                          "--jobs", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert cli.returncode == 0 and "MiB bf16" in cli.stdout, cli.stdout + cli.stderr  # auto: llama's files are bf16
+    code, printed = ckpt_cli(["export", ckpt, str(parallel), "--max-shard-size", "100KB", "--jobs", "3"]), \
+        capsys.readouterr()
+    assert code == 0 and "MiB bf16" in printed.out, printed  # auto: llama's files are bf16
     for f in glob.glob(str(out / "*.safetensors")):
         assert open(f, "rb").read() == open(parallel / os.path.basename(f), "rb").read(), f
     index = json.load(open(out / "model.safetensors.index.json"))
