@@ -416,3 +416,4 @@ if __name__ == "__main__":
 elif __name__ == "__mp_main__":  # this file, re-imported by DCP's spawned process-mode uploader
     from ckpt.uploader import setup_uploader_process
     setup_uploader_process()
+    gc.freeze()  # what the imports made lives until exit: not scanned by the collections of its teardown
