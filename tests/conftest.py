@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,6 +111,22 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
         raise AssertionError(f"train_fsdp.py exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+@pytest.fixture(scope="session")
+def finished_two_step_run(tmp_path_factory):
+    """One W=1 run of 2 steps ending in its final checkpoint, step-000002; tests use copies (two_step_run)."""
+    run = tmp_path_factory.mktemp("two-step") / "run"
+    run_train(run, nproc=0, overrides=["train.max_steps=2", "ckpt.interval=0"])
+    return run
+
+
+@pytest.fixture
+def two_step_run(finished_two_step_run, tmp_path):
+    """This test's own copy of finished_two_step_run (to damage or resume): one launch for the session, not one
+    per test that needs a small finished run and its checkpoint."""
+    shutil.copytree(finished_two_step_run, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def kill_after_commit(run_dir, saved_step: int, kill_step: int) -> str:

@@ -151,9 +151,8 @@ def test_second_job_on_same_ckpt_dir_is_refused(tmp_path):
         first.wait()
 
 
-def test_resume_with_other_model_shape_is_clear_error(tmp_path):
-    run = tmp_path / "r"
-    run_train(run, nproc=0, overrides=["train.max_steps=2", "ckpt.interval=0"])
+def test_resume_with_other_model_shape_is_clear_error(tmp_path, two_step_run):
+    run = two_step_run
     wide = tmp_path / "wide"
     shutil.copytree(os.path.join(ROOT, "assets", "tiny-llama"), wide)
     cfg = json.loads((wide / "config.json").read_text())
@@ -165,10 +164,8 @@ def test_resume_with_other_model_shape_is_clear_error(tmp_path):
     assert "does not match the model" in proc.stderr and "mlp" in proc.stderr
 
 
-def test_verify_cli(tmp_path):
-    run = tmp_path / "r"
-    run_train(run, nproc=0, overrides=["train.max_steps=2", "ckpt.interval=0"])
-    path = run / "checkpoints" / "step-000002"
+def test_verify_cli(two_step_run):
+    path = two_step_run / "checkpoints" / "step-000002"
     ok = subprocess.run([sys.executable, "-m", "ckpt", "verify", str(path)], cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.startswith("OK")
     with open(path / "meta.json", "a") as f:
