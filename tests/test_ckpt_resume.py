@@ -37,8 +37,11 @@ def tensors(tree, prefix=""):
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
+    """W=2 straight to step 12, committed at 4, 8 and 12: the losses and final state every kill and resume must
+    reproduce (checkpointing changes neither), and the checkpoints the skip test damages (in a copy)."""
     run = tmp_path_factory.mktemp("A") / "run"
-    run_train(run, nproc=2, overrides=[*RESUME_RUN, "ckpt.async_mode=off"])
+    run_train(run, nproc=2, overrides=["train.max_steps=12", "ckpt.interval=4", "ckpt.keep_last=0",
+                                       "ckpt.async_mode=off"])
     return run
 
 
@@ -68,9 +71,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path, straight_run, mode):
     verify_checkpoint(str(run / "checkpoints" / "step-000012"))
 
 
-def test_resume_skips_uncommitted_and_corrupt(tmp_path):
+def test_resume_skips_uncommitted_and_corrupt(tmp_path, straight_run):
     run = tmp_path / "r"
-    run_train(run, nproc=2, overrides=["train.max_steps=12", "ckpt.interval=4", "ckpt.keep_last=0"])
+    shutil.copytree(straight_run, run)
     ck = run / "checkpoints"
     os.remove(ck / "step-000012" / "commit.json")                      # data files, no marker
     shard = sorted(p for p in os.listdir(ck / "step-000008") if p.endswith(".distcp"))[0]
