@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -57,6 +58,22 @@ def train_cmd(nproc: int, overrides: list[str], restarts: int = 0) -> list[str]:
             "--max-restarts", str(restarts), script, *cfg, *overrides]
 
 
+_session: dict[str, str] = {}  # what the session fixtures below made, for the plain helpers (run_train) to use
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_token_cache(tmp_path_factory):
+    """One token cache for the session's runs (see token_cache)."""
+    _session["token_cache"] = str(tmp_path_factory.mktemp("tok-cache"))
+
+
+def token_cache() -> str:
+    """The data.cache_dir of every run_train: each data set is tokenized once per session, not once per test
+    (the datasets import and the tokenizing were a second or two of every run). Sharing is safe: a cache folder
+    is named by its data files' paths, sizes and mtimes and the tokenizer, and appears only when committed."""
+    return _session["token_cache"]
+
+
 def kill_workers(parent_pid: int) -> None:
     """SIGKILL the process group of every child of `parent_pid` (ranks and their uploader processes)."""
     for stat in glob.glob("/proc/[0-9]*/stat"):
@@ -77,8 +94,7 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
               timeout: float = 300, check: bool = True, restarts: int = 0) -> subprocess.CompletedProcess:
     """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve); `restarts`:
     torchrun's --max-restarts."""
-    args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={os.path.join(str(run_dir), '..', '.tok-cache')}",
-            *overrides]
+    args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}", *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     with subprocess.Popen(train_cmd(nproc, args, restarts), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as p:
@@ -95,6 +111,22 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
         raise AssertionError(f"train_fsdp.py exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+@pytest.fixture(scope="session")
+def finished_two_step_run(tmp_path_factory):
+    """One W=1 run of 2 steps ending in its final checkpoint, step-000002; tests use copies (two_step_run)."""
+    run = tmp_path_factory.mktemp("two-step") / "run"
+    run_train(run, nproc=0, overrides=["train.max_steps=2", "ckpt.interval=0"])
+    return run
+
+
+@pytest.fixture
+def two_step_run(finished_two_step_run, tmp_path):
+    """This test's own copy of finished_two_step_run (to damage or resume): one launch for the session, not one
+    per test that needs a small finished run and its checkpoint."""
+    shutil.copytree(finished_two_step_run, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def kill_after_commit(run_dir, saved_step: int, kill_step: int) -> str:

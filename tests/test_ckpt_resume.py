@@ -37,8 +37,11 @@ def tensors(tree, prefix=""):
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
+    """W=2 straight to step 12, committed at 4, 8 and 12: the losses and final state every kill and resume must
+    reproduce (checkpointing changes neither), and the checkpoints the skip test damages (in a copy)."""
     run = tmp_path_factory.mktemp("A") / "run"
-    run_train(run, nproc=2, overrides=[*RESUME_RUN, "ckpt.async_mode=off"])
+    run_train(run, nproc=2, overrides=["train.max_steps=12", "ckpt.interval=4", "ckpt.keep_last=0",
+                                       "ckpt.async_mode=off"])
     return run
 
 
@@ -68,9 +71,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path, straight_run, mode):
     verify_checkpoint(str(run / "checkpoints" / "step-000012"))
 
 
-def test_resume_skips_uncommitted_and_corrupt(tmp_path):
+def test_resume_skips_uncommitted_and_corrupt(tmp_path, straight_run):
     run = tmp_path / "r"
-    run_train(run, nproc=2, overrides=["train.max_steps=12", "ckpt.interval=4", "ckpt.keep_last=0"])
+    shutil.copytree(straight_run, run)
     ck = run / "checkpoints"
     os.remove(ck / "step-000012" / "commit.json")                      # data files, no marker
     shard = sorted(p for p in os.listdir(ck / "step-000008") if p.endswith(".distcp"))[0]
@@ -151,9 +154,8 @@ def test_second_job_on_same_ckpt_dir_is_refused(tmp_path):
         first.wait()
 
 
-def test_resume_with_other_model_shape_is_clear_error(tmp_path):
-    run = tmp_path / "r"
-    run_train(run, nproc=0, overrides=["train.max_steps=2", "ckpt.interval=0"])
+def test_resume_with_other_model_shape_is_clear_error(tmp_path, two_step_run):
+    run = two_step_run
     wide = tmp_path / "wide"
     shutil.copytree(os.path.join(ROOT, "assets", "tiny-llama"), wide)
     cfg = json.loads((wide / "config.json").read_text())
@@ -165,10 +167,8 @@ def test_resume_with_other_model_shape_is_clear_error(tmp_path):
     assert "does not match the model" in proc.stderr and "mlp" in proc.stderr
 
 
-def test_verify_cli(tmp_path):
-    run = tmp_path / "r"
-    run_train(run, nproc=0, overrides=["train.max_steps=2", "ckpt.interval=0"])
-    path = run / "checkpoints" / "step-000002"
+def test_verify_cli(two_step_run):
+    path = two_step_run / "checkpoints" / "step-000002"
     ok = subprocess.run([sys.executable, "-m", "ckpt", "verify", str(path)], cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.startswith("OK")
     with open(path / "meta.json", "a") as f:

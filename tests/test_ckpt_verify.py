@@ -3,18 +3,18 @@
     python -m pytest tests/test_ckpt_verify.py -q
 
 One real 2-rank training run makes the checkpoints; each case damages a copy, then `python -m ckpt
-verify` (offline, threads) and CheckpointManager.find_resume in 1 and 2 gloo processes (each rank
+verify` (offline, threads; its main() called here, a process start saved per case) and CheckpointManager.find_resume in 1 and 2 gloo processes (each rank
 checks its share of the files) must reach the same verdict, name the same problem, and walk back.
 """
 
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 
+from ckpt.__main__ import main as ckpt_cli
 from conftest import ROOT, start_on_free_port, run_train
 
 sys.path.insert(0, ROOT)
@@ -86,12 +86,12 @@ def resume_choices(dirs, world_size, tmp_path) -> list[dict]:
     return [json.load(open(f"{out}.{r}")) for r in range(world_size)]
 
 
-def test_parallel_and_offline_verification_agree(cases, tmp_path):
+def test_parallel_and_offline_verification_agree(cases, tmp_path, capsys):
     offline = {}
     for name, d in cases.items():
-        p = subprocess.run([sys.executable, "-m", "ckpt", "verify", os.path.join(d, "step-000004"), "--jobs", "2"],
-                           cwd=ROOT, capture_output=True, text=True)
-        offline[name] = (p.returncode, (p.stdout + p.stderr).strip())
+        code = ckpt_cli(["verify", os.path.join(d, "step-000004"), "--jobs", "2"])
+        printed = capsys.readouterr()
+        offline[name] = (code, (printed.out + printed.err).strip())
     per_world = {w: resume_choices(cases, w, tmp_path) for w in (1, 2)}
     for name, (_, needle) in CASES.items():
         code, text = offline[name]

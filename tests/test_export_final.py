@@ -6,17 +6,16 @@ embeddings are saved once, survive a resume and export tied.
 
 import json
 import os
-import subprocess
-import sys
 
 from safetensors.torch import load_file
 
+from ckpt.__main__ import main as ckpt_cli
 from conftest import ROOT, losses, run_train
 
 TIMEOUT = 240
 
 
-def test_export_at_end_is_this_jobs_final_state_and_export_refuses_a_file(tmp_path):
+def test_export_at_end_is_this_jobs_final_state_and_export_refuses_a_file(tmp_path, capsys):
     run = tmp_path / "run"
     opts = ["ckpt.interval=3", "ckpt.keep_last=0", "ckpt.async_mode=off"]
     run_train(run, nproc=0, timeout=TIMEOUT, overrides=["train.max_steps=9", *opts])  # steps 3, 6, 9
@@ -32,11 +31,9 @@ def test_export_at_end_is_this_jobs_final_state_and_export_refuses_a_file(tmp_pa
     assert f"export: writing step 5 to {run}/hf ...\n" in proc.stdout
     assert f"export: writing step 5 to {run}/hf: done in " in proc.stdout
 
-    # the export holds step 5's weights: export step 5 and step 9 by hand and compare
+    # the export holds step 5's weights: export step 5 and step 9 by hand (python -m ckpt export) and compare
     for step in (5, 9):
-        cli = subprocess.run([sys.executable, "-m", "ckpt", "export", f"{ckpt}/step-{step:06d}",
-                              str(tmp_path / f"s{step}")], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-        assert cli.returncode == 0, cli.stdout + cli.stderr
+        assert ckpt_cli(["export", f"{ckpt}/step-{step:06d}", str(tmp_path / f"s{step}")]) == 0, capsys.readouterr()
     at_end, s5, s9 = (load_file(str(d / "model.safetensors")) for d in (run / "hf", tmp_path / "s5", tmp_path / "s9"))
     assert all((at_end[k] == s5[k]).all() for k in s5)
     assert any((at_end[k] != s9[k]).any() for k in s9)
@@ -44,9 +41,10 @@ def test_export_at_end_is_this_jobs_final_state_and_export_refuses_a_file(tmp_pa
     # OUT is an existing file: refused, the file untouched, nothing renamed beside it
     out = tmp_path / "notes.txt"
     out.write_text("mine\n")
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", f"{ckpt}/step-000005", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
-    assert cli.returncode != 0 and f"{out} exists and is not a folder" in cli.stdout + cli.stderr
+    capsys.readouterr()
+    code = ckpt_cli(["export", f"{ckpt}/step-000005", str(out)])
+    printed = capsys.readouterr()
+    assert code != 0 and f"{out} exists and is not a folder" in printed.out + printed.err
     assert out.read_text() == "mine\n"
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("notes")) == ["notes.txt"]
 

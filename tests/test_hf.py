@@ -14,8 +14,6 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,7 +23,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import FAST, ROOT, start_on_free_port, run_train
+from conftest import FAST, ROOT, start_on_free_port, run_train, token_cache
 from finetune.config import load_config
 from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
@@ -210,9 +208,10 @@ def _trained_model(hf_dir: str, ckpt_path: str):
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_train_from_hf_then_export(hf_models, tmp_path):
+def test_train_from_hf_then_export(hf_models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ckpt.__main__ import main as ckpt_cli
     from ckpt.export import export_cli
 
     llama, run = hf_models["llama"], tmp_path / "run"
@@ -221,7 +220,7 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
     # step-0 loss (the step-1 record, computed before the update) == from_pretrained's on the same rows
     steps, _ = read_metrics(str(run / "metrics.jsonl"))
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                      [*FAST, f"model.name_or_path={llama}", f"data.cache_dir={tmp_path / '.tok-cache'}"])
+                      [*FAST, f"model.name_or_path={llama}", f"data.cache_dir={token_cache()}"])
     samples = open_samples(cache_path(cfg.data, load_tokenizer(cfg.model)), cfg.data)  # the run's token cache
     input_ids, labels, _ = samples.batch(steps[1]["sample_ids"])
     hf_model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
@@ -240,15 +239,17 @@ def test_train_from_hf_then_export(hf_models, tmp_path):
     assert AutoTokenizer.from_pretrained(str(run / "hf"))(text)["input_ids"] == \
         AutoTokenizer.from_pretrained(llama)(text)["input_ids"]
 
-    # the command line, no process group: bf16, sharded with an index, logits within bf16 tolerance
+    # the command line (python -m ckpt export: its main() called here), no process group: bf16, sharded with an
+    # index, logits within bf16 tolerance
     out = tmp_path / "hf-bf16"
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", ckpt, str(out), "--dtype", "bf16",
-                          "--max-shard-size", "100KB"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 0 and cli.stdout.startswith("OK:"), cli.stdout + cli.stderr
+    capsys.readouterr()
+    code, printed = ckpt_cli(["export", ckpt, str(out), "--dtype", "bf16", "--max-shard-size", "100KB"]), \
+        capsys.readouterr()
+    assert code == 0 and printed.out.startswith("OK:"), printed
     parallel = tmp_path / "hf-bf16-jobs3"  # three writer processes: the same bytes in every file
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", ckpt, str(parallel), "--max-shard-size", "100KB",
-                          "--jobs", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert cli.returncode == 0 and "MiB bf16" in cli.stdout, cli.stdout + cli.stderr  # auto: llama's files are bf16
+    code, printed = ckpt_cli(["export", ckpt, str(parallel), "--max-shard-size", "100KB", "--jobs", "3"]), \
+        capsys.readouterr()
+    assert code == 0 and "MiB bf16" in printed.out, printed  # auto: llama's files are bf16
     for f in glob.glob(str(out / "*.safetensors")):
         assert open(f, "rb").read() == open(parallel / os.path.basename(f), "rb").read(), f
     index = json.load(open(out / "model.safetensors.index.json"))

@@ -10,8 +10,6 @@ off for the world-size changes (there each rank's RNG is re-derived, see the REA
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from ckpt import verify_checkpoint
-from conftest import FAST, ROOT, events, kill_after_commit, losses, run_train
+from ckpt.__main__ import main as ckpt_cli
+from conftest import FAST, ROOT, events, kill_after_commit, losses, run_train, token_cache
 from finetune.config import load_config
 from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
@@ -74,7 +73,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor) -> float:
                                              ignore_index=-100).item()
 
 
-def test_lora_learns_and_saves_only_adapters(root, straight):
+def test_lora_learns_and_saves_only_adapters(root, straight, capsys):
     """The adapters lower the loss on the samples they trained on; the checkpoint holds nothing else."""
     from transformers import AutoModelForCausalLM
 
@@ -82,7 +81,7 @@ def test_lora_learns_and_saves_only_adapters(root, straight):
     assert sorted(records) == list(range(1, 13))
     rows = [i for s in range(1, 13) for i in records[s]["sample_ids"]]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"),
-                      [*FAST, f"model.name_or_path={base_of(root)}", f"data.cache_dir={root / '.tok-cache'}"])
+                      [*FAST, f"model.name_or_path={base_of(root)}", f"data.cache_dir={token_cache()}"])
     cache = cache_path(cfg.data, load_tokenizer(cfg.model))  # the training set's cache, not the eval set's
     ids, labels, _ = open_samples(cache, cfg.data).batch(rows)  # the rows train_fsdp.py trained on
     with torch.no_grad():
@@ -103,10 +102,10 @@ def test_lora_learns_and_saves_only_adapters(root, straight):
     size = lambda d: sum(f.stat().st_size for f in d.iterdir() if f.suffix == ".distcp")  # noqa: E731
     assert size(ckpt) < size(full) / 2, (size(ckpt), size(full))
 
-    out = subprocess.run([sys.executable, "-m", "ckpt", "inspect", str(ckpt)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 0 and "LoRA checkpoint: adapters r=8" in out.stdout, out.stdout + out.stderr
-    assert "% of a full fine-tuning checkpoint" in out.stdout
+    capsys.readouterr()
+    assert ckpt_cli(["inspect", str(ckpt)]) == 0  # python -m ckpt inspect
+    out = capsys.readouterr().out
+    assert "LoRA checkpoint: adapters r=8" in out and "% of a full fine-tuning checkpoint" in out, out
 
 
 @pytest.mark.parametrize("mode", ["off", "thread", "process"])
@@ -259,7 +258,7 @@ def trained_logits(base: str, ckpt, batch: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_adapter_and_merged_exports(root, straight, tmp_path):
+def test_adapter_and_merged_exports(root, straight, tmp_path, capsys):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -267,20 +266,26 @@ def test_adapter_and_merged_exports(root, straight, tmp_path):
     batch = torch.randint(3, 101, (3, 20), generator=torch.Generator().manual_seed(0))
     want = trained_logits(base, ckpt, batch)
 
-    adapter = tmp_path / "adapter"
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", str(ckpt), str(adapter), "--adapter"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 0 and cli.stdout.startswith("OK:"), cli.stdout + cli.stderr
+    adapter = tmp_path / "adapter"  # python -m ckpt export ... --adapter, its main() called here
+    capsys.readouterr()
+    code, printed = ckpt_cli(["export", str(ckpt), str(adapter), "--adapter"]), capsys.readouterr()
+    assert code == 0 and printed.out.startswith("OK:"), printed
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), str(adapter))
     with torch.no_grad():
         got = peft_model.eval()(input_ids=batch).logits
     assert torch.equal(got, want)
     assert not torch.equal(got, AutoModelForCausalLM.from_pretrained(base).eval()(input_ids=batch).logits.detach())
 
+    # --adapter of a full checkpoint: one error line
+    full = root / "base" / "checkpoints" / "step-000200"
+    capsys.readouterr()
+    code, printed = ckpt_cli(["export", str(full), str(tmp_path / "x"), "--adapter"]), capsys.readouterr()
+    assert code == 2 and printed.err.startswith("error:") and "full fine-tuning checkpoint" in printed.err, printed
+
     merged = tmp_path / "merged"
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", str(ckpt), str(merged)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 0 and "merged" in cli.stdout, cli.stdout + cli.stderr
+    capsys.readouterr()
+    code, printed = ckpt_cli(["export", str(ckpt), str(merged)]), capsys.readouterr()
+    assert code == 0 and "merged" in printed.out, printed
     merged_model = AutoModelForCausalLM.from_pretrained(str(merged)).eval()
     assert not any(".lora_" in k or "base_layer" in k for k in merged_model.state_dict())
     with torch.no_grad():
@@ -292,9 +297,3 @@ def test_adapter_and_merged_exports(root, straight, tmp_path):
     reference = peft_model.merge_and_unload().state_dict()
     for k, v in load_file(str(merged / "model.safetensors")).items():
         assert torch.allclose(v, reference[k], rtol=0, atol=1e-6), k
-
-    # --adapter of a full checkpoint: one error line
-    full = root / "base" / "checkpoints" / "step-000200"
-    cli = subprocess.run([sys.executable, "-m", "ckpt", "export", str(full), str(tmp_path / "x"), "--adapter"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 2 and cli.stderr.startswith("error:") and "full fine-tuning checkpoint" in cli.stderr

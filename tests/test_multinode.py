@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from conftest import FAST, ROOT, free_port, run_train
+from conftest import FAST, ROOT, free_port, run_train, token_cache
 from finetune.metrics import read_metrics
 
 STEPS = ["train.max_steps=16", "ckpt.interval=8", "ckpt.keep_last=0"]
@@ -34,7 +34,7 @@ def step_records(run_dir) -> dict[int, dict]:
 
 def test_two_nodes_train_and_save_then_resume_on_one_node(tmp_path):
     run_dir = tmp_path / "two-nodes"
-    overrides = [*FAST, *STEPS, f"run.dir={run_dir}", f"data.cache_dir={tmp_path / '.tok-cache'}"]
+    overrides = [*FAST, *STEPS, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}"]
     cmd = node_agent_cmd(2, f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}", overrides)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
-from conftest import FAST, ROOT, events, losses, run_train, train_cmd
+from conftest import FAST, ROOT, events, losses, run_train, token_cache, train_cmd
 
 STEPS = ["train.max_steps=24", "ckpt.interval=8"]
 
@@ -35,7 +35,7 @@ def reference(tmp_path_factory):
 def start_train(run_dir, env: dict | None = None, nproc: int = 2, overrides: list[str] = ()
                 ) -> tuple[subprocess.Popen, str]:
     """Like conftest.run_train, but in the background: (torchrun agent or the process, path of its output)."""
-    args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={os.path.join(str(run_dir), '..', '.tok-cache')}", *STEPS,
+    args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}", *STEPS,
             *overrides]
     out = os.path.join(str(run_dir) + ".out")
     with open(out, "w") as f:

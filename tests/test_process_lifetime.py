@@ -2,7 +2,9 @@
 
     python -m pytest tests/test_process_lifetime.py -q
 
-Both run train_fsdp.py under torchrun at W=2 on CPU (gloo).
+Both run train_fsdp.py under torchrun at W=2 on CPU (gloo). In the frozen-rank tests the test SIGKILLs the frozen
+rank once rank 0 has ended: torchrun would too, after the 30 s its SIGTERM waits (a frozen rank sleeps through it),
+so waiting for that would time torch's grace period, not this repository's timeout.
 """
 
 import fcntl
@@ -11,7 +13,8 @@ import signal
 import subprocess
 import time
 
-from conftest import ROOT, kill_workers, run_train, train_cmd, FAST
+from conftest import ROOT, kill_workers, token_cache, train_cmd, FAST
+from test_preemption import worker_pid
 
 
 def children(pid: int) -> list[int]:
@@ -45,11 +48,48 @@ def newest_step(run) -> int:
         return 0
 
 
+def worker_pids(agent_pid: int) -> tuple[int, int] | None:
+    """(rank 0, rank 1) under a torchrun agent, or None while they are not both started."""
+    try:
+        return worker_pid(agent_pid, 0), worker_pid(agent_pid, 1)
+    except (AssertionError, OSError):  # no such worker yet, or one between fork and exec
+        return None
+
+
+def run_with_rank1_frozen(run_dir, fault: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    """torchrun at W=2 with rank 1 frozen by the CKPT_FAULT `fault`: waits (at most 240 s) until rank 0 has ended,
+    then SIGKILLs rank 1 (see the module docstring) and returns torchrun's result."""
+    args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CKPT_FAULT": fault}
+    with open(f"{run_dir}.out", "w+") as out, open(f"{run_dir}.err", "w+") as err:
+        agent = subprocess.Popen(train_cmd(2, args), cwd=ROOT, env=env, stdout=out, stderr=err)
+        try:
+            deadline = time.time() + 240
+            while (ranks := worker_pids(agent.pid)) is None and agent.poll() is None and time.time() < deadline:
+                time.sleep(0.2)
+            assert ranks, f"torchrun started no workers:\n{open(err.name).read()[-3000:]}"
+            rank0, rank1 = ranks
+            while alive(rank0) and time.time() < deadline:
+                time.sleep(0.2)
+            assert not alive(rank0), "rank 0 did not end the job within 240 s"
+            if alive(rank1):
+                os.kill(rank1, signal.SIGKILL)
+            agent.wait(120)
+        finally:
+            kill_workers(agent.pid)
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(agent.args, agent.returncode, out.read(), err.read())
+
+
 def test_workers_and_their_uploaders_die_with_their_agent(tmp_path):
     """kill -9 of torchrun's agent alone: its workers must stop at once and free the ckpt.dir lock, and their
     process-mode uploaders too, even one stuck in the middle of writing a save (held there by a fault point)."""
     run = tmp_path / "run"
-    args = [*FAST, f"run.dir={run}", f"data.cache_dir={tmp_path}/.tok-cache", "train.max_steps=100000",
+    args = [*FAST, f"run.dir={run}", f"data.cache_dir={token_cache()}", "train.max_steps=100000",
             "data.epochs=100000", "ckpt.interval=2", "ckpt.async_mode=process", "ckpt.save_at_end=false"]
     stuck = tmp_path / "uploader-stuck"  # created by each uploader as it starts to sleep in the write
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CKPT_FAULT": f"sleep@write:2,secs=600,file={stuck}"}
@@ -91,9 +131,8 @@ def test_frozen_rank_ends_job_with_collective_timeout(tmp_path):
     """Rank 1 stops answering after step 2: rank 0 must end the job after train.collective_timeout_minutes
     (6 s here) with a line naming the cause, not wait torch's default 30 minutes."""
     t0 = time.time()
-    proc = run_train(tmp_path / "run", nproc=2, check=False, timeout=240,
-                     env={"CKPT_FAULT": "sleep@after_step:2,rank=1,secs=600"},
-                     overrides=["train.max_steps=6", "ckpt.interval=0", "train.collective_timeout_minutes=0.1"])
+    proc = run_with_rank1_frozen(tmp_path / "run", "sleep@after_step:2,rank=1,secs=600",
+                                 ["train.max_steps=6", "ckpt.interval=0", "train.collective_timeout_minutes=0.1"])
     assert proc.returncode != 0
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert lines == ["error: rank 0: a training collective waited more than 0.1 min (train.collective_timeout_minutes) "
@@ -106,9 +145,8 @@ def test_frozen_rank_during_a_save_ends_job_with_checkpoint_timeout(tmp_path):
     """Rank 1 freezes while writing its shards of a sync save: rank 0 gives up after ckpt.timeout_minutes
     (6 s here), says so in one line, and tries no emergency save (it would need the frozen rank)."""
     run = tmp_path / "run"
-    proc = run_train(run, nproc=2, check=False, timeout=240, env={"CKPT_FAULT": "sleep@write:2,rank=1,secs=600"},
-                     overrides=["train.max_steps=4", "ckpt.interval=2", "ckpt.async_mode=off",
-                                "ckpt.timeout_minutes=0.1"])
+    proc = run_with_rank1_frozen(run, "sleep@write:2,rank=1,secs=600",
+                                 ["train.max_steps=4", "ckpt.interval=2", "ckpt.async_mode=off", "ckpt.timeout_minutes=0.1"])
     lines = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert proc.returncode != 0
     assert lines == [f"error: writing checkpoint {run}/checkpoints/step-000002: a checkpoint collective timed out "

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
-from conftest import FAST, ROOT, events, free_port, losses, run_train
+from conftest import FAST, ROOT, events, free_port, losses, run_train, token_cache
 from slurm_cluster import SlurmCluster, running, unavailable_reason
 from test_preemption import metrics_so_far
 
@@ -54,7 +54,7 @@ def test_preempted_job_requeues_and_matches_uninterrupted_run(slurm, tmp_path):
     # the script's #SBATCH lines as they are (they ask for no GPUs: this partition has none), this machine's cores
     job = slurm.sbatch(f"--cpus-per-task={os.cpu_count()}", f"--chdir={ROOT}",
                        f"--output={out}", os.path.join(ROOT, "slurm", "train.sbatch"), "configs/tiny.yaml", *FAST,
-                       f"run.dir={run}", f"data.cache_dir={tmp_path / '.tok-cache'}", *STEPS, env=env)
+                       f"run.dir={run}", f"data.cache_dir={token_cache()}", *STEPS, env=env)
 
     def explain() -> str:
         log = out.read_text()[-5000:] if out.exists() else "(no job output yet)"
