@@ -27,7 +27,7 @@ from .manifest import VerifyError, verify_checkpoint
 from .reshard import reshard
 from .storage import join, scheme_of, storage_for, unsupported
 
-def not_a_checkpoint(path: str) -> str | None:
+def not_a_checkpoint(path: str, cmd: str = "verify") -> str | None:
     """Why `path` is no checkpoint folder at all (rather than a damaged or uncommitted one), or None."""
     local = scheme_of(path) is None
     if local and not os.path.isdir(path):
@@ -37,20 +37,26 @@ def not_a_checkpoint(path: str) -> str | None:
         return None  # a checkpoint, committed or not: verify says what is wrong with it
     steps = [p for _, p in list_step_dirs(path)] if local else [join(path, n) for n in sorted(names) if step_of(n)]
     if steps:
-        return (f"{path} is a checkpoints folder ({plural(len(steps), 'step-* folder')}), not a checkpoint: verify one "
-                f"of them, e.g. the newest: python -m ckpt verify {steps[-1]}")
+        return (f"{path} is a checkpoints folder ({plural(len(steps), 'step-* folder')}), not a checkpoint: {cmd} one "
+                f"of them, e.g. the newest: python -m ckpt {cmd} {steps[-1]}")
     if not names and not local:
         return f"{path}: nothing stored under this prefix"
     return f"{path} is not a checkpoint folder (no {COMMIT_FILE}, {META_FILE} or .metadata in it)"
 
 
-def cmd_verify(args) -> int:
+def no_checkpoint_error(path: str, cmd: str) -> bool:
+    """Print one error line and say True when `path` is no checkpoint at all (bad input, exit status 2)."""
     try:
-        problem = not_a_checkpoint(args.path)
+        problem = not_a_checkpoint(path, cmd)
     except OSError as e:  # an object store that cannot be reached, or refuses the credentials
-        problem = f"cannot read {args.path}: {e}"
+        problem = f"cannot read {path}: {e}"
     if problem:
         print(f"error: {problem}", file=sys.stderr)
+    return problem is not None
+
+
+def cmd_verify(args) -> int:
+    if no_checkpoint_error(args.path, "verify"):
         return 2
     try:
         marker = verify_checkpoint(args.path, jobs=args.jobs)
@@ -68,6 +74,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_reshard(args) -> int:
+    if no_checkpoint_error(args.src, "reshard"):  # a missing source is bad input (2); a damaged one fails verification (1)
+        return 2
     return reshard(args.src, args.dst, args.world_size)
 
 

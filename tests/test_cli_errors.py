@@ -38,6 +38,13 @@ def test_verify_of_a_folder_that_is_no_checkpoint_says_so(tmp_path):
               f"newest: python -m ckpt verify {tmp_path}/step-000010")
 
 
+def test_reshard_of_a_source_that_is_no_checkpoint_exits_2(tmp_path):
+    """Bad input, as for verify and export; a damaged checkpoint is what exits 1 (test_world_size)."""
+    one_error(cli("-m", "ckpt", "reshard", str(tmp_path / "nope"), str(tmp_path / "out"), "--world-size", "1"),
+              f"{tmp_path / 'nope'}: no such folder")
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_and_plot_exit_2_on_bad_input(tmp_path):
     one_error(cli("-m", "ckpt", "export", str(tmp_path / "nope"), str(tmp_path / "out")), "")
     (tmp_path / "metrics.jsonl").write_text("not json\n")
