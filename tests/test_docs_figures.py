@@ -30,6 +30,7 @@ EXPORT_FP32 = "runs/export_rss/2026-11-25T083411Z-496f60d3e.json"
 PERF, INTEGRITY, LORA, GPU = "docs/performance.md", "docs/checkpoint-integrity.md", "docs/lora.md", "docs/gpu.md"
 CHECKPOINTS, PLANNER, DATA = "docs/checkpoints.md", "docs/planner.md", "docs/data.md"
 DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
+RS = "realsize_bench.json"
 MB = 1048576
 
 
@@ -87,6 +88,25 @@ FIGURES = [
                                                                 (CK, "ratios.async_blocking_over_sync_thread", ".0%")]),
     (PERF, "(`write / disk's`, {}-{}x)", [(CK, "ratios.write_over_disk_dcp_plain", ".1f"),
                                          (CK, "ratios.write_over_disk_dcp_sync", ".1f")]),
+    # performance.md: the real-size run against issue 29's goals
+    (PERF, "each rank's peak VmRSS | {}x / {}x of the plan (rank 0 / 1) | met",
+     each(RS, ".2f", "plan_check.3.measured_over_planned.0", "plan_check.3.measured_over_planned.1")),
+    (PERF, "first save blocks at most 1.5x a steady one | {}x | met", [(RS, "blocking.first_over_steady", ".2f")]),
+    (PERF, "steady blocking at most 1.5x the memcpy floor | {}x | met", [(RS, "blocking.steady_over_floor", ".2f")]),
+    (PERF, "| {}x at `ckpt.upload_nice=19`, {}x at 0 | met at both",
+     each(RS, ".2f", "upload_nice.19.overlap.ratio", "upload_nice.0.overlap.ratio")),
+    (PERF, "final sync save {}x; async uploads {}x (nice 19), {}x (nice 0)",
+     each(RS, ".2f", "upload_nice.19.sync_write_over_disk", "upload_nice.19.async_write_over_disk",
+          "upload_nice.0.async_write_over_disk")),
+    (PERF, "reaches {} of dd in the final sync save", [(RS, "upload_nice.19.sync_write_over_disk", ".0%")]),
+    (PERF, "at 0 the upload took {} s to commit against {} s at 19, and the overlapping steps were {}x against {}x",
+     each(RS, ".2f", "upload_nice.0.committed_s_median", "upload_nice.19.committed_s_median",
+          "upload_nice.0.overlap.ratio", "upload_nice.19.overlap.ratio")),
+    *[(PERF, phrase, [(RS, f"plan_check.{i}.measured_over_planned.{r}", ".2f") for r in (0, 1)])
+      for i, phrase in ((0, "parameter shards came in at {}x / {}x of the plan"), (1, "the staging buffers at {}x / {}x"),
+                        (2, "logits) at {}x / {}x: that last one"))],
+    (PERF, "The machine's smallest MemAvailable was {} GiB", [(RS, "machine_min_available_GiB", ".2f")]),
+    (PERF, "the uploader process peaked at {} GiB", [(RS, "uploader_peak_rss_GiB", ".2f")]),
     # checkpoint-integrity.md: checksums, the targets per mode, the controls, the scale table's run before
     *[(INTEGRITY, f"| {algo} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |",
        each(SUM_BEFORE, ".2f", *(f"rates.{algo}/{where}.{k}_GBps" for where in ("memory", "file")
@@ -174,7 +194,8 @@ FIGURES = [
 
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
 TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
-          (DATA, "data_bench.md")]
+          (DATA, "data_bench.md"), (PERF, "realsize_bench.md"),
+          (PERF, "realsize_extrapolate.md")]
 
 
 def value_at(results: dict, path: str) -> float:
