@@ -31,6 +31,7 @@ PERF, INTEGRITY, LORA, GPU = "docs/performance.md", "docs/checkpoint-integrity.m
 CHECKPOINTS, PLANNER, DATA = "docs/checkpoints.md", "docs/planner.md", "docs/data.md"
 DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
 RS = "realsize_bench.json"
+MEM, MEMORY = "memory_bench.json", "docs/memory-tier.md"
 MB = 1048576
 
 
@@ -43,7 +44,7 @@ def each(results: str, fmt: str, *paths: str) -> list:
 
 
 # (doc, phrase with a {} per figure, [(results file under bench/results/, JSON path, format), ...]).
-# A path is a dotted key path, or `a / b` of two such paths or numbers.
+# A path is a dotted key path, or `a / b` or `a - b` of two such paths or numbers.
 FIGURES = [
     # performance.md: today's run, the run before, the verdicts and the default's reasons
     (PERF, "the 1-min load average was {} before and {} after",
@@ -107,6 +108,29 @@ FIGURES = [
                         (2, "logits) at {}x / {}x: that last one"))],
     (PERF, "The machine's smallest MemAvailable was {} GiB", [(RS, "machine_min_available_GiB", ".2f")]),
     (PERF, "the uploader process peaked at {} GiB", [(RS, "uploader_peak_rss_GiB", ".2f")]),
+    # the memory tier's benchmark
+    *[(doc, phrase, [(MEM, path, fmt)]) for doc in (MEMORY, PERF) for phrase, path, fmt in (
+        ("a memory save every step {} of none", "ratios.throughput_memory_every_step_over_none", ".1%"),
+        ("disk / memory {}x (goal >= 5x", "ratios.restart_disk_over_memory", ".2f"),
+        ("the resume alone {}x", "ratios.resume_disk_over_memory", ".2f"),
+        ("blocks {}x an async disk save", "ratios.memory_blocking_over_disk_blocking", ".2f"),
+        ("replicated and marked in {}x the disk save's time to commit", "ratios.memory_replicated_over_disk_committed", ".2f"))
+      if doc == PERF],
+    (MEMORY, "| {} | missed |", [(MEM, "ratios.throughput_memory_every_step_over_none", ".1%")]),
+    (MEMORY, "| {}x (resume alone {}x) | missed |", each(MEM, ".2f", "ratios.restart_disk_over_memory",
+                                                       "ratios.resume_disk_over_memory")),
+    (MEMORY, "| {}x | (no goal) |", [(MEM, "ratios.memory_blocking_over_disk_blocking", ".2f")]),
+    (MEMORY, "replicated and marked against the disk save until committed | {}x |", [(MEM, "ratios.memory_replicated_over_disk_committed", ".2f")]),
+    (MEMORY, "the memory tier resumed in {} s against the disk tier's {} s",
+     each(MEM, ".2f", "restart.memory.resume_s.median", "restart.disk.resume_s.median")),
+    (MEMORY, "a memory save copies a rank's {} GB", [(MEM, "rank_state_GB", ".2f")]),
+    (MEMORY, "a step went from {} s without checkpoints to {} s with a memory save every step",
+     each(MEM, ".2f", "1 / throughput_steps_per_s.none.median", "1 / throughput_steps_per_s.memory.median")),
+    (MEMORY, "but the first step after it ({} s)",
+     [(MEM, "restart.memory.resume_and_first_step_s.median - restart.memory.resume_s.median", ".2f")]),
+    (MEMORY, "the process start and build ({} s, `startup_s`)", [(MEM, "startup_s", ".1f")]),
+    (PERF, "A save to the local server took {}x the local folder's time and a resume {}x",
+     each("s3_bench.json", ".2f", "s3_over_local.committed_s", "s3_over_local.resume_s")),
     # checkpoint-integrity.md: checksums, the targets per mode, the controls, the scale table's run before
     *[(INTEGRITY, f"| {algo} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |",
        each(SUM_BEFORE, ".2f", *(f"rates.{algo}/{where}.{k}_GBps" for where in ("memory", "file")
@@ -195,10 +219,13 @@ FIGURES = [
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
 TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
           (DATA, "data_bench.md"), (PERF, "realsize_bench.md"),
-          (PERF, "realsize_extrapolate.md")]
+          (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md")]
 
 
 def value_at(results: dict, path: str) -> float:
+    if " - " in path:
+        a, b = path.split(" - ")
+        return value_at(results, a) - value_at(results, b)
     if " / " in path:
         a, b = path.split(" / ")
         return value_at(results, a) / value_at(results, b)
