@@ -35,16 +35,19 @@ def step_records(run_dir) -> dict[int, dict]:
 def test_two_nodes_train_and_save_then_resume_on_one_node(tmp_path):
     run_dir = tmp_path / "two-nodes"
     overrides = [*FAST, *STEPS, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}"]
-    cmd = node_agent_cmd(2, f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}", overrides)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(2)]
-    try:
-        outputs = [n.communicate(timeout=300)[0] for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                n.kill()
+    for attempt in range(3):  # the port is free when picked, not always when the store binds it: then another one
+        cmd = node_agent_cmd(2, f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}", overrides)
+        nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for _ in range(2)]
+        try:
+            outputs = [n.communicate(timeout=300)[0] for n in nodes]
+        finally:
+            for n in nodes:
+                if n.poll() is None:
+                    n.kill()
+        if not any("EADDRINUSE" in out or "address already in use" in out for out in outputs):
+            break
     for i, (n, out) in enumerate(zip(nodes, outputs)):
         assert n.returncode == 0, f"node agent {i} exited {n.returncode}\n{out[-4000:]}"
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, kill_workers, free_port
+from conftest import ROOT, kill_workers, train_cmd
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from qwen_shape import write_qwen_config  # noqa: E402
@@ -37,11 +37,10 @@ def test_cpu_plan_is_within_20_percent_of_each_ranks_peak_rss(tmp_path):
     model_dir = write_qwen_config(str(tmp_path / "qwen8"), layers=8)
     planned = planned_total_gib(model_dir)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "train_fsdp.py", "--config", "configs/tiny.yaml",
-           f"model.config_path={model_dir}", "model.tokenizer_path=assets/tiny-llama", f"run.dir={run}",
-           f"data.cache_dir={tmp_path / 'tok'}", *SHAPE, "train.max_steps=5", "ckpt.interval=2", "ckpt.keep_last=1",
-           "train.sample_at_end=false", "train.eval_interval=0", "run.log_interval=1", "run.progress_bar=false"]
+    cmd = train_cmd(2, [f"model.config_path={model_dir}", "model.tokenizer_path=assets/tiny-llama", f"run.dir={run}",
+                        f"data.cache_dir={tmp_path / 'tok'}", *SHAPE, "train.max_steps=5", "ckpt.interval=2",
+                        "ckpt.keep_last=1", "train.sample_at_end=false", "train.eval_interval=0", "run.log_interval=1",
+                        "run.progress_bar=false"])  # torchrun --standalone: no port to race for
     proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     with RSSSampler(proc.pid, interval=0.05) as sampler:
