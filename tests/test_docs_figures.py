@@ -131,6 +131,9 @@ FIGURES = [
     (MEMORY, "the process start and build ({} s, `startup_s`)", [(MEM, "startup_s", ".1f")]),
     (PERF, "A save to the local server took {}x the local folder's time and a resume {}x",
      each("s3_bench.json", ".2f", "s3_over_local.committed_s", "s3_over_local.resume_s")),
+    (PERF, "compiled blocks give {}x eager's tokens/s, after {} s of compiling that {} steps",
+     [("compile_bench.json", "ratios.compiled_over_eager_tokens_per_s", ".2f"), ("compile_bench.json", "compile_s", ".1f"),
+      ("compile_bench.json", "breakeven_steps", ".0f")]),
     # checkpoint-integrity.md: checksums, the targets per mode, the controls, the scale table's run before
     *[(INTEGRITY, f"| {algo} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |",
        each(SUM_BEFORE, ".2f", *(f"rates.{algo}/{where}.{k}_GBps" for where in ("memory", "file")
@@ -173,7 +176,7 @@ FIGURES = [
     (INTEGRITY, "verify {} min for 70B, new resume verify {} s at W=8 and {} s at W=64 ({} s at W=512",
      [(SCALE_BEFORE, "rows.3.old_verify_s / 60", ".1f"), *each(SCALE_BEFORE, ".1f", "rows.3.new_verify_s",
                                                               "rows.4.new_verify_s", "rows.5.new_verify_s")]),
-    (INTEGRITY, "{} s for 7B and {} s for 70B at W=512 today, loaded; {} s and {} s in the idle run before",
+    (INTEGRITY, "{} s for 7B and {} s for 70B at W=512 today; {} s and {} s in the run before",
      [*each("ckpt_scale.json", ".0f", "rows.2.check_manifest_s", "rows.5.check_manifest_s"),
       (SCALE_BEFORE, "rows.2.check_manifest_s", ".1f"), (SCALE_BEFORE, "rows.5.check_manifest_s", ".0f")]),
     # lora.md
@@ -219,7 +222,8 @@ FIGURES = [
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
 TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
           (DATA, "data_bench.md"), (PERF, "realsize_bench.md"),
-          (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md")]
+          (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md"),
+          (PERF, "compile_bench.md")]
 
 
 def value_at(results: dict, path: str) -> float:
