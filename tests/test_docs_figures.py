@@ -207,6 +207,8 @@ FIGURES = [
       for kind in ("chat", "text")],
     (DATA, "met at the issue's 200k conversations, {}x", [("data_bench.json", "new_over_old_rows_per_s.chat", ".2f")]),
     (DATA, "At 20k conversations, {}x", [(DATA_20K, "new_over_old_rows_per_s.chat", ".2f")]),
+    (DATA, "idle machine; {}x in the loaded run before",
+     [("runs/data_bench/2026-11-25T084333Z-87d6218b1.json", "new_over_old_rows_per_s.chat", ".2f")]),
     (DATA, "Text, for reference, at 100k lines: {}x", [(DATA_20K, "new_over_old_rows_per_s.text", ".2f")]),
     # the Hugging Face export's peak memory, fp32 and bf16 runs
     (CHECKPOINTS, "peak RSS above the baseline: {} MiB for fp32 and {} MiB for bf16, against {} / {} MiB for loading",
