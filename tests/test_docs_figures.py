@@ -30,7 +30,7 @@ EXPORT_FP32 = "runs/export_rss/2026-11-25T083411Z-496f60d3e.json"
 PERF, INTEGRITY, LORA, GPU = "docs/performance.md", "docs/checkpoint-integrity.md", "docs/lora.md", "docs/gpu.md"
 CHECKPOINTS, PLANNER, DATA = "docs/checkpoints.md", "docs/planner.md", "docs/data.md"
 DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
-RS = "realsize_bench.json"
+RS, RS8 = "realsize_bench.json", "realsize_bench-8blocks.json"
 MEM, MEMORY = "memory_bench.json", "docs/memory-tier.md"
 MB = 1048576
 
@@ -134,6 +134,17 @@ FIGURES = [
     (PERF, "compiled blocks give {}x eager's tokens/s, after {} s of compiling that {} steps",
      [("compile_bench.json", "ratios.compiled_over_eager_tokens_per_s", ".2f"), ("compile_bench.json", "compile_s", ".1f"),
       ("compile_bench.json", "breakeven_steps", ".0f")]),
+    (PLANNER, "planned {} GiB per rank, measured peak VmRSS {} / {} GiB ({}x / {}x)",
+     [(RS, "plan_check.3.planned_GiB", ".2f"), *each(RS, ".2f", "plan_check.3.measured_GiB.0", "plan_check.3.measured_GiB.1"),
+      *each(RS, ".2f", "plan_check.3.measured_over_planned.0", "plan_check.3.measured_over_planned.1")]),
+    (PLANNER, "(255M) planned {} GiB, measured {} / {} GiB ({}x / {}x)",
+     [(RS8, "plan_check.3.planned_GiB", ".2f"), *each(RS8, ".2f", "plan_check.3.measured_GiB.0", "plan_check.3.measured_GiB.1"),
+      *each(RS8, ".2f", "plan_check.3.measured_over_planned.0", "plan_check.3.measured_over_planned.1")]),
+    (PERF, "the same goals read: plan total {}x / {}x, first save {}x a steady one, steady blocking {}x the memcpy floor, "
+           "overlapping steps {}x a quiet one at `ckpt.upload_nice=19` and {}x at 0, with commits in {} s against {} s",
+     [*each(RS8, ".2f", "plan_check.3.measured_over_planned.0", "plan_check.3.measured_over_planned.1",
+            "blocking.first_over_steady", "blocking.steady_over_floor", "upload_nice.19.overlap.ratio",
+            "upload_nice.0.overlap.ratio", "upload_nice.19.committed_s_median", "upload_nice.0.committed_s_median")]),
     # checkpoint-integrity.md: checksums, the targets per mode, the controls, the scale table's run before
     *[(INTEGRITY, f"| {algo} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |",
        each(SUM_BEFORE, ".2f", *(f"rates.{algo}/{where}.{k}_GBps" for where in ("memory", "file")
