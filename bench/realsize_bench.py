@@ -1,8 +1,9 @@
-"""Real-size run: the Qwen2.5-0.5B shape (random init) on 2 CPU ranks with process-mode async saves: each rank's
+"""Real-size run: the Qwen2.5-0.5B shape (random init) on 2 CPU ranks with async saves (process mode): each rank's
 memory by phase against `--plan --cpu`, the saves against the memcpy floor and the disk's own write rate, steps
 that overlap an upload against quiet ones, and the loads and the export.
 
-    python bench/realsize_bench.py                          # 24 blocks, 494M params: ~20 min, ~2 x 10 GiB; opt-in
+    python bench/realsize_bench.py                          # 24 blocks, 494M params: ~7 min idle, ~2 x 10 GiB; opt-in
+    python bench/realsize_bench.py --async-mode thread --upload-nice 19 --tag thread   # the other async mode
     python bench/realsize_bench.py --layers 8               # the 255M shape tests/test_plan_measured.py uses
     python bench/realsize_bench.py --layers 1 --vocab 512 --steps 4 --out /tmp/rs   # seconds: a smoke run
     python bench/realsize_bench.py --layers 8 --repo /path/to/other/checkout --tag baseline   # other code
@@ -52,6 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--every", type=int, default=2, help="ckpt.interval")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--async-mode", choices=("process", "thread"), default="process", help="ckpt.async_mode")
     p.add_argument("--upload-nice", type=int, nargs="*", default=None,
                    help="ckpt.upload_nice of the run, then of one more training run each (default: the config's, "
                         "then 0; none with --repo, whose code may not know the key)")
@@ -106,7 +108,7 @@ class Runs:
         self.a, self.work = a, work
         self.common = ["--config", "configs/tiny.yaml", f"model.config_path={model}",
                        "model.tokenizer_path=assets/tiny-llama", f"data.seq_len={a.seq_len}",
-                       f"data.global_batch_size={a.nproc}", "data.micro_batch_size=1", "ckpt.async_mode=process",
+                       f"data.global_batch_size={a.nproc}", "data.micro_batch_size=1", f"ckpt.async_mode={a.async_mode}",
                        f"data.cache_dir={os.path.join(work, 'tok')}", "train.sample_at_end=false",
                        "train.eval_interval=0", "run.log_interval=1", "run.progress_bar=false"]
 
@@ -179,7 +181,7 @@ def main(argv=None):
     ckpt_bytes = dir_bytes(ckpt)
     result = {
         "layers": a.layers, "vocab": shapes.vocab, "params": shapes.params, "nproc": a.nproc, "steps": a.steps,
-        "every": a.every, "seq_len": a.seq_len, "rank_bytes": rank_bytes, "plan": plan,
+        "every": a.every, "seq_len": a.seq_len, "async_mode": a.async_mode, "rank_bytes": rank_bytes, "plan": plan,
         "peak_rss_GiB": {r: round(train["sampler"].peak(r) / GIB, 3) for r in sorted(train["sampler"].samples)},
         "uploader_peak_rss_GiB": round(train["sampler"].uploader_peak / GIB, 3),
         "machine_min_available_GiB": round((train["sampler"].min_available or 0) / GIB, 2),

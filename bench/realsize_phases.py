@@ -118,7 +118,7 @@ def _f(x, fmt: str = "{:.2f}") -> str:
 def to_markdown(r: dict) -> list[str]:
     ranks = sorted(r["peak_rss_GiB"])
     out = [f"Qwen2.5-0.5B shape, {r['layers']} blocks, vocab {r['vocab']}: {r['params'] / 1e6:.0f}M params, "
-           f"{r['nproc']} ranks, seq {r['seq_len']}, process-mode saves every {r['every']} steps. "
+           f"{r['nproc']} ranks, seq {r['seq_len']}, {r.get('async_mode', 'process')}-mode saves every {r['every']} steps. "
            + provenance.markdown_line(r), "",
            "| phase | seconds | " + " | ".join(f"rank {x} peak GiB" for x in ranks) + " |",
            "|---|---|" + "---|" * len(ranks)]
