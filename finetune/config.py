@@ -122,7 +122,7 @@ class CkptConfig:
     interval: str = "50"  # save every N optimizer steps (0: none), or auto: Young/Daly sqrt(2 x save cost x MTBF)
     interval_minutes: float = 0.0  # also save once this many minutes of wall clock passed since the last save (0: off)
     mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
-    async_mode: str = "thread"  # off | thread | process (thread: commits sooner, cheap first save; docs/performance.md)
+    async_mode: str = "process"  # off | thread | process (process: sooner commits at 0.5B; docs/performance.md)
     upload_nice: int = 19  # niceness 0-19 of async uploads and memory-tier copies: higher slows steps less, commits later
     keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
     keep_best: int = 0  # also keep the k checkpoints with the lowest eval loss (needs train.eval_interval)

@@ -21,6 +21,7 @@ from conftest import ROOT
 RESULTS = os.path.join(ROOT, "bench", "results")
 
 
+CKL = "ckpt_bench_large/ckpt_bench.json"
 CK, CK_BEFORE = "ckpt_bench.json", "runs/ckpt_bench/2026-11-24T234537Z-ca4f07c-before-provenance.json"
 SCALE_BEFORE = "runs/ckpt_scale/2026-11-24T234537Z-ca4f07c-before-provenance.json"
 SUM_BEFORE = "runs/checksum_bench/2026-11-24T230419Z-f3c8b99-before-provenance.json"
@@ -30,7 +31,7 @@ EXPORT_FP32 = "runs/export_rss/2026-11-25T083411Z-496f60d3e.json"
 PERF, INTEGRITY, LORA, GPU = "docs/performance.md", "docs/checkpoint-integrity.md", "docs/lora.md", "docs/gpu.md"
 CHECKPOINTS, PLANNER, DATA = "docs/checkpoints.md", "docs/planner.md", "docs/data.md"
 DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
-RS, RS8 = "realsize_bench.json", "realsize_bench-8blocks.json"
+RS, RS8, RST = "realsize_bench.json", "realsize_bench-8blocks.json", "realsize_bench-thread.json"
 MEM, MEMORY = "memory_bench.json", "docs/memory-tier.md"
 MB = 1048576
 
@@ -76,7 +77,7 @@ FIGURES = [
     (PERF, "({} s vs {} s today, {} s vs {} s before: process mode starts",
      [*each(CK, ".2f", "methods.dcp_async_thread.first_blocking_s", "methods.dcp_async_process.first_blocking_s"),
       *each(CK_BEFORE, ".2f", "methods.dcp_async_thread.first_blocking_s", "methods.dcp_async_process.first_blocking_s")]),
-    (PERF, "({} s vs {} s today, {} s vs {} s before). Until this change",
+    (PERF, "({} s vs {} s today, {} s vs {} s before). At the real size the order turns",
      [*each(CK, ".2f", med("dcp_async_thread", "blocking_s"), med("dcp_async_process", "blocking_s")),
       *each(CK_BEFORE, ".2f", med("dcp_async_thread", "blocking_s"), med("dcp_async_process", "blocking_s"))]),
     (PERF, "our sync save went from {} s to {} s", [(CK_BEFORE, med("dcp_sync", "blocking_s"), ".2f"),
@@ -145,6 +146,18 @@ FIGURES = [
      [*each(RS8, ".2f", "plan_check.3.measured_over_planned.0", "plan_check.3.measured_over_planned.1",
             "blocking.first_over_steady", "blocking.steady_over_floor", "upload_nice.19.overlap.ratio",
             "upload_nice.0.overlap.ratio", "upload_nice.19.committed_s_median", "upload_nice.0.committed_s_median")]),
+    (PERF, "committed in {} s against process mode's {} s and blocked {} s per steady save against {} s; the "
+           "overlapping steps ({}x vs {}x a quiet one) and the peak VmRSS ({} / {} vs {} / {} GiB)",
+     [*each(RST, ".2f", "upload_nice.19.committed_s_median"), *each(RS, ".2f", "upload_nice.19.committed_s_median"),
+      *each(RST, ".2f", "upload_nice.19.steady_blocking_s"), *each(RS, ".2f", "upload_nice.19.steady_blocking_s"),
+      *each(RST, ".2f", "upload_nice.19.overlap.ratio"), *each(RS, ".2f", "upload_nice.19.overlap.ratio"),
+      *each(RST, ".2f", "peak_rss_GiB.0", "peak_rss_GiB.1"), *each(RS, ".2f", "peak_rss_GiB.0", "peak_rss_GiB.1")]),
+    (PERF, "Writes with nothing training beside them, at {} GB per rank", [(CKL, "rank_state_GB", ".2f")]),
+    (PERF, "our sync save {}x, thread mode {}x, process mode {}x, stock `dcp.save` {}x",
+     each(CKL, ".2f", *(f"ratios.write_over_disk_{m}" for m in ("dcp_sync", "dcp_async_thread", "dcp_async_process",
+                                                              "dcp_plain")))),
+    (PERF, "thread mode committed sooner than process mode ({} s vs {} s)",
+     each(CKL, ".2f", med("dcp_async_thread", "committed_s"), med("dcp_async_process", "committed_s"))),
     # checkpoint-integrity.md: checksums, the targets per mode, the controls, the scale table's run before
     *[(INTEGRITY, f"| {algo} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |",
        each(SUM_BEFORE, ".2f", *(f"rates.{algo}/{where}.{k}_GBps" for where in ("memory", "file")
