@@ -35,6 +35,7 @@ sys.path.insert(0, ROOT)
 from common.dist import free_port  # noqa: E402 - after the path insert
 
 import ckpt_bench  # noqa: E402 - bench/ckpt_bench.py, beside this script: the same model and training step
+from finetune.config import CkptConfig  # noqa: E402 - the default ckpt.upload_nice
 import provenance  # noqa: E402
 
 
@@ -103,9 +104,10 @@ class Bench:
         self.args, self.model, self.optim, self.device, self.log = args, model, optim, device, log
         self.state, self.step = {"app": ModelOptimizer(model, optim)}, 1
         node = int(os.environ.get("GROUP_RANK", "0"))
+        nice = CkptConfig().upload_nice  # both tiers' background work at the default priority, as a training run has it
         options = SimpleNamespace(memory_interval=1, memory_keep=1, memory_replicas=1, dir=os.path.join(args.work_dir, "disk"),
-                                  memory_dir=os.path.join(args.mem_root, f"node{node}"))
-        self.disk = CheckpointManager(options.dir, "thread", keep_last=1, on_event=log.event)
+                                  memory_dir=os.path.join(args.mem_root, f"node{node}"), upload_nice=nice)
+        self.disk = CheckpointManager(options.dir, "thread", keep_last=1, on_event=log.event, upload_nice=nice)
         self.memory = MemoryTier.open(options, None, log)
 
     def train(self, n: int = 1) -> None:
