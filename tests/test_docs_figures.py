@@ -110,13 +110,12 @@ FIGURES = [
     (PERF, "The machine's smallest MemAvailable was {} GiB", [(RS, "machine_min_available_GiB", ".2f")]),
     (PERF, "the uploader process peaked at {} GiB", [(RS, "uploader_peak_rss_GiB", ".2f")]),
     # the memory tier's benchmark
-    *[(doc, phrase, [(MEM, path, fmt)]) for doc in (MEMORY, PERF) for phrase, path, fmt in (
+    *[(PERF, phrase, [(MEM, path, fmt)]) for phrase, path, fmt in (
         ("a memory save every step {} of none", "ratios.throughput_memory_every_step_over_none", ".1%"),
         ("disk / memory {}x (goal >= 5x", "ratios.restart_disk_over_memory", ".2f"),
         ("the resume alone {}x", "ratios.resume_disk_over_memory", ".2f"),
         ("blocks {}x an async disk save", "ratios.memory_blocking_over_disk_blocking", ".2f"),
-        ("replicated and marked in {}x the disk save's time to commit", "ratios.memory_replicated_over_disk_committed", ".2f"))
-      if doc == PERF],
+        ("replicated and marked in {}x the disk save's time to commit", "ratios.memory_replicated_over_disk_committed", ".2f"))],
     (MEMORY, "| {} | missed |", [(MEM, "ratios.throughput_memory_every_step_over_none", ".1%")]),
     (MEMORY, "| {}x (resume alone {}x) | missed |", each(MEM, ".2f", "ratios.restart_disk_over_memory",
                                                        "ratios.resume_disk_over_memory")),
@@ -129,6 +128,9 @@ FIGURES = [
      each(MEM, ".2f", "1 / throughput_steps_per_s.none.median", "1 / throughput_steps_per_s.memory.median")),
     (MEMORY, "but the first step after it ({} s)",
      [(MEM, "restart.memory.resume_and_first_step_s.median - restart.memory.resume_s.median", ".2f")]),
+    (MEMORY, "instead of the config's 19 and measured {} and {}x",
+     [("runs/memory_bench/2026-11-25T225315Z-dc4c8062a.json", "ratios.throughput_memory_every_step_over_none", ".1%"),
+      ("runs/memory_bench/2026-11-25T225315Z-dc4c8062a.json", "ratios.restart_disk_over_memory", ".2f")]),
     (MEMORY, "the process start and build ({} s, `startup_s`)", [(MEM, "startup_s", ".1f")]),
     (PERF, "A save to the local server took {}x the local folder's time and a resume {}x",
      each("s3_bench.json", ".2f", "s3_over_local.committed_s", "s3_over_local.resume_s")),
