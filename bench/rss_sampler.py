@@ -107,8 +107,10 @@ class RSSSampler:
         return max([b for _, b in self.samples.get(rank, [])] + [self.hwm.get(rank, 0)])
 
     def peak_between(self, rank: int, t0: float, t1: float) -> int:
-        """The largest VmRSS sampled between the times t0 and t1 (time.time()): one phase's peak."""
-        return max((b for t, b in self.samples.get(rank, []) if t0 <= t <= t1), default=0)
+        """The largest VmRSS sampled between the times t0 and t1 (time.time()): one phase's peak. A phase shorter
+        than the sampling interval (a toy size, a busy machine) may hold no sample: then the last one before t1."""
+        inside = [b for t, b in self.samples.get(rank, []) if t0 <= t <= t1]
+        return max(inside) if inside else self.at(rank, t1)
 
     def at(self, rank: int, when: float) -> int:
         """VmRSS of `rank` at the time `when`: the last sample before it (0 before the first)."""
