@@ -35,6 +35,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_was_taken(outputs: list[str]) -> bool:
+    """Whether launchers given a free_port() port found it bound by the time their store listened (EADDRINUSE):
+    then they are started again on another port."""
+    return any("EADDRINUSE" in out or "address already in use" in out for out in outputs)
+
+
 def start_on_free_port(fn, args_of_port, nprocs: int, start_method: str = "spawn", tries: int = 3) -> None:
     """torch.multiprocessing.start_processes(fn, args_of_port(port), ...) on a free port; when rank 0's store
     finds the port taken (another test bound it between free_port() and the bind: EADDRINUSE), again on another."""

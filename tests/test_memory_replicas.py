@@ -24,7 +24,7 @@ import pytest
 
 from ckpt import verify_checkpoint
 from ckpt.reading import read_items
-from conftest import FAST, ROOT, events, free_port, kill_workers, run_train
+from conftest import FAST, ROOT, events, free_port, kill_workers, port_was_taken, run_train
 from finetune.metrics import read_metrics
 from test_memory_tier import damage_step, same_item
 from torch.distributed.checkpoint import FileSystemReader
@@ -70,7 +70,7 @@ def run_nodes(run_dir, nodes: int, overrides: list[str] = (), faults: list[str] 
                     kill_workers(a.pid)
                     a.kill()
                     a.communicate()
-        if not any("EADDRINUSE" in out or "address already in use" in out for out in outs) or attempt == 2:
+        if not port_was_taken(outs) or attempt == 2:
             break
     done = [subprocess.CompletedProcess(a.args, a.returncode, out, "") for a, out in zip(agents, outs)]
     if check:

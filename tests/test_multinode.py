@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from conftest import FAST, ROOT, free_port, run_train, token_cache
+from conftest import FAST, ROOT, free_port, port_was_taken, run_train, token_cache
 from finetune.metrics import read_metrics
 
 STEPS = ["train.max_steps=16", "ckpt.interval=8", "ckpt.keep_last=0"]
@@ -46,7 +46,7 @@ def test_two_nodes_train_and_save_then_resume_on_one_node(tmp_path):
             for n in nodes:
                 if n.poll() is None:
                     n.kill()
-        if not any("EADDRINUSE" in out or "address already in use" in out for out in outputs):
+        if not port_was_taken(outputs):
             break
     for i, (n, out) in enumerate(zip(nodes, outputs)):
         assert n.returncode == 0, f"node agent {i} exited {n.returncode}\n{out[-4000:]}"
