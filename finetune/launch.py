@@ -8,9 +8,11 @@ worker. Plain `python train_fsdp.py` is a world of one.
 
 Bad input (config, model folder, data files) is checked by every rank, identically, before any process group.
 Only global rank 0 prints its `error:` line. The others stay silent and wait: torchrun stops every worker as soon
-as one exits, so a silent rank that exited first could cut off the one that prints. A rank that is still alive
-after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs) prints its own line, naming its rank.
-All ranks exit with the same code. train_fsdp.py reports a user error found after the process group the same
+as one exits, so a silent rank that exited first could cut off the one that prints. Rank 0 in turn waits, up to
+BAD_INPUT_WAIT_S, until every rank has reached the same verdict (each adds itself to a counter in the launcher's
+own TCPStore, no process group needed), so that no rank still checking is stopped by torchrun before it knows.
+A rank that is still alive after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs) prints its own
+line, naming its rank. All ranks exit with the same code. train_fsdp.py reports a user error found after the process group the same
 way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late.
 Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does),
 so torchrun's failure summary shows it for each rank instead of a link on how to enable tracebacks.
@@ -23,6 +25,9 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
+
+from torch.distributed import TCPStore
 
 BAD_INPUT_WAIT_S = 30.0  # how long a silent rank waits for torchrun to stop it after rank 0's error
 
@@ -37,12 +42,55 @@ def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAI
     `exit_code` too (SystemExit), stopped by torchrun or after `wait_s`."""
     rank = launch_rank()
     _write_elastic_error_file(message, exit_code)
+    if rank != 0:  # before counting in: rank 0 may exit, and torchrun stop us, right after
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code))  # torchrun stopping us: the same exit code
+    store = _launcher_store()
+    reached = _count_in(store)
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
+        _wait_for_every_rank(store, reached, wait_s)
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code))  # torchrun stopping us: the same exit code
     time.sleep(wait_s)
     print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+
+
+def _launcher_store() -> TCPStore | None:
+    """The TCPStore torchrun's agent serves at MASTER_ADDR:MASTER_PORT (c10d rendezvous, what --standalone, the
+    README and slurm/train.sbatch use); None for a world of one, a launcher without one, or one not reachable."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=5), wait_for_workers=False)
+    except (KeyError, ValueError, RuntimeError):
+        return None  # then rank 0 exits at once, as without a launcher store
+
+
+def _bad_input_key() -> str:
+    """One counter per launch attempt: the agent's store outlives a restart (--max-restarts)."""
+    return f"finetune/bad_input/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _count_in(store: TCPStore | None) -> int:
+    """Add this rank to the ranks that reached the bad-input verdict; how many have, this one included."""
+    if store is None:
+        return 0
+    try:
+        return store.add(_bad_input_key(), 1)
+    except RuntimeError:
+        return 0
+
+
+def _wait_for_every_rank(store: TCPStore | None, reached: int, wait_s: float) -> None:
+    """Rank 0 returns (and exits) once every rank has counted in, or after `wait_s`."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    deadline = time.monotonic() + wait_s
+    while store is not None and reached < world and time.monotonic() < deadline:
+        time.sleep(0.1)
+        try:
+            reached = store.add(_bad_input_key(), 0)
+        except RuntimeError:
+            return
 
 
 def _write_elastic_error_file(message: str, exit_code: int) -> None:

@@ -8,6 +8,7 @@ Bad input fails before any model is built, so each run takes seconds.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,12 @@ TORCHRUN_EXIT = 1  # torchrun's own status when a worker fails; the workers' 2 i
 
 
 def launch(cmd: list[str], tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return launch_script(cmd, "train_fsdp.py", "--config", "configs/tiny.yaml", *FAST, f"run.dir={tmp_path}/run", *args)
+
+
+def launch_script(cmd: list[str], script: str, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    return subprocess.run([*cmd, "train_fsdp.py", "--config", "configs/tiny.yaml", *FAST,
-                           f"run.dir={tmp_path}/run", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return subprocess.run([*cmd, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 def assert_one_error(proc, needle: str, exit_code: int) -> None:
@@ -47,6 +50,26 @@ def test_readme_torchrun_command_reports_a_bad_key_once(tmp_path, attempt):
     assert_one_error(proc, "unknown config key 'train.lrr'", TORCHRUN_EXIT)
     assert "exitcode  : 2" in proc.stderr  # torchrun's summary: what the workers exited with
     assert "traceback : bad input (exit 2; its one-line message is above): unknown config key" in proc.stderr
+
+
+SLOW_RANK_SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from finetune.launch import launch_rank, report_bad_input
+if launch_rank() == 1:
+    time.sleep(3)  # this rank is still checking (a compiler probe, a slow disk) when rank 0 has its verdict
+report_bad_input("the same bad input on every rank", 2)
+sys.exit(2)
+"""
+
+
+def test_rank_0_waits_for_a_slower_rank_to_reach_the_verdict(tmp_path):
+    """Without the wait, torchrun stops rank 1 (SIGTERM, exit -15) as soon as rank 0 exits; with it, both exit 2."""
+    script = tmp_path / "slow_rank.py"
+    script.write_text(SLOW_RANK_SCRIPT.format(root=str(ROOT)))
+    proc = launch_script(README_TORCHRUN, str(script))
+    assert_one_error(proc, "the same bad input on every rank", TORCHRUN_EXIT)
+    assert len(re.findall(r"^\s*exitcode\s+:\s*2\b", proc.stderr, re.M)) == 2, proc.stderr[-3000:]
 
 
 @pytest.mark.parametrize("bad,needle", [
