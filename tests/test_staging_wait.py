@@ -53,13 +53,13 @@ def test_first_save_finds_its_buffers_allocated_and_stages_the_live_values(tmp_p
     try:
         state = {"w": torch.randn(300_000), "v": torch.randn(50, 7)}
         mgr.prepare_staging(state)
-        staged = mgr._stager.ready()._staged  # ready(): allocation joined; source storage -> (buffer, views)
-        before = {id(buf) for buf, _ in staged.values()}
+        stager = mgr._stager.ready()  # ready(): allocation joined
+        before = {id(buf) for buf in stager.buffers()}
         assert len(before) == 2
         state["w"].add_(1.0)  # training goes on between the allocation and the save
         mgr.save(1, state, {"meta.json": "{}"})
         mgr.wait()
-        assert {id(buf) for buf, _ in staged.values()} == before  # nothing allocated by the save
+        assert {id(buf) for buf in stager.buffers()} == before  # nothing allocated by the save
         loaded = {"w": torch.zeros(300_000), "v": torch.zeros(50, 7)}
         dcp.load(loaded, checkpoint_id=str(tmp_path / "step-000001"))
         assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["v"], state["v"])
@@ -70,22 +70,54 @@ def test_first_save_finds_its_buffers_allocated_and_stages_the_live_values(tmp_p
 def test_a_steady_save_copies_into_the_same_staged_tensors():
     """Every save after the first returns the staged tensors of the one before (no tensor built, no buffer
     allocated: DCP's own stager deep-copies each tensor on every save), holding the values of now; two views of
-    one storage are copied once and stay views of one buffer; the small values are copies."""
+    the same bytes are copied once and stay views of one buffer; the small values are copies."""
     from ckpt.prestage import make_stager
 
     stager = make_stager("thread")
     try:
         w = torch.randn(4, 5)
-        state = {"m": {"w": w, "row": w[1]}, "opt": [{"step": torch.tensor(3.0), "lr": 0.1, "betas": (0.9, 0.95)}]}
+        state = {"m": {"w": w, "same": w.view(20), "col": w[:, 1]},
+                 "opt": [{"step": torch.tensor(3.0), "lr": 0.1, "betas": (0.9, 0.95)}]}
         first = stager.stage(state)
         w.add_(1.0)
         state["opt"][0]["lr"] = 0.2
         second = stager.stage(state)
         assert second["m"]["w"] is first["m"]["w"] and second["opt"][0]["step"] is first["opt"][0]["step"]
-        assert torch.equal(second["m"]["w"], w) and torch.equal(second["m"]["row"], w[1])
-        assert second["m"]["row"].untyped_storage().data_ptr() == second["m"]["w"].untyped_storage().data_ptr()
+        assert torch.equal(second["m"]["w"], w) and torch.equal(second["m"]["col"], w[:, 1])
+        assert torch.equal(second["m"]["same"], w.view(20))
+        buffer = second["m"]["w"].untyped_storage().data_ptr()
+        assert second["m"]["same"].untyped_storage().data_ptr() == buffer  # not contiguous: the whole storage
+        assert second["m"]["col"].untyped_storage().data_ptr() == buffer
+        assert len(stager.buffers()) == 2  # w and its views, the step counter
         assert second["m"]["w"].untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
         assert second["opt"][0]["lr"] == 0.2 and second["opt"][0]["betas"] == (0.9, 0.95)
+    finally:
+        stager.close()
+
+
+def test_a_contiguous_part_of_a_storage_is_staged_as_only_its_bytes(tmp_path):
+    """FSDP2's last shard of an uneven dim 0 is a view of a padded storage. DCP clones such a tensor before it
+    writes it (its storage holds more than its bytes): the staged copy holds only the view's bytes, so it does not,
+    and the file holds the view's values."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt.prestage import make_stager
+
+    padded = torch.randn(1195 * 8)
+    shard = padded[8:].view(1194, 8)  # a contiguous part that starts inside the storage
+    stager = make_stager("thread")
+    try:
+        staged = stager.stage({"w": shard, "whole": padded})
+        assert staged["w"].untyped_storage().nbytes() == shard.nbytes and staged["w"].storage_offset() == 0
+        assert torch.equal(staged["w"], shard)
+        assert sorted(b.nbytes() for b in stager.buffers()) == [shard.nbytes, padded.nbytes]
+        shard.add_(1.0)
+        staged = stager.stage({"w": shard, "whole": padded})
+        assert torch.equal(staged["w"], shard) and torch.equal(staged["whole"], padded)
+        dcp.save(staged, checkpoint_id=str(tmp_path), no_dist=True)
+        loaded = {"w": torch.zeros(1194, 8), "whole": torch.zeros(1195 * 8)}
+        dcp.load(loaded, checkpoint_id=str(tmp_path), no_dist=True)
+        assert torch.equal(loaded["w"], shard) and torch.equal(loaded["whole"], padded)
     finally:
         stager.close()
 
@@ -98,7 +130,7 @@ def test_process_mode_buffers_are_shared_memory():
     try:
         w = torch.randn(1000)  # the cache holds its buffer only while the source tensor lives
         allocate_in_background(stager, {"w": w}).join()
-        ((buf, _),) = stager._staged.values()
+        (buf,) = stager.buffers()
         assert buf.is_shared() and buf.size() == 4000
         assert stager.stage({"w": w})["w"].untyped_storage().data_ptr() == buf.data_ptr()
     finally:
