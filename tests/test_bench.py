@@ -56,6 +56,15 @@ def test_loss_memory_tiny(tmp_path):
     assert "| chunked |" in (tmp_path / "loss_memory.md").read_text()
 
 
+def test_handoff_bench_tiny(tmp_path):
+    args = ["--tensors", "20", "--mib", "1", "--rounds", "2", "--out", str(tmp_path)]
+    run("handoff_bench", args, 120)
+    r = check_provenance(tmp_path, "handoff_bench", args)
+    assert set(r["handoff_s"]) == {"file_descriptor", "file_system"} and r["tensors"] == 20
+    assert all(len(v) == 2 and min(v) > 0 for v in r["raw_s"].values())
+    assert "| file_descriptor |" in (tmp_path / "handoff_bench.md").read_text()
+
+
 def test_ckpt_bench_tiny(tmp_path):
     out = tmp_path / "res"
     args = ["--hidden", "64", "--layers", "1", "--vocab", "256", "--saves", "2", "--train-steps", "4", "--every", "2",
