@@ -22,6 +22,7 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 
 
 CKL = "ckpt_bench_large/ckpt_bench.json"
+CKL_BEFORE = "ckpt_bench_large/runs/ckpt_bench/2026-11-25T231911Z-fb82b9288.json"
 CK, CK_BEFORE = "ckpt_bench.json", "runs/ckpt_bench/2026-11-24T234537Z-ca4f07c-before-provenance.json"
 SCALE_BEFORE = "runs/ckpt_scale/2026-11-24T234537Z-ca4f07c-before-provenance.json"
 SUM_BEFORE = "runs/checksum_bench/2026-11-24T230419Z-f3c8b99-before-provenance.json"
@@ -160,6 +161,13 @@ FIGURES = [
                                                               "dcp_plain")))),
     (PERF, "thread mode committed sooner than process mode ({} s vs {} s)",
      each(CKL, ".2f", med("dcp_async_thread", "committed_s"), med("dcp_async_process", "committed_s"))),
+    (PERF, "with nothing training beside them (1.73 GB per rank, below): sync {}x, thread {}x, process {}x",
+     each(CKL, ".2f", *(f"ratios.write_over_disk_{m}" for m in ("dcp_sync", "dcp_async_thread", "dcp_async_process")))),
+    (PERF, "measured that hand-off at {} s per save for {} DTensors against {} s when shared by file name",
+     [("handoff_bench.json", "handoff_s.file_descriptor.median_s", ".3f"), ("handoff_bench.json", "tensors", "d"),
+      ("handoff_bench.json", "handoff_s.file_system.median_s", ".3f")]),
+    (PERF, "measured process mode at {}x dd and thread mode at {}x",
+     each(CKL_BEFORE, ".2f", "ratios.write_over_disk_dcp_async_process", "ratios.write_over_disk_dcp_async_thread")),
     # checkpoint-integrity.md: checksums, the targets per mode, the controls, the scale table's run before
     *[(INTEGRITY, f"| {algo} | {{}} ({{}}-{{}}) | {{}} ({{}}-{{}}) |",
        each(SUM_BEFORE, ".2f", *(f"rates.{algo}/{where}.{k}_GBps" for where in ("memory", "file")
