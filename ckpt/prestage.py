@@ -4,12 +4,13 @@ reused by every save, which then only copies, so a save blocks training for abou
     python -m pytest tests/test_staging_wait.py -q
 
 `HostStager` is DCP's AsyncStager for state that lives in host memory (CPU training; `make_stager` picks DCP's
-DefaultStager on CUDA, which stages with pinned memory on a stream in the background). Per source
-storage (a parameter shard, an AdamW moment) it keeps one buffer (of only the tensor's bytes where the tensor is a
-contiguous part of the storage: _span), shared memory in process mode, and per source tensor the staged tensor
-over that buffer (a DTensor with the source's placement). A save walks the state, copies each into its buffer and returns the cached staged tensors: nothing is allocated, no tensor is
-built. DCP's DefaultStager on CPU deep-copies every tensor on every save (a new DTensor each time, ~0.6 ms per
-tensor here: 0.25 s per save at 400 tensors, as much as the copy itself).
+DefaultStager on CUDA, which stages with pinned memory on a stream in the background). Per source storage (a
+parameter shard, an AdamW moment) it keeps one buffer (of only the tensor's bytes where the tensor is a contiguous
+part of the storage: _span), shared memory in process mode, and per source tensor the staged tensor over that
+buffer (a DTensor with the source's placement). A save walks the state, copies each into its buffer and returns
+the cached staged tensors: nothing is allocated, no tensor is built. DCP's DefaultStager on CPU deep-copies every
+tensor on every save (a new DTensor each time, ~0.6 ms per tensor here: 0.25 s per save at 400 tensors, as much
+as the copy itself).
 `allocate` makes the buffers and staged tensors ahead of the first save, writing zeros so the pages are faulted
 in off the training thread; the state dict it reads is built on the caller's thread (it only holds references)
 and the thread touches new memory only. The first save joins it first (the stager is not thread-safe).

@@ -12,8 +12,8 @@ as one exits, so a silent rank that exited first could cut off the one that prin
 BAD_INPUT_WAIT_S, until every rank has reached the same verdict (each adds itself to a counter in the launcher's
 own TCPStore, no process group needed), so that no rank still checking is stopped by torchrun before it knows.
 A rank that is still alive after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs) prints its own
-line, naming its rank. All ranks exit with the same code. train_fsdp.py reports a user error found after the process group the same
-way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late.
+line, naming its rank. All ranks exit with the same code. train_fsdp.py reports a user error found after the
+process group the same way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late.
 Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does),
 so torchrun's failure summary shows it for each rank instead of a link on how to enable tracebacks.
 """
