@@ -37,6 +37,11 @@ def launch_rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+def launch_world() -> int:
+    """How many ranks the launcher started (1 without one)."""
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAIT_S) -> None:
     """Print `error: message` on rank 0 only; see the module docstring for the other ranks, which end with
     `exit_code` too (SystemExit), stopped by torchrun or after `wait_s`."""
@@ -57,7 +62,7 @@ def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAI
 def _launcher_store() -> TCPStore | None:
     """The TCPStore torchrun's agent serves at MASTER_ADDR:MASTER_PORT (c10d rendezvous, what --standalone, the
     README and slurm/train.sbatch use); None for a world of one, a launcher without one, or one not reachable."""
-    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if launch_world() < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     try:
         return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -83,9 +88,8 @@ def _count_in(store: TCPStore | None) -> int:
 
 def _wait_for_every_rank(store: TCPStore | None, reached: int, wait_s: float) -> None:
     """Rank 0 returns (and exits) once every rank has counted in, or after `wait_s`."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     deadline = time.monotonic() + wait_s
-    while store is not None and reached < world and time.monotonic() < deadline:
+    while store is not None and reached < launch_world() and time.monotonic() < deadline:
         time.sleep(0.1)
         try:
             reached = store.add(_bad_input_key(), 0)
