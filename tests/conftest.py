@@ -50,7 +50,7 @@ def start_on_free_port(fn, args_of_port, nprocs: int, start_method: str = "spawn
                                                   start_method=start_method)
             return
         except torch.multiprocessing.ProcessRaisedException as e:
-            if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+            if not port_was_taken([str(e)]) or attempt == tries - 1:
                 raise
 
 
