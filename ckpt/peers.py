@@ -12,10 +12,11 @@ receives R times its own bytes, whatever the world size.
 `exchange` moves whole files between ranks, in rounds of one chunk per transfer: every rank posts all its
 sends and receives of a round before waiting for any, so no order of ranks can deadlock; while one chunk is
 on the wire, the next is read and the last one written (two reused buffers per file). A receiver writes
-`<name>.part-<pid>`, hashes the bytes as they arrive and renames the file into place only when size and
-checksum are the manifest's; a file the sender cannot read is sent as zeros (the receiver's check then
-fails), so a local error never leaves a peer waiting in a receive: errors come back as problem lines, and
-only the network itself can raise.
+`<name>.part-<pid>` (over the pages of a file of that name if the step folder has one: replicate.py SPARE),
+hashes the bytes as they arrive and renames the file into place only when size and checksum are the
+manifest's; a file the sender cannot read is sent as zeros (the receiver's check then fails), so a local
+error never leaves a peer waiting in a receive: errors come back as problem lines, and only the network
+itself can raise.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from .checksum import new_hasher
 from .faults import fault_point
+from .writeback import open_in_place
 
 CHUNK = 16 << 20  # bytes per message; a rank holds two buffers of it per file it sends or receives
 _RANK_FILE = re.compile(r"^__(\d+)_")  # DCP names a rank's data files __<rank>_<n>.distcp
@@ -111,7 +113,14 @@ class _Incoming:
         self.final = os.path.join(folder, t.name)
         self.part = f"{self.final}.part-{os.getpid()}"
         self.hasher, self.size, self.file = new_hasher(algorithm), 0, None
-        self._guard(lambda: setattr(self, "file", open(self.part, "wb")))
+        self._guard(self._open)
+
+    def _open(self) -> None:
+        """The part file; where a file of the final name is there already (a memory step made from the spare
+        folder, replicate.py), it is renamed to the part file and written over in place."""
+        if os.path.isfile(self.final):
+            os.replace(self.final, self.part)
+        self.file = open_in_place(self.part)
 
     def _guard(self, write) -> None:
         try:
@@ -132,7 +141,7 @@ class _Incoming:
     def finish(self) -> str | None:
         """Rename into place if written whole with the manifest's size and checksum; else the problem."""
         if self.problem is None:
-            self._guard(lambda: (os.fsync(self.file.fileno()), self.file.close()))
+            self._guard(lambda: (self.file.truncate(self.size), os.fsync(self.file.fileno()), self.file.close()))
         if self.problem is None and (self.size != self.t.expected["size"]
                                      or self.hasher.hexdigest() != self.t.expected[self.algorithm]):
             self.problem = f"{self.t.name} from rank {self.t.src}: checksum mismatch on arrival ({self.algorithm})"

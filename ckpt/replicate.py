@@ -20,13 +20,18 @@ A memory step, step by step (docs/memory-tier.md):
    its node's commit.json: the step's whole manifest (every file's size and checksum, this node's .metadata)
    plus "held", the files this folder holds. Written last, atomically: a node's marker means every shard of
    every rank has its replicas, and these files are here. A kill before it leaves no marker on that node.
-5. retention (leader, node-local): the newest `ckpt.memory_keep` marked steps stay, older folders go.
+5. retention (leader, node-local): the newest `ckpt.memory_keep` marked steps stay, older folders go, but one:
+   its marker removed, it becomes the folder's `spare`, and step 1 of the next step renames it into place and
+   keeps the data files this node writes or receives again, which the writers then overwrite in place
+   (writeback.py InPlaceFileSystem, peers.py `_Incoming`): on tmpfs that skips allocating and freeing the pages
+   of a whole step each time. Peak use is as before (keep + 1 steps); between saves the spare holds one step.
 With memory_replicas=0 (or one node) there is no step 3 exchange: a node's marker still means every rank
 wrote its files, but a node's files live only there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -51,6 +56,7 @@ from .peers import NodeLayout, Transfer, exchange, rank_of_file
 from .retention import doomed
 from .saver import StagingWait
 from .uploader import CheckpointWriter, lower_priority
+from .writeback import InPlaceFileSystem
 
 SMALL = "s"  # DCP file-name prefix suffix of a rank's items that are not shards: __<rank>_s0.distcp
 
@@ -60,12 +66,19 @@ def small_file(rank: int) -> str:
 
 
 SHARED = small_file(0)  # the items every rank holds (optimizer hyperparameters, scheduler, data position...)
+SPARE = "spare"  # a superseded step's folder, unmarked: the next step's files are written over its files
+
+
+def shard_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
 
 
 class MemoryWriter(CheckpointWriter):
     """The memory tier's writer: a rank's shards in __<rank>_0.distcp, its other items (its RNG; on rank 0 the
-    items every rank holds, which the planner puts there) in the small __<rank>_s0.distcp."""
+    items every rank holds, which the planner puts there) in the small __<rank>_s0.distcp; over the spare's file
+    of that name where there is one."""
     dedup_to_lowest_rank = True
+    local_filesystem = InPlaceFileSystem
 
     def write_data(self, plan, planner):
         shards = [i for i in plan.items if i.type == WriteItemType.SHARD]
@@ -90,11 +103,16 @@ def ring_transfers(digests: dict[str, dict], layout: NodeLayout, replicas: int) 
                   for tag, n in enumerate(files_of(src))]
 
 
+def ranks_held(layout: NodeLayout, replicas: int) -> set[int]:
+    """The ranks whose files this node's folder holds: its own and their ring sources."""
+    mine = layout.ranks_of(layout.node)
+    return {*mine, *(s for r in mine for s in layout.ring_sources(r, replicas))}
+
+
 def held_here(digests: dict[str, dict], layout: NodeLayout, replicas: int, own_files: list[str]) -> list[str]:
     """The files this node's folder holds once a step is replicated: its ranks' own, their ring sources', rank 0's
     small file, .metadata and the small files every leader writes."""
-    mine = layout.ranks_of(layout.node)
-    ranks = {*mine, *(s for r in mine for s in layout.ring_sources(r, replicas))}
+    ranks = ranks_held(layout, replicas)
     names = {n for n in digests if rank_of_file(n) in ranks} | ({SHARED} & set(digests))
     return sorted(names | {METADATA_FILE, *own_files})
 
@@ -110,16 +128,33 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 def remove_step(path: str) -> None:
     """A memory step folder, its marker first: a kill halfway leaves an unmarked folder, never a marked partial one."""
-    if os.path.exists(os.path.join(path, COMMIT_FILE)):
-        os.remove(os.path.join(path, COMMIT_FILE))
+    unmark(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
-def make_step_dir(path: str, files: dict[str, str]) -> None:
-    """A fresh step folder with `files` (name -> text): a leftover of the same step goes first."""
+def unmark(path: str) -> None:
+    """A step folder's marker goes first, before its files or its name: a kill then leaves an unmarked folder."""
+    if os.path.exists(os.path.join(path, COMMIT_FILE)):
+        os.remove(os.path.join(path, COMMIT_FILE))
+
+
+def demote(path: str, spare: str) -> None:
+    """Step folder `path` becomes the spare, never a step again."""
+    unmark(path)
+    os.replace(path, spare)
+
+
+def make_step_dir(path: str, files: dict[str, str], spare: str | None = None, reused: frozenset = frozenset()) -> None:
+    """A step folder with `files` (name -> text): a leftover of the same step goes first. With a `spare` folder,
+    that folder renamed, holding only its files named in `reused` (to be written over); else a new one."""
     if os.path.lexists(path):
         remove_step(path)
-    os.makedirs(path)
+    if spare is not None and os.path.isdir(spare):
+        os.replace(spare, path)
+        for name in set(os.listdir(path)) - reused:
+            os.remove(os.path.join(path, name))
+    else:
+        os.makedirs(path)
     for name, text in files.items():
         with open(os.path.join(path, name), "w") as f:
             f.write(text)
@@ -149,7 +184,8 @@ class NodeCommitter:
         problem = None
         if self.layout.leader:
             try:
-                make_step_dir(path, files)
+                reused = frozenset(shard_file(r) for r in ranks_held(self.layout, self.replicas))
+                make_step_dir(path, files, os.path.join(self.dir, SPARE), reused)
             except OSError as e:
                 problem = f"memory step {step}: cannot make {path} on {socket.gethostname()} ({e.strerror or e})"
         problem = first_problem(problem, self.pg)
@@ -230,9 +266,14 @@ class NodeCommitter:
 
     def retain(self, newest: int) -> None:
         """Step 5 on a leader: the newest `keep` marked steps up to `newest` stay (a later step, from an earlier
-        job, is left alone, as on disk); older ones and unmarked leftovers go."""
+        job, is left alone, as on disk); older ones and unmarked leftovers go, the newest of them to the spare."""
         gone = doomed(self.dir, newest, self.keep, 0)
-        for path in gone:
+        spare = os.path.join(self.dir, SPARE)
+        for path in reversed(gone):
+            if not os.path.isdir(spare):
+                with contextlib.suppress(OSError):  # not renamed: removed like the others
+                    demote(path, spare)
+                    continue
             remove_step(path)
         if gone:
             self.on_event("retention", step=newest, deleted=gone)

@@ -35,6 +35,7 @@ class CheckpointWriter(ChecksummingWriter):
     the upload through its CUDA-stream loader, which opens a CUDA context on GPU 0 from every rank's
     uploader thread or process."""
     dedup_to_lowest_rank = False  # the save planner's: DCP spreads the items every rank holds over the ranks
+    local_filesystem = WritebackFileSystem
 
     def __init__(self, path: str, step: int, upload_nice: int = 0):
         """`upload_nice`: the niceness (0-19) the upload takes when it runs off the training thread (an async
@@ -42,7 +43,7 @@ class CheckpointWriter(ChecksummingWriter):
         # tests: files that tear early, on a local disk (an object store shows an object whole or not at all)
         local = scheme_of(path) is None
         torn = TornWriteFileSystem(step) if wants("partial_write") and local else None
-        super().__init__(path, torn or (WritebackFileSystem() if local else None), per_thread_copy_ahead=0)
+        super().__init__(path, torn or (self.local_filesystem() if local else None), per_thread_copy_ahead=0)
         self.step, self.upload_nice = step, upload_nice
         self.created_on = (os.getpid(), threading.get_native_id())  # the training thread: never lowered
 

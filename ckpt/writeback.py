@@ -12,10 +12,15 @@ at the end. On this project's VM (2 cores, virtio disk), in interleaved side-by-
   it) overlaps the two, and plain 8 MiB writes went from below dd's rate to about it.
 bench/ckpt_bench.py measures each save method against the disk's own rate in the same run (its `disk` rows).
 Used for local files only (an object store's stream has no file descriptor; its PUT is the write).
+
+InPlaceFileSystem writes over a file that is already there instead of replacing it: the memory tier's steps go to
+tmpfs, where allocating a new file's pages (and freeing the old one's) costs more than copying the bytes into
+pages already there, so the next step reuses a superseded step's files (ckpt/replicate.py, the spare folder).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from contextlib import contextmanager
 
@@ -55,3 +60,24 @@ class _WritebackStream:
 
     def __getattr__(self, name):  # tell, fileno, flush, close: the real file's
         return getattr(self._stream, name)
+
+
+def open_in_place(path: str):
+    """`path` for writing from its start, over the pages it already has if it exists (then the caller truncates it
+    where the writing ended)."""
+    return open(path, "r+b" if os.path.isfile(path) else "wb")
+
+
+class InPlaceFileSystem(WritebackFileSystem):
+    """WritebackFileSystem whose written files overwrite an existing file's pages, cut to the bytes written."""
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open_in_place(path) as f:
+            yield _WritebackStream(f)
+            with contextlib.suppress(ValueError):  # closed by the writer already: nothing to cut
+                f.truncate()

@@ -167,6 +167,50 @@ def test_a_file_moves_whole_and_checked_and_a_missing_one_never_hangs_the_receiv
     assert sorted(os.listdir(tmp_path / "dst")) == ["a.distcp"], "no torn or temporary file is left"
 
 
+def test_a_file_arriving_over_one_of_its_name_is_written_over_its_pages(tmp_path):
+    """A step folder made from the spare already holds the file (longer, stale): it is overwritten in place."""
+    import json
+    from conftest import start_on_free_port
+    (tmp_path / "src").mkdir()
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "src" / "a.distcp").write_bytes(bytes(range(200)) * 3)
+    (tmp_path / "dst" / "a.distcp").write_bytes(b"\xff" * 1000)
+    inode = os.stat(tmp_path / "dst" / "a.distcp").st_ino
+    start_on_free_port(_exchange, lambda port: (port, str(tmp_path)), nprocs=2, start_method="fork")
+    assert (tmp_path / "dst" / "a.distcp").read_bytes() == bytes(range(200)) * 3, "cut to the bytes received"
+    assert os.stat(tmp_path / "dst" / "a.distcp").st_ino == inode
+    assert json.loads((tmp_path / "problems-1.json").read_text()) == [
+        "gone.distcp from rank 0: checksum mismatch on arrival (xxh3_128)"]
+
+
+def test_a_superseded_step_becomes_the_spare_and_the_next_step_writes_over_its_files(tmp_path):
+    from ckpt.peers import NodeLayout
+    from ckpt.replicate import SPARE, NodeCommitter, make_step_dir, shard_file
+    from ckpt.writeback import InPlaceFileSystem
+    folder = tmp_path / "mem"
+    for step in (1, 2):
+        d = folder / f"step-{step:06d}"
+        d.mkdir(parents=True)
+        for name in ("commit.json", "meta.json", shard_file(0), shard_file(1), shard_file(5), "__0_s0.distcp"):
+            (d / name).write_bytes(b"x" * 100)
+    inodes = {n: os.stat(folder / "step-000001" / n).st_ino for n in (shard_file(0), shard_file(1))}
+    committer = NodeCommitter(str(folder), None, 1, NodeLayout(0, 2, 1), 1, lambda *a, **k: None, print)
+    try:
+        committer.retain(2)  # keep 1: step 1 is superseded
+    finally:
+        committer.close()
+    assert sorted(os.listdir(folder)) == [SPARE, "step-000002"]
+    assert "commit.json" not in os.listdir(folder / SPARE), "the spare is never a marked step"
+    new = folder / "step-000003"
+    make_step_dir(str(new), {"meta.json": "{}"}, str(folder / SPARE), frozenset({shard_file(0), shard_file(1)}))
+    assert not (folder / SPARE).exists()
+    assert sorted(os.listdir(new)) == [shard_file(0), shard_file(1), "meta.json"], "rank 5's and small files go"
+    with InPlaceFileSystem().create_stream(str(new / shard_file(0)), "wb") as f:
+        f.write(b"abc")
+    assert (new / shard_file(0)).read_bytes() == b"abc"
+    assert {n: os.stat(new / n).st_ino for n in inodes} == inodes
+
+
 # ---------------------------------------------------------------- where the copies are
 
 def test_the_ring_puts_each_ranks_files_on_its_node_and_the_next(three):
