@@ -15,7 +15,9 @@ CheckpointManager's async thread mode into --work-dir (a temp dir on local disk 
 resume the checkpoint's pages are dropped from the page cache (posix_fadvise), so it is read from the device, as
 after a restart on another node; a shared filesystem over the network is slower still. "Restart" is the process
 start up to a built model (the same for both tiers, measured once) plus the resume (find, verify, load) and the
-first training step. Writes <out>/memory_bench.{json,md} and keeps the run under <out>/runs/ (bench/provenance.py).
+first training step. Beside each throughput block, rank 0's CPU seconds per step (every thread of the process:
+what a memory save costs in CPU, which on this machine comes out of training's two cores). Writes
+<out>/memory_bench.{json,md} and keeps the run under <out>/runs/ (bench/provenance.py).
 """
 
 from __future__ import annotations
@@ -126,9 +128,11 @@ class Bench:
         e = self.log.last("checkpoint", "memory" if tier == "memory" else None)
         return {"blocking_s": blocking, "written_s": e["upload_s"], "committed_s": e["committed_s"]}
 
-    def steps_per_s(self, with_memory: bool) -> float:
+    def steps_per_s(self, with_memory: bool) -> tuple[float, float]:
+        """Steps per second, and this process's CPU seconds per step (every thread: training, the save's copies
+        and checksums, gloo's, the kernel's work for them)."""
         mgr = self.memory.mgr
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(self.args.steps):
             mgr.wait_for_staging()
             self.train()
@@ -136,7 +140,7 @@ class Bench:
             if with_memory:
                 mgr.save(self.step, self.state, self.files())
         mgr.wait()
-        return self.args.steps / (time.perf_counter() - t0)
+        return self.args.steps / (time.perf_counter() - t0), (time.process_time() - cpu0) / self.args.steps
 
     def restart(self, tier: str) -> tuple[float, float]:
         """Seconds from asking for a resume to the state loaded, and to the end of the first resumed step (same
@@ -233,7 +237,8 @@ def spread(values: list[float]) -> dict:
 def summarize(raw: dict) -> dict:
     saves = {tier: {k: spread([s[k] for s in raw["saves"][tier]]) for k in ("blocking_s", "written_s", "committed_s")}
              for tier in ("memory", "disk")}
-    tp = {k: spread(v) for k, v in raw["steps_per_s"].items()}
+    tp = {k: spread([sps for sps, _ in v]) for k, v in raw["steps_per_s"].items()}
+    cpu = {k: spread([c for _, c in v]) for k, v in raw["steps_per_s"].items()}
     restart = {tier: {"resume_s": spread([x for x, _ in v]), "resume_and_first_step_s": spread([y for _, y in v]),
                       "restart_to_first_step_s": spread([raw["startup_s"] + y for _, y in v])}
                for tier, v in raw["restart_s"].items()}
@@ -250,8 +255,9 @@ def summarize(raw: dict) -> dict:
     }
     return {"params": raw["params"], "world_size": raw["world_size"], "nodes": raw["nodes"], "replicas": raw["replicas"],
             "rank_state_GB": raw["rank_state_bytes"] / 1e9, "rounds": len(raw["saves"]["memory"]),
-            "saves": saves, "throughput_steps_per_s": tp, "startup_s": raw["startup_s"], "restart": restart,
-            "ratios": ratios}
+            "saves": saves, "throughput_steps_per_s": tp, "cpu_s_per_step": cpu,
+            "memory_save_cpu_s": cpu["memory"]["median"] - cpu["none"]["median"], "startup_s": raw["startup_s"],
+            "restart": restart, "ratios": ratios}
 
 
 def to_markdown(r: dict) -> list[str]:
@@ -272,6 +278,9 @@ def to_markdown(r: dict) -> list[str]:
               f"{ms(r['restart'][tier]['restart_to_first_step_s'])} |" for tier in ("memory", "disk")), "",
             f"- training: {t['none']['median']:.3f} steps/s without checkpoints, {t['memory']['median']:.3f} with a "
             f"memory save every step: {ra['throughput_memory_every_step_over_none']:.1%} (goal >= 97%)",
+            f"- CPU seconds per step on rank 0 (every thread): {ms(r['cpu_s_per_step']['none'])} without "
+            f"checkpoints, {ms(r['cpu_s_per_step']['memory'])} with a memory save every step: "
+            f"{r['memory_save_cpu_s']:.2f} s of CPU per memory save",
             f"- memory save / async disk save: blocking {ra['memory_blocking_over_disk_blocking']:.2f}x, until "
             f"committed {ra['memory_replicated_over_disk_committed']:.2f}x",
             f"- restart to first step, disk / memory: {ra['restart_disk_over_memory']:.2f}x with the process start "

@@ -130,6 +130,9 @@ def test_memory_bench_tiny(tmp_path):
     assert r["ratios"]["throughput_memory_every_step_over_none"] == tp["memory"]["median"] / tp["none"]["median"]
     assert all(r["ratios"][k] > 0 for k in ("restart_disk_over_memory", "resume_and_first_step_disk_over_memory",
                                             "resume_disk_over_memory"))
+    cpu = r["cpu_s_per_step"]
+    assert 0 < cpu["none"]["min"] and 0 < cpu["memory"]["min"]
+    assert r["memory_save_cpu_s"] == cpu["memory"]["median"] - cpu["none"]["median"]
     assert "| memory tier (committed: replicated and marked on every node) |" in (out / "memory_bench.md").read_text()
 
 
