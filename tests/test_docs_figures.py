@@ -34,6 +34,7 @@ CHECKPOINTS, PLANNER, DATA = "docs/checkpoints.md", "docs/planner.md", "docs/dat
 DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
 RS, RS8, RST = "realsize_bench.json", "realsize_bench-8blocks.json", "realsize_bench-thread.json"
 MEM, MEMORY = "memory_bench.json", "docs/memory-tier.md"
+BEFORE_SPARE = "runs/memory_bench/2026-11-25T234616Z-f9daa0bdf.json"  # memory_bench before steps reused the spare's pages
 MB = 1048576
 
 
@@ -124,7 +125,16 @@ FIGURES = [
     (MEMORY, "replicated and marked against the disk save until committed | {}x |", [(MEM, "ratios.memory_replicated_over_disk_committed", ".2f")]),
     (MEMORY, "the memory tier resumed in {} s against the disk tier's {} s",
      each(MEM, ".2f", "restart.memory.resume_s.median", "restart.disk.resume_s.median")),
-    (MEMORY, "a memory save copies a rank's {} GB", [(MEM, "rank_state_GB", ".2f")]),
+    (MEMORY, "a memory save writes a rank's {} GB", [(MEM, "rank_state_GB", ".2f")]),
+    (MEMORY, "Rank 0's process used {} s of CPU per step without checkpoints and {} s with a memory save every step: {} s of CPU per save",
+     each(MEM, ".2f", "cpu_s_per_step.none.median", "cpu_s_per_step.memory.median", "memory_save_cpu_s")),
+    (PERF, "a memory save takes {} s of CPU per rank", [(MEM, "memory_save_cpu_s", ".2f")]),
+    (MEMORY, "the run before (`bench/results/runs/memory_bench/2026-11-25T234616Z-f9daa0bdf.json`, {}, a memory save committed in {} s)",
+     [(BEFORE_SPARE, "ratios.throughput_memory_every_step_over_none", ".1%"), (BEFORE_SPARE, "saves.memory.committed_s.median", ".2f")]),
+    (PERF, "{} before the next step wrote over", [(BEFORE_SPARE, "ratios.throughput_memory_every_step_over_none", ".1%")]),
+    (MEMORY, "pages (step 6 of the protocol above): {}, and committed in {} s, {}x an async disk save's",
+     [(MEM, "ratios.throughput_memory_every_step_over_none", ".1%"), (MEM, "saves.memory.committed_s.median", ".2f"),
+      (MEM, "ratios.memory_replicated_over_disk_committed", ".2f")]),
     (MEMORY, "a step went from {} s without checkpoints to {} s with a memory save every step",
      each(MEM, ".2f", "1 / throughput_steps_per_s.none.median", "1 / throughput_steps_per_s.memory.median")),
     (MEMORY, "but the first step after it ({} s)",
@@ -132,6 +142,7 @@ FIGURES = [
     (MEMORY, "instead of the config's 19 and measured {} and {}x",
      [("runs/memory_bench/2026-11-25T225315Z-dc4c8062a.json", "ratios.throughput_memory_every_step_over_none", ".1%"),
       ("runs/memory_bench/2026-11-25T225315Z-dc4c8062a.json", "ratios.restart_disk_over_memory", ".2f")]),
+    (MEMORY, "against the {} of the run after it", [(BEFORE_SPARE, "ratios.throughput_memory_every_step_over_none", ".1%")]),
     (MEMORY, "the process start and build ({} s, `startup_s`)", [(MEM, "startup_s", ".1f")]),
     (PERF, "A save to the local server took {}x the local folder's time and a resume {}x",
      each("s3_bench.json", ".2f", "s3_over_local.committed_s", "s3_over_local.resume_s")),
