@@ -20,7 +20,6 @@ pages already there, so the next step reuses a superseded step's files (ckpt/rep
 
 from __future__ import annotations
 
-import contextlib
 import os
 from contextlib import contextmanager
 
@@ -78,6 +77,15 @@ class InPlaceFileSystem(WritebackFileSystem):
                 yield stream
             return
         with open_in_place(path) as f:
-            yield _WritebackStream(f)
-            with contextlib.suppress(ValueError):  # closed by the writer already: nothing to cut
-                f.truncate()
+            stream = _InPlaceStream(f)
+            yield stream
+            stream.close()
+
+
+class _InPlaceStream(_WritebackStream):
+    def close(self) -> None:
+        """Cut the file where the writing ended (the file written over may have been longer), then close it.
+        DCP's writer closes the stream itself, before the stream's context exits."""
+        if not self._stream.closed:
+            self._stream.truncate()
+        self._stream.close()

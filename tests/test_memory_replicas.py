@@ -211,6 +211,34 @@ def test_a_superseded_step_becomes_the_spare_and_the_next_step_writes_over_its_f
     assert {n: os.stat(new / n).st_ino for n in inodes} == inodes
 
 
+def test_dcp_writing_over_a_longer_file_leaves_exactly_its_bytes(tmp_path):
+    """DCP closes each file itself: the cut to the bytes written must happen at that close, or a spare's longer
+    file keeps a stale tail that the step's manifest does not cover (after a world-size change, say)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from ckpt.checksum import file_digest
+    from ckpt.replicate import MemoryWriter, shard_file
+    step = tmp_path / "step"
+    step.mkdir()
+    (step / shard_file(0)).write_bytes(b"\xff" * 1_000_000)
+    inode = os.stat(step / shard_file(0)).st_ino
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        metadata = dcp.save({"w": distribute_tensor(torch.arange(1000.0), mesh, [Shard(0)])},
+                            storage_writer=MemoryWriter(str(step), 0))
+        loaded = {"w": distribute_tensor(torch.zeros(1000), mesh, [Shard(0)])}
+        dcp.load(loaded, checkpoint_id=str(step))
+    finally:
+        dist.destroy_process_group()
+    assert os.stat(step / shard_file(0)).st_ino == inode, "written over, not replaced"
+    assert {n: file_digest(str(step / n)) for n in metadata.file_digests} == metadata.file_digests
+    assert torch.equal(loaded["w"].full_tensor(), torch.arange(1000.0))
+
+
 # ---------------------------------------------------------------- where the copies are
 
 def test_the_ring_puts_each_ranks_files_on_its_node_and_the_next(three):
