@@ -126,16 +126,16 @@ def _write_atomic(path: str, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def remove_step(path: str) -> None:
-    """A memory step folder, its marker first: a kill halfway leaves an unmarked folder, never a marked partial one."""
-    unmark(path)
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def unmark(path: str) -> None:
     """A step folder's marker goes first, before its files or its name: a kill then leaves an unmarked folder."""
     if os.path.exists(os.path.join(path, COMMIT_FILE)):
         os.remove(os.path.join(path, COMMIT_FILE))
+
+
+def remove_step(path: str) -> None:
+    """A memory step folder, its marker first: a kill halfway leaves an unmarked folder, never a marked partial one."""
+    unmark(path)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def demote(path: str, spare: str) -> None:
@@ -144,12 +144,13 @@ def demote(path: str, spare: str) -> None:
     os.replace(path, spare)
 
 
-def make_step_dir(path: str, files: dict[str, str], spare: str | None = None, reused: frozenset = frozenset()) -> None:
-    """A step folder with `files` (name -> text): a leftover of the same step goes first. With a `spare` folder,
-    that folder renamed, holding only its files named in `reused` (to be written over); else a new one."""
+def make_step_dir(path: str, files: dict[str, str], spare: str, reused: frozenset) -> None:
+    """A step folder with `files` (name -> text): a leftover of the same step goes first. Where folder `spare`
+    exists, it is renamed into place, holding only its files named in `reused` (to be written over); else a new
+    folder."""
     if os.path.lexists(path):
         remove_step(path)
-    if spare is not None and os.path.isdir(spare):
+    if os.path.isdir(spare):
         os.replace(spare, path)
         for name in set(os.listdir(path)) - reused:
             os.remove(os.path.join(path, name))
