@@ -133,6 +133,11 @@ def test_memory_bench_tiny(tmp_path):
     cpu = r["cpu_s_per_step"]
     assert 0 < cpu["none"]["min"] and 0 < cpu["memory"]["min"]
     assert r["memory_save_cpu_s"] == cpu["memory"]["median"] - cpu["none"]["median"]
+    fl = r["floors"]
+    assert all(0 < fl[k]["min"] <= fl[k]["max"] for k in ("write_s", "write_cpu_s", "wire_s", "wire_cpu_s"))
+    assert r["floor_cpu_s"] == 2 * fl["write_cpu_s"]["median"] + fl["wire_cpu_s"]["median"]
+    assert r["ratios"]["floor_cpu_over_budget"] == r["floor_cpu_s"] / r["budget_cpu_s"] and r["budget_cpu_s"] > 0
+    assert r["ratios"]["restart_disk_over_instant_memory"] > r["ratios"]["restart_disk_over_memory"]
     assert "| memory tier (committed: replicated and marked on every node) |" in (out / "memory_bench.md").read_text()
 
 
