@@ -35,7 +35,6 @@ the event sink: any object with info(line) and event(name, **fields).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from datetime import timedelta
 from typing import Callable
@@ -48,6 +47,7 @@ from .layout import step_dir
 from .lock import lock_for_job
 from .manager import CheckpointManager, checkpoint_groups
 from .memory import MemoryTier
+from .peers import NodeLayout
 from .policy import SavePolicy
 from .resume import Resumed, resume_from
 from .state import staging_need
@@ -79,9 +79,9 @@ class TrainingCheckpoints:
     def check_staging(self, model) -> None:
         """Process-mode async saves: fall back to thread mode (all ranks together) if this node cannot stage
         every local rank's share of `model` + AdamW state in /dev/shm. Once, before the data takes memory."""
-        need, local_ranks = staging_need(model), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        need, local_ranks = staging_need(model), NodeLayout.here().ranks_per_node
         self.mgr.check_staging(*need, local_ranks)
-        self.memory.check_budget(need[1], local_ranks, self.mgr.any_rank)  # the same verdict on every rank
+        self.memory.check_budget(need[1], local_ranks, self.mgr.any_rank, self.mgr.async_mode)  # one verdict
 
     def track(self, state: dict, files_for: Callable[[int], dict[str, str]]) -> None:
         """`state`: the Statefuls every save writes; `files_for(step)`: the small files written beside them.

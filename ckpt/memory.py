@@ -17,7 +17,8 @@ The protocol (docs/memory-tier.md):
   it, then look for a newer verified disk step; the newer wins. What a rank reads and its node lacks comes from
   a peer over gloo. A damaged or incomplete memory step is skipped with one line.
 - budget: (memory_keep + 1) x (1 + replicas) x the rank's state bytes per local rank must fit the folder's
-  filesystem (and RAM, for tmpfs), or the tier turns off at start with one line: never a SIGBUS mid-run.
+  filesystem (and RAM, for tmpfs) beside both tiers' async staging buffers (in /dev/shm too in process mode), or
+  the tier turns off at start with one line: never a SIGBUS mid-run.
 A failed memory save is a warning (a `checkpoint_failed` event with tier=memory): the disk tier still stands.
 """
 
@@ -34,7 +35,7 @@ from .errors import CheckpointError
 from .layout import step_dir, step_of
 from .manager import CheckpointManager, checkpoint_groups
 from .peers import NodeLayout
-from .preflight import mem_available_bytes, shm_free_bytes
+from .preflight import SHM_DIR, mem_available_bytes, shm_free_bytes
 from .recover import MemoryRecovery, PeerLoad
 from .replicate import MemoryWriter, NodeCommitter
 from .saver import Replay
@@ -49,7 +50,18 @@ def default_memory_dir(ckpt_dir: str) -> str:
         user = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry (containers)
         user = str(os.getuid())
-    return f"/dev/shm/fsdp-ckpt-{digest}-{user}"
+    return os.path.join(SHM_DIR, f"fsdp-ckpt-{digest}-{user}")
+
+
+def foreign_folder(folder: str) -> str | None:
+    """Why `folder` must not hold this job's steps: it exists and is another user's. The default name is
+    predictable, in a folder every user may write to: someone else's folder of that name could read the weights,
+    or hand this job steps of their making. A folder made here is this user's alone (replicate.py)."""
+    try:
+        owner = os.stat(folder).st_uid
+    except OSError:
+        return None
+    return None if owner == os.getuid() else f"{folder} belongs to another user (uid {owner})"
 
 
 def _existing(path: str) -> str:
@@ -79,26 +91,47 @@ def _held_bytes(folder: str) -> int:
 
 
 def memory_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, free: int, held: int,
-                     mem_available: int | None, replicas: int = 0) -> str | None:
+                     mem_available: int | None, replicas: int = 0, staging: tuple[int, int] = (0, 0)) -> str | None:
     """Why `local_ranks` ranks of `nbytes` state each, with `replicas` other nodes' copies, cannot keep `keep`
     memory steps (plus the one being written) in `folder`, or None. `mem_available`: RAM, when the folder is in
-    RAM (tmpfs), else None. Pure: tests pass fake numbers."""
+    RAM (tmpfs), else None. `staging`: the bytes of the node's async staging buffers (not allocated yet when this
+    runs), and how many of them are files in the folder's filesystem (process mode's in /dev/shm): both tiers'
+    buffers and the steps must fit together. Pure: tests pass fake numbers."""
     need, gib = nbytes * local_ranks * (keep + 1) * (1 + replicas), 2**30
     copies = f" x (1 + {plural(replicas, 'replica')})" if replicas else ""
     what = f"{plural(local_ranks, 'rank')} x {keep + 1} steps{copies} x {nbytes / gib:.2f} GiB need {need / gib:.2f} GiB"
-    if need > free + held:
-        return f"{what} in {folder}, {(free + held) / gib:.2f} GiB free"
-    if mem_available is not None and need > mem_available + held:
-        return f"{what} of RAM ({folder} is in memory), {(mem_available + held) / gib:.2f} GiB available"
+    staged, staged_here = staging
+    if need + staged_here > free + held:
+        return f"{what}{_beside(staged_here)} in {folder}, {(free + held) / gib:.2f} GiB free"
+    if mem_available is not None and need + staged > mem_available + held:
+        return (f"{what}{_beside(staged)} of RAM ({folder} is in memory), {(mem_available + held) / gib:.2f} GiB "
+                "available")
     return None
 
 
-def folder_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, replicas: int) -> str | None:
-    """`memory_shortfall` with this node's numbers."""
+def _beside(staged: int) -> str:
+    return f" (+ {staged / 2**30:.2f} GiB to stage async saves)" if staged else ""
+
+
+def folder_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, replicas: int,
+                     disk_mode: str) -> str | None:
+    """`memory_shortfall` with this node's numbers. Staging: the memory tier's own buffers (in RAM), and with an
+    async disk tier (`disk_mode`) its buffers too, files in /dev/shm in process mode."""
     in_ram = _filesystem_type(_existing(folder)) in RAM_FILESYSTEMS
     held = _held_bytes(folder) if os.path.isdir(folder) else 0
+    node_bytes = nbytes * local_ranks
+    staged = node_bytes * (2 if disk_mode != "off" else 1)
+    shm_staging = disk_mode == "process" and _same_filesystem(folder, SHM_DIR)
     return memory_shortfall(nbytes, local_ranks, keep, folder, shm_free_bytes(_existing(folder)), held,
-                            mem_available_bytes() if in_ram else None, replicas)
+                            mem_available_bytes() if in_ram else None, replicas,
+                            (staged, node_bytes if shm_staging else 0))
+
+
+def _same_filesystem(a: str, b: str) -> bool:
+    try:
+        return os.stat(_existing(a)).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
 
 
 def node_layout() -> NodeLayout | str:
@@ -134,6 +167,11 @@ class MemoryTier:
             return tier
         tier.layout, tier.replicas = layout, min(getattr(options, "memory_replicas", 1), layout.nodes - 1)
         folder = getattr(options, "memory_dir", "") or default_memory_dir(options.dir)
+        foreign = foreign_folder(folder)
+        if all_ranks_reduce(int(foreign is not None), "sum"):
+            why = foreign or "on another node, the memory folder belongs to another user"
+            tier.turn_off(f"{why}; the disk tier stands")
+            return tier
         groups = checkpoint_groups(timeout)
         nice = getattr(options, "upload_nice", 0)
         committer = NodeCommitter(folder, groups[0], tier.keep, layout, tier.replicas, tier._event, tier._info, nice)
@@ -160,11 +198,12 @@ class MemoryTier:
             self.mgr.close()
         self.mgr = None
 
-    def check_budget(self, nbytes: int, local_ranks: int, any_rank) -> None:
-        """Turn the tier off on every rank (`any_rank`: the flag OR-ed over ranks) if a node lacks the room."""
+    def check_budget(self, nbytes: int, local_ranks: int, any_rank, disk_mode: str) -> None:
+        """Turn the tier off on every rank (`any_rank`: the flag OR-ed over ranks) if a node lacks the room, with
+        the staging of the disk tier's saves (`disk_mode`: its async_mode, after its own check) counted too."""
         if self.mgr is None:
             return
-        reason = folder_shortfall(nbytes, local_ranks, self.keep, self.mgr.dir, self.replicas)
+        reason = folder_shortfall(nbytes, local_ranks, self.keep, self.mgr.dir, self.replicas, disk_mode)
         if any(any_rank(reason is not None)):
             self.turn_off(reason or "memory is short on another node")
 

@@ -51,7 +51,8 @@ class NodeLayout:
 
     @classmethod
     def here(cls) -> "NodeLayout":
-        """This process's place: from the process group and torchrun's LOCAL_WORLD_SIZE (one node without it)."""
+        """This process's place: from the process group and torchrun's LOCAL_WORLD_SIZE (one node without it:
+        every rank counted against this node's memory, never fewer than are there)."""
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         return cls(rank, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))

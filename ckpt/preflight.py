@@ -32,7 +32,10 @@ def raise_fd_limit() -> int:
     return soft
 
 
-def shm_free_bytes(path: str = "/dev/shm") -> int:
+SHM_DIR = "/dev/shm"  # where process mode's staging buffers live (shared memory) and the memory tier by default
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int:
     try:
         st = os.statvfs(path)
     except OSError:

@@ -155,7 +155,8 @@ def make_step_dir(path: str, files: dict[str, str], spare: str, reused: frozense
         for name in set(os.listdir(path)) - reused:
             os.remove(os.path.join(path, name))
     else:
-        os.makedirs(path)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # the memory folder: this user's alone
+        os.mkdir(path)
     for name, text in files.items():
         with open(os.path.join(path, name), "w") as f:
             f.write(text)

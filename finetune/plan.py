@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckpt.preflight import SHM_DIR
 from common.words import plural
 from finetune.config import ModelConfig
 from finetune.data import BatchSplit, DataError
@@ -244,14 +245,17 @@ def cpu_items(cfg, s: Shapes, world: int, micro_batch: int, rank_staged: int) ->
         ("python, torch, transformers, gloo (0.38 GiB measured), data, malloc slack", CPU_PROCESS_GIB * GIB)]
 
 
-def cpu_node_lines(total: float, args, problems: bool = False) -> list[str]:
-    """The per-rank total and a node's sum (report lines), or the problem when --host-memory is below it."""
-    node = total * args.gpus_per_node
+def cpu_node_lines(total: float, args, tier_ram: int, problems: bool = False) -> list[str]:
+    """The per-rank total and a node's sum with the memory tier's RAM (report lines), or the problem when
+    --host-memory is below it."""
+    node = total * args.gpus_per_node + tier_ram
+    tier = f" + memory tier {size(tier_ram)}" if tier_ram else ""
     if problems:
-        return [f"host memory: {size(node)} per node needed ({args.gpus_per_node} ranks x {size(total)}), "
+        return [f"host memory: {size(node)} per node needed ({args.gpus_per_node} ranks x {size(total)}{tier}), "
                 f"--host-memory {args.host_memory:g} GiB"] if args.host_memory and node > args.host_memory * GIB else []
     budget = f" of {args.host_memory:g} GiB" if args.host_memory else " (--host-memory GiB checks the fit)"
-    return [f"  {'total':<72} {size(total):>10}", f"  {f'per node: {args.gpus_per_node} ranks':<72} {size(node):>10}{budget}"]
+    return [f"  {'total':<72} {size(total):>10}",
+            f"  {f'per node: {args.gpus_per_node} ranks{tier}':<72} {size(node):>10}{budget}"]
 
 
 def item_lines(items: list[tuple[str, float]]) -> list[str]:
@@ -294,9 +298,9 @@ def checkpoint_bytes(s: Shapes, world: int) -> tuple[int, int]:
 
 
 def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
-               host_gib: float | None) -> tuple[list[str], list[str]]:
-    """Host memory per node for async staging (ckpt/preflight.py checks the same at run time) and for
-    model.cpu_offload, and the problems when --host-memory is given."""
+               host_gib: float | None, tier_ram: int = 0) -> tuple[list[str], list[str]]:
+    """Host memory per node for async staging (ckpt/preflight.py checks the same at run time), for
+    model.cpu_offload and for the memory tier (`tier_ram`), and the problems when --host-memory is given."""
     mode = cfg.ckpt.async_mode
     staged = rank_bytes * ranks_per_node if mode != "off" else 0
     offloaded = offload_bytes * ranks_per_node
@@ -310,24 +314,27 @@ def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
         lines.append(f"host per node: {size(offloaded)} of pinned RAM for the offloaded parameters, gradients "
                      "and AdamW state (model.cpu_offload)")
     problems = []
-    if host_gib is not None and staged + offloaded > host_gib * GIB:
-        problems.append(f"host memory: {size(staged + offloaded)} per node needed, --host-memory "
-                        f"{host_gib:g} GiB (ckpt.async_mode=off stages nothing)")
+    if host_gib is not None and staged + offloaded + tier_ram > host_gib * GIB:
+        tier = ", the memory tier's steps on NVMe (ckpt.memory_dir) need less" if tier_ram else ""
+        problems.append(f"host memory: {size(staged + offloaded + tier_ram)} per node needed, --host-memory "
+                        f"{host_gib:g} GiB (ckpt.async_mode=off stages nothing{tier})")
     return lines, problems
 
 
-def memory_tier_lines(cfg, rank_bytes: int, ranks_per_node: int, nodes: int) -> list[str]:
-    """The memory tier's need per node (ckpt/memory.py checks the same at start and turns the tier off if short)."""
+def memory_tier_lines(cfg, rank_bytes: int, ranks_per_node: int, nodes: int) -> tuple[list[str], int]:
+    """The memory tier's need per node (ckpt/memory.py checks the same at start and turns the tier off if short):
+    report lines, and the bytes of RAM: its staging buffers, and its steps where the folder is /dev/shm's."""
     c = cfg.ckpt
     if not c.memory_interval:
-        return []
+        return [], 0
     replicas = min(c.memory_replicas, nodes - 1)  # as ckpt/memory.py: at most one copy on each other node
     copies = f" x (1 + {plural(replicas, 'replica')})" if replicas else ""
-    need = (c.memory_keep + 1) * (1 + replicas) * ranks_per_node * rank_bytes
+    need, staging = (c.memory_keep + 1) * (1 + replicas) * ranks_per_node * rank_bytes, ranks_per_node * rank_bytes
+    in_ram = not c.memory_dir or c.memory_dir.startswith(SHM_DIR + "/")  # a node's other folders: not known here
     return [f"memory tier (ckpt.memory_interval={c.memory_interval}): {size(need)} per node in "
-            f"{c.memory_dir or '/dev/shm'} ((memory_keep {c.memory_keep} + 1){copies} x "
-            f"{plural(ranks_per_node, 'rank')} x {size(rank_bytes)}), and {size(ranks_per_node * rank_bytes)} of RAM "
-            "to stage its saves"]
+            f"{c.memory_dir or SHM_DIR} ((memory_keep {c.memory_keep} + 1){copies} x "
+            f"{plural(ranks_per_node, 'rank')} x {size(rank_bytes)}), and {size(staging)} of RAM "
+            "to stage its saves"], staging + (need if in_ram else 0)
 
 
 def make_plan(cfg, args) -> tuple[list[str], list[str]]:
@@ -356,9 +363,10 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     total = sum(b for _, b in items)
     lines.append("per rank (CPU process, VmRSS):" if args.cpu else "per GPU:")
     lines += item_lines(items)
+    tier_lines, tier_ram = memory_tier_lines(cfg, rank_bytes, args.gpus_per_node, args.nodes)
     if args.cpu:  # the ranks of a node share its RAM; staging is in each rank's total already
-        more, problems = cpu_node_lines(total, args), problems + cpu_node_lines(total, args, problems=True)
-        lines += more
+        lines += cpu_node_lines(total, args, tier_ram)
+        problems += cpu_node_lines(total, args, tier_ram, problems=True)
     else:
         budget = f" of {args.gpu_memory:g} GiB" if args.gpu_memory else " (--gpu-memory GiB checks the fit)"
         lines.append(f"  {'total':<72} {size(total):>10}{budget}")
@@ -372,8 +380,8 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     if cfg.model.compile:  # inductor frees some intermediates and keeps others: not measured, so not modelled
         lines.append("model.compile: activations above are eager's estimate; what compiled blocks keep is not planned")
     offload = sum(b for what, b in gpu_states(cfg, s, shard_world(cfg, world))) if cfg.model.cpu_offload else 0
-    more, host_problems = host_lines(cfg, rank_bytes, offload, args.gpus_per_node, args.host_memory)
-    lines += more + memory_tier_lines(cfg, rank_bytes, args.gpus_per_node, args.nodes)
+    more, host_problems = host_lines(cfg, rank_bytes, offload, args.gpus_per_node, args.host_memory, tier_ram)
+    lines += more + tier_lines
     problems += [] if args.cpu else host_problems
     keep = cfg.ckpt.keep_last
     lines.append(f"checkpoint: {size(ckpt)} per save (fp32 {'adapters' if s.trainable != s.params else 'weights'}"

@@ -20,6 +20,7 @@ import torch
 from ckpt import verify_checkpoint
 from ckpt.memory import default_memory_dir, memory_shortfall
 from ckpt.reading import read_items
+from ckpt.replicate import make_step_dir
 import train_fsdp
 from conftest import ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
@@ -160,6 +161,14 @@ def test_memory_shortfall_names_what_is_short():
     assert memory_shortfall(gib, 2, 2, "/nvme/x", 9 * gib, 0, None) is None  # not in RAM: the disk's room only
     why = memory_shortfall(gib, 2, 1, "/dev/shm/x", 5 * gib, 0, 8 * gib, replicas=1)  # a peer's copy doubles it
     assert why == "2 ranks x 2 steps x (1 + 1 replica) x 1.00 GiB need 8.00 GiB in /dev/shm/x, 5.00 GiB free"
+    # async staging, not allocated yet, beside the steps: 4 GiB of RAM, 2 of them files in the same tmpfs
+    assert memory_shortfall(gib, 2, 1, "/dev/shm/x", 6 * gib, 0, 8 * gib, staging=(4 * gib, 2 * gib)) is None
+    why = memory_shortfall(gib, 2, 1, "/dev/shm/x", 5 * gib, 0, 9 * gib, staging=(4 * gib, 2 * gib))
+    assert why == "2 ranks x 2 steps x 1.00 GiB need 4.00 GiB (+ 2.00 GiB to stage async saves) in /dev/shm/x, 5.00 GiB free"
+    why = memory_shortfall(gib, 2, 1, "/dev/shm/x", 9 * gib, 0, 7 * gib, staging=(4 * gib, 0))
+    assert why == ("2 ranks x 2 steps x 1.00 GiB need 4.00 GiB (+ 4.00 GiB to stage async saves) of RAM (/dev/shm/x "
+                   "is in memory), 7.00 GiB available")
+    assert memory_shortfall(gib, 2, 2, "/nvme/x", 6 * gib, 0, None, staging=(4 * gib, 0)) is None  # RAM: not its
 
 
 def test_a_folder_too_small_turns_the_tier_off_at_start(tmp_path):
@@ -169,6 +178,26 @@ def test_a_folder_too_small_turns_the_tier_off_at_start(tmp_path):
     assert len(off) == 1 and "GiB free" in off[0], proc.stdout[-2000:]
     assert [e["event"] for e in events(tmp_path / "f", "memory_tier_off")] == ["memory_tier_off"]
     assert sorted(losses(tmp_path / "f")) == [1, 2, 3]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user needs root")
+def test_a_memory_folder_of_another_user_turns_the_tier_off(tmp_path):
+    """The default folder's name is predictable: one that another user made first is not written into."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    tmp_path.chmod(0o755)  # the job runs as root anyway; the folder's owner is what is checked
+    proc = run_train(tmp_path / "f", 0, [*RUN, "train.max_steps=2", f"ckpt.memory_dir={theirs}"])
+    off = [ln for ln in proc.stdout.splitlines() if "ckpt.memory_interval=1 -> off" in ln]
+    assert len(off) == 1 and f"{theirs} belongs to another user (uid 65534)" in off[0], proc.stdout[-2000:]
+    assert os.listdir(theirs) == [] and sorted(losses(tmp_path / "f")) == [1, 2]
+
+
+def test_a_memory_folder_made_by_the_tier_is_this_users_alone(tmp_path):
+    make_step_dir(str(tmp_path / "memory" / "step-000001"), {"meta.json": "{}"}, str(tmp_path / "memory" / "spare"),
+                  frozenset())
+    assert (tmp_path / "memory").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "memory" / "step-000001" / "meta.json").read_text() == "{}"
 
 
 def test_default_memory_dir_is_per_ckpt_dir_and_in_shm(tmp_path):
@@ -185,3 +214,4 @@ def test_plan_shows_the_memory_tier_per_node(capsys, monkeypatch):
     assert "per node in /dev/shm ((memory_keep 1 + 1) x 8 ranks x" in line
     assert train_fsdp.main(["--config", tiny, "--plan", "--nodes", "2", "ckpt.memory_interval=1"]) == 0
     assert "((memory_keep 1 + 1) x (1 + 1 replica) x 8 ranks x" in capsys.readouterr().out
+

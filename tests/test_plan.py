@@ -134,6 +134,27 @@ def test_plan_knows_hsdp_and_no_sync_accumulation(capsys):
     assert no_sync - synced == pytest.approx(4 * 8.03e9 / GIB, rel=0.01)  # fp32 grads of all 8B params
 
 
+def test_the_memory_tier_counts_against_host_memory(capsys):
+    """Its steps in /dev/shm and its staging buffers are RAM: a --host-memory that fits the job without the tier
+    does not with it, on GPU and CPU ranks; with a memory_dir outside /dev/shm only its staging counts."""
+    preset, tier = os.path.join(ROOT, "configs", "llama3-8b-sft.yaml"), "ckpt.memory_interval=1"
+    rc, out, _ = plan(capsys, ["--config", preset, "--plan", tier])
+    staged = float(re.search(r"host per node: ([\d.]+) GiB", out).group(1))
+    steps, own = map(float, re.search(r"memory tier .*: ([\d.]+) GiB per node.* and ([\d.]+) GiB of RAM", out).groups())
+    fits = ["--host-memory", str(staged + own + 1)]
+    assert plan(capsys, ["--config", preset, "--plan", *fits, tier, "ckpt.memory_dir=/nvme/m"])[0] == 0
+    rc, _, err = plan(capsys, ["--config", preset, "--plan", *fits, tier])
+    needed = re.search(r"host memory: ([\d.]+) GiB per node needed", err)
+    assert rc == 1 and float(needed.group(1)) == pytest.approx(staged + own + steps, abs=0.02)
+    rc, out, _ = plan(capsys, ["--config", preset, "--plan", "--cpu", "--gpus-per-node", "2"])
+    node = float(re.search(r"per node: 2 ranks\s+([\d.]+) GiB", out).group(1))
+    assert plan(capsys, ["--config", preset, "--plan", "--cpu", "--gpus-per-node", "2", "--host-memory",
+                         str(node + 1)])[0] == 0
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--cpu", "--gpus-per-node", "2", "--host-memory",
+                                 str(node + 1), tier])
+    assert rc == 1 and "does not fit: host memory" in err and "2 ranks + memory tier" in out
+
+
 def test_cpu_plan_counts_staging_in_each_rank_and_no_cuda_context(capsys):
     """--plan --cpu: one per-rank total for a CPU process (fp32 compute, the async staging buffers in the rank's own
     memory, no CUDA context), a node's sum checked against --host-memory, and no CUDA context opened."""
