@@ -149,3 +149,20 @@ def test_sigterm_to_whole_process_group_in_process_mode_keeps_the_uploader_alive
     verify_checkpoint(step_dir(os.path.join(str(run), "checkpoints"), 8))
     assert "background save" not in open(out).read()
     assert_resumes_bit_identical(run, step, reference)
+
+
+def test_sigterm_with_the_memory_tier_on_still_saves_the_step_to_disk(tmp_path, reference):
+    """The memory tier does not replace the disk tier's emergency save: the step reached is committed to ckpt.dir,
+    the memory steps outlive the failed exit, and the resume of the newest step of either tier is bit-identical;
+    the run that ends with 0 removes the memory folder."""
+    run, mem = tmp_path / "run", f"{tmp_path / 'run'}-mem"
+    tier = ["ckpt.memory_interval=1", f"ckpt.memory_dir={mem}", "ckpt.keep_last=1"]
+    proc, out = start_train(run, overrides=tier)
+    wait_for_step(run, 5, proc, out)
+    os.kill(proc.pid, signal.SIGTERM)
+    step = assert_emergency_checkpoint(run, proc, out)
+    marked = [d for d in os.listdir(mem) if os.path.exists(os.path.join(mem, d, "commit.json"))]
+    assert marked and all(int(d.split("-")[1]) <= step for d in marked), marked
+    run_train(run, 2, [*STEPS, *tier])
+    assert [e["step"] for e in events(run, "resume")] == [step]
+    assert losses(run) == reference and not os.path.exists(mem)
