@@ -151,6 +151,7 @@ class MemoryTier:
         self.log, self.interval, self.keep = log, interval, keep
         self.mgr: CheckpointManager | None = None
         self.layout, self.replicas = NodeLayout(0, 1, 1), 0
+        self.folder: str | None = None  # this user's memory folder of the job, the tier on or off: exit 0 removes it
         self.skipped: list[str] = []  # resume: memory steps that could not be used, with why
         self.reusing = False  # the save in flight reads the disk tier's staged copy (its buffers)
 
@@ -159,6 +160,9 @@ class MemoryTier:
         """The tier `options` (memory_interval, memory_dir, memory_keep, memory_replicas; absent: off) asks for,
         on every rank."""
         tier = cls(log, getattr(options, "memory_interval", 0), getattr(options, "memory_keep", 1))
+        folder = getattr(options, "memory_dir", "") or default_memory_dir(options.dir)
+        foreign = foreign_folder(folder)
+        tier.folder = None if foreign else folder  # with the tier off too: an earlier attempt's steps may be there
         if not tier.interval:
             return tier
         layout = node_layout()
@@ -166,8 +170,6 @@ class MemoryTier:
             tier.turn_off(f"{layout}; the disk tier stands")
             return tier
         tier.layout, tier.replicas = layout, min(getattr(options, "memory_replicas", 1), layout.nodes - 1)
-        folder = getattr(options, "memory_dir", "") or default_memory_dir(options.dir)
-        foreign = foreign_folder(folder)
         if all_ranks_reduce(int(foreign is not None), "sum"):
             why = foreign or "on another node, the memory folder belongs to another user"
             tier.turn_off(f"{why}; the disk tier stands")
@@ -274,11 +276,15 @@ class MemoryTier:
             self.log.event("checkpoint_failed", step=step, error=str(e), tier="memory")
 
     def close(self, remove: bool) -> None:
-        """Release the tier; `remove` (the run ended normally): delete its folder, once per node."""
-        if self.mgr is None:
-            return
-        folder = self.mgr.dir
-        self.mgr.close()
-        self.mgr = None
-        if remove and self.layout.leader:
-            shutil.rmtree(folder, ignore_errors=True)
+        """Release the tier; `remove` (the run ended normally): delete its folder, once per node, also where the
+        tier was off in this run and an earlier attempt's steps are there (tmpfs pages held until a reboot)."""
+        was_on = self.mgr is not None
+        if was_on:
+            self.mgr.close()
+            self.mgr = None
+        if remove and self.layout.leader and self.folder and os.path.isdir(self.folder):
+            if not was_on:
+                self.log.info(f"memory tier: removing {self.folder}, an earlier attempt's memory steps (the run "
+                              "ended normally)")
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder = None

@@ -193,6 +193,16 @@ def test_a_memory_folder_of_another_user_turns_the_tier_off(tmp_path):
     assert os.listdir(theirs) == [] and sorted(losses(tmp_path / "f")) == [1, 2]
 
 
+def test_a_run_without_the_tier_that_ends_normally_removes_an_earlier_attempts_memory_steps(tmp_path):
+    """A job that crashed with the tier on and reran with it off: its steps would hold tmpfs pages until a reboot."""
+    mem = tmp_path / "mem"
+    (mem / "step-000003").mkdir(parents=True)
+    (mem / "step-000003" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    proc = run_train(tmp_path / "f", 0, ["train.max_steps=2", "ckpt.memory_interval=0", f"ckpt.memory_dir={mem}"])
+    assert not mem.exists()
+    assert sum(f"memory tier: removing {mem}, an earlier attempt's" in ln for ln in proc.stdout.splitlines()) == 1
+
+
 def test_a_memory_folder_made_by_the_tier_is_this_users_alone(tmp_path):
     make_step_dir(str(tmp_path / "memory" / "step-000001"), {"meta.json": "{}"}, str(tmp_path / "memory" / "spare"),
                   frozenset())
