@@ -27,7 +27,6 @@ from __future__ import annotations
 import getpass
 import hashlib
 import os
-import shutil
 
 from common.dist import all_ranks_reduce
 from common.words import plural
@@ -37,7 +36,7 @@ from .manager import CheckpointManager, checkpoint_groups
 from .peers import NodeLayout
 from .preflight import SHM_DIR, mem_available_bytes, shm_free_bytes
 from .recover import MemoryRecovery, PeerLoad
-from .replicate import MemoryWriter, NodeCommitter
+from .replicate import MemoryWriter, NodeCommitter, remove_memory_folder
 from .saver import Replay
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -286,5 +285,5 @@ class MemoryTier:
             if not was_on:
                 self.log.info(f"memory tier: removing {self.folder}, an earlier attempt's memory steps (the run "
                               "ended normally)")
-            shutil.rmtree(self.folder, ignore_errors=True)
+            remove_memory_folder(self.folder)
         self.folder = None

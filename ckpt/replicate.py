@@ -50,7 +50,7 @@ from .checksum import ALGORITHM, new_hasher
 from .committer import record_event
 from .errors import SAVE_ERRORS, CheckpointError, save_failure
 from .faults import fault_at
-from .layout import COMMIT_FILE
+from .layout import COMMIT_FILE, TRASH_DIR, step_of
 from .manifest import METADATA_FILE, VerifyError, commit_checkpoint
 from .peers import NodeLayout, Transfer, exchange, rank_of_file
 from .retention import doomed
@@ -136,6 +136,16 @@ def remove_step(path: str) -> None:
     """A memory step folder, its marker first: a kill halfway leaves an unmarked folder, never a marked partial one."""
     unmark(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_memory_folder(folder: str) -> None:
+    """What the tier keeps in `folder` (step folders, the spare), then the folder if nothing else is left in it: a
+    memory_dir set by hand to a folder holding other things keeps them."""
+    for name in os.listdir(folder):
+        if step_of(name) is not None or name in (SPARE, TRASH_DIR):
+            remove_step(os.path.join(folder, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(folder)
 
 
 def demote(path: str, spare: str) -> None:
