@@ -21,7 +21,8 @@ order a step and its save reach them:
   replicate      memory tier: this rank's files are written, their copies to peer nodes not started
   partial_replica  memory tier: the first bytes of a copy from a peer are on disk (a .part file), the rest not
   before_commit  every rank's data is durable (memory tier: and copied), commit marker not written (memory
-                 tier: this node's; it fires on every rank, the marker is its node leader's)
+                 tier: this node's; it fires on every rank, the marker is its node leader's; `oserror`
+                 given to one node's ranks: that node's marker alone fails)
   after_commit   marker written (rank 0 only), retention not run yet
   sweep          retention moved the old folders into .trash, no file deleted yet (every rank, in the
                  background after a commit; also before a save whose folder held a leftover)

@@ -16,15 +16,20 @@ A memory step, step by step (docs/memory-tier.md):
    manifest on arrival): O(R x its bytes) per rank, whatever the world size. Every node gets .metadata (its
    leader writes it from the Metadata DCP already broadcast to every rank) and rank 0's small file (one
    broadcast), so at the same world size no rank needs another node's file.
-4. agree, then mark: one all-reduce says every rank's files and copies are in place; then each leader writes
+4. agree, mark, agree again: one all-reduce says every rank's files and copies are in place; then each leader writes
    its node's commit.json: the step's whole manifest (every file's size and checksum, this node's .metadata)
    plus "held", the files this folder holds. Written last, atomically: a node's marker means every shard of
-   every rank has its replicas, and these files are here. A kill before it leaves no marker on that node.
-5. retention (leader, node-local): the newest `ckpt.memory_keep` marked steps stay, older folders go, but one:
-   its marker removed, it becomes the folder's `spare`, and step 1 of the next step renames it into place and
-   keeps the data files this node writes or receives again, which the writers then overwrite in place
-   (writeback.py InPlaceFileSystem, peers.py `_Incoming`): on tmpfs that skips allocating and freeing the pages
-   of a whole step each time. Peak use is as before (keep + 1 steps); between saves the spare holds one step.
+   every rank has its replicas, and these files are here. A kill before it leaves no marker on that node. Then
+   a second all-reduce says every leader wrote its marker; if one could not (a write error there alone), the
+   save fails on every rank with that node's reason, and no node goes on to step 5.
+5. retention (leader, node-local), only once every node marked the step, as on disk an older checkpoint goes
+   only once the newer one is committed: else a node that marked it could drop the step before, which a node
+   that did not still needs, and after a lost node neither step would have every rank's files. The newest
+   `ckpt.memory_keep` marked steps stay, older folders go, but one: its marker removed, it becomes the folder's
+   `spare`, and step 1 of the next step renames it into place and keeps the data files this node writes or
+   receives again, which the writers then overwrite in place (writeback.py InPlaceFileSystem, peers.py
+   `_Incoming`): on tmpfs that skips allocating and freeing the pages of a whole step each time. Peak use is as
+   before (keep + 1 steps); between saves the spare holds one step.
 With memory_replicas=0 (or one node) there is no step 3 exchange: a node's marker still means every rank
 wrote its files, but a node's files live only there.
 """
@@ -218,7 +223,9 @@ class NodeCommitter:
         problem = first_problem(self.replicate(path, step, metadata), self.pg)  # every rank, or no marker anywhere
         if problem:
             raise CheckpointError(f"memory step {step} not replicated: {problem}")
-        self.mark(path, step, metadata, own_files)
+        problem = first_problem(self._mark_problem(path, step, metadata, own_files), self.pg)
+        if problem:  # a node without its marker: nobody drops the older step, which every node still has marked
+            raise CheckpointError(f"memory step {step} not marked: {problem}")
         staged.done.wait(timeout=5.0)  # as Committer._finish_async: the staging wait is known, or soon
         self.on_event("checkpoint", step=step, path=path, mode="thread", blocking_s=blocking_s + staged.wait_s,
                       upload_s=upload_s, committed_s=time.perf_counter() - t0, staging_wait_s=staged.wait_s,
@@ -263,6 +270,16 @@ class NodeCommitter:
             return [f"{path}: cannot write .metadata or {SHARED} ({e.strerror or e})"]
         return []
 
+    def _mark_problem(self, path: str, step: int, metadata, own_files: list[str]) -> str | None:
+        """Step 4's marker on this rank, or why its node has none: said, not raised, so that every rank still
+        joins the agreement after it (a raise on one node would leave the others waiting in it)."""
+        try:
+            self.mark(path, step, metadata, own_files)
+        except SAVE_ERRORS as e:  # a fault point's error comes from outside mark's own try
+            why = save_failure(e, self.dir, f"the marker of memory step {path}")
+            return f"node {self.layout.node} ({socket.gethostname()}): {why}"
+        return None
+
     @fault_at("before_commit")
     def mark(self, path: str, step: int, metadata, own_files: list[str]) -> None:
         """Step 4 on a leader: this node's marker, from the step's whole manifest."""
@@ -277,8 +294,9 @@ class NodeCommitter:
             raise save_failure(e, self.dir, f"the marker of memory step {path}") from e
 
     def retain(self, newest: int) -> None:
-        """Step 5 on a leader: the newest `keep` marked steps up to `newest` stay (a later step, from an earlier
-        job, is left alone, as on disk); older ones and unmarked leftovers go, the newest of them to the spare."""
+        """Step 5 on a leader, once every node marked `newest`: the newest `keep` marked steps up to `newest` stay
+        (a later step, from an earlier job, is left alone, as on disk); older ones and unmarked leftovers go, the
+        newest of them to the spare."""
         gone = doomed(self.dir, newest, self.keep, 0)
         spare = os.path.join(self.dir, SPARE)
         for path in reversed(gone):

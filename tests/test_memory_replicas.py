@@ -412,3 +412,25 @@ def test_a_kill_during_replication_leaves_no_marked_step_that_fails(two, tmp_pat
     proc = run_train(run, 0, [*RUN, *MEMORY, f"ckpt.memory_dir={mem(run, 0)}"])
     assert [(e["step"], e["tier"]) for e in events(run, "resume")][-1:] == [(newest, tier)], (seen, proc.stdout[-3000:])
     assert_continues(run, r2, newest + 1, exact=False)
+
+
+# ---------------------------------------------------------------- a marker that fails on one node
+
+def test_a_marker_that_fails_on_one_node_leaves_the_step_before_on_every_node(tmp_path):
+    """3 nodes, memory_keep 1: node 1 cannot write its marker of memory step 6 (ENOSPC); nodes 0 and 2 can. Every
+    rank learns node 1's error and no node drops step 5, so when node 0 is lost too, nodes 1 and 2 still resume
+    from memory step 5: step 6 lacks rank 0's files (their copy is on node 1, unmarked)."""
+    run, lost = tmp_path / "m", tmp_path / "lost"
+    keep_one = ["train.max_steps=7", "ckpt.memory_keep=1"]
+    stop = "kill@before_commit:7"  # the final disk save: every node stops there, its memory folder kept
+    procs = run_nodes(run, 3, keep_one, faults=[stop, f"oserror@before_commit:6;{stop}", stop], check=False)
+    for node, p in enumerate(procs):  # each went on to step 7, past the failed memory save
+        assert "Signal 9 (SIGKILL)" in p.stdout, f"node {node} exited {p.returncode}\n{p.stdout[-5000:]}"
+    (failed,) = events(run, "checkpoint_failed")  # rank 0's, on node 0, which marked step 6 itself
+    assert failed["tier"] == "memory" and failed["error"].startswith("memory step 6 not marked: node 1 ("), failed
+    assert marked_steps(run, 3) == {0: [5, 6], 1: [5], 2: [5, 6]}, "step 5 stays marked and verifies on every node"
+    copy_nodes(run, lost, [1, 2])
+    proc = run_nodes(lost, 2, keep_one)[0]
+    assert [(e["step"], e["tier"]) for e in events(lost, "resume")] == [(5, "memory")], proc.stdout[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("resume: memory tier"))
+    assert "skipped newer memory steps: step 6 (the files of saved rank 0 are on no node of this job" in line, line
