@@ -176,7 +176,10 @@ class Floors:
     its wall and CPU seconds: write the state's bytes into the node's memory folder (over an existing file's
     pages, as a save does over the spare's), and send them to the ring's next node while receiving as many from
     the one before (gloo, in CHUNK messages through two reused buffers each way, as replication does). What
-    arrives must be written into the folder too: a second write."""
+    arrives must be written into the folder too: a second write. Beside them, the pieces this design adds, each
+    bare too: the snapshot copy that lets the save run off the training thread (into a reused buffer of the
+    largest tensor's size), reading the file back to send it (into a CHUNK buffer, as peers.py does), and one
+    checksum of the state's bytes (ALGORITHM; the writer and the receiver each take one)."""
 
     def __init__(self, tensors: list, folder: str, pg, rank: int, peers: tuple[int, int]):
         import torch
@@ -188,7 +191,25 @@ class Floors:
         self.sizes = [min(CHUNK, int(size) - at) for at in range(0, int(size), CHUNK)]
         self.send = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)]
         self.recv = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)]
+        self.snapshot = torch.empty(max(v.nbytes for v in self.views), dtype=torch.uint8)
         self.write()  # the file's pages exist before the first timed write
+
+    def copy(self) -> None:
+        import torch
+        for v in self.views:
+            self.snapshot[:v.nbytes].copy_(torch.from_numpy(v))
+
+    def read(self) -> None:
+        with open(self.path, "rb") as f:
+            while f.readinto(memoryview(self.send[0].numpy())):
+                pass
+
+    def hash(self) -> None:
+        from ckpt.checksum import new_hasher
+        h = new_hasher()
+        for v in self.views:
+            h.update(v)
+        h.hexdigest()
 
     def write(self) -> None:
         from ckpt.writeback import open_in_place
@@ -206,15 +227,19 @@ class Floors:
                 w.wait()
 
     def measure(self) -> dict:
+        """Each piece once, one after another, every rank at once (a barrier before each)."""
         import torch.distributed as dist
-        dist.barrier(group=self.pg)
-        write = timed(self.write)
-        dist.barrier(group=self.pg)
-        wire = timed(self.wire)
-        return {"write_s": write[0], "write_cpu_s": write[1], "wire_s": wire[0], "wire_cpu_s": wire[1]}
+        out = {}
+        for name in FLOOR_PIECES:
+            dist.barrier(group=self.pg)
+            out[f"{name}_s"], out[f"{name}_cpu_s"] = timed(getattr(self, name))
+        return out
 
     def close(self) -> None:
         os.remove(self.path)
+
+
+FLOOR_PIECES = ("write", "wire", "copy", "read", "hash")
 
 
 def rotated(methods: list, r: int) -> list:
@@ -303,10 +328,13 @@ def summarize(raw: dict) -> dict:
     restart = {tier: {"resume_s": spread([x for x, _ in v]), "resume_and_first_step_s": spread([y for _, y in v]),
                       "restart_to_first_step_s": spread([raw["startup_s"] + y for _, y in v])}
                for tier, v in raw["restart_s"].items()}
-    floors = {k: spread([f[k] for f in raw["floors"]]) for k in ("write_s", "write_cpu_s", "wire_s", "wire_cpu_s")}
+    floors = {k: spread([f[k] for f in raw["floors"]]) for k in raw["floors"][0]}
     med = lambda d, k: d[k]["median"]  # noqa: E731
     step_s, step_cpu_s = 1 / tp["none"]["median"], cpu["none"]["median"]
     floor_cpu_s = 2 * med(floors, "write_cpu_s") + med(floors, "wire_cpu_s")
+    # with what this design adds: a snapshot copy, a read back to send, a checksum at each end
+    design_floor_cpu_s = (floor_cpu_s + med(floors, "copy_cpu_s") + med(floors, "read_cpu_s")
+                          + 2 * med(floors, "hash_cpu_s"))
     # the most CPU a save can take per step and keep 97%: the goal's 3% of a step, plus every moment the training
     # process leaves its core idle (waiting in collectives), as if the save could fill each of them
     budget_cpu_s = step_s * (1 / 0.97 - 1) + max(0.0, step_s - step_cpu_s)
@@ -324,12 +352,14 @@ def summarize(raw: dict) -> dict:
                                              / (med(restart["memory"], "restart_to_first_step_s")
                                                 - med(restart["memory"], "resume_s"))),
         "floor_cpu_over_budget": floor_cpu_s / budget_cpu_s,
+        "design_floor_cpu_over_budget": design_floor_cpu_s / budget_cpu_s,
     }
     return {"params": raw["params"], "world_size": raw["world_size"], "nodes": raw["nodes"], "replicas": raw["replicas"],
             "rank_state_GB": raw["rank_state_bytes"] / 1e9, "rounds": len(raw["saves"]["memory"]),
             "saves": saves, "throughput_steps_per_s": tp, "cpu_s_per_step": cpu,
             "memory_save_cpu_s": cpu["memory"]["median"] - cpu["none"]["median"], "floors": floors,
-            "floor_cpu_s": floor_cpu_s, "budget_cpu_s": budget_cpu_s, "startup_s": raw["startup_s"],
+            "floor_cpu_s": floor_cpu_s, "design_floor_cpu_s": design_floor_cpu_s, "budget_cpu_s": budget_cpu_s,
+            "startup_s": raw["startup_s"],
             "restart": restart, "ratios": ratios}
 
 
@@ -360,6 +390,10 @@ def to_markdown(r: dict) -> list[str]:
             f"arrives), {r['floor_cpu_s']:.2f} s of CPU per save at the least, against the {r['budget_cpu_s']:.2f} s "
             f"a save may take per step for 97% (3% of a step plus the training process's idle time): "
             f"{ra['floor_cpu_over_budget']:.2f}x",
+            f"- with what this design adds, each bare: the snapshot copy {ms(r['floors']['copy_cpu_s'])} s of CPU, "
+            f"reading the file back to send it {ms(r['floors']['read_cpu_s'])} s, a checksum of the state "
+            f"{ms(r['floors']['hash_cpu_s'])} s (twice: writer and receiver): {r['design_floor_cpu_s']:.2f} s of CPU "
+            f"per save at the least, {ra['design_floor_cpu_over_budget']:.2f}x what 97% leaves",
             f"- memory save / async disk save: blocking {ra['memory_blocking_over_disk_blocking']:.2f}x, until "
             f"committed {ra['memory_replicated_over_disk_committed']:.2f}x",
             f"- restart to first step, disk / memory: {ra['restart_disk_over_memory']:.2f}x with the process start "

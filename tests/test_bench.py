@@ -134,8 +134,11 @@ def test_memory_bench_tiny(tmp_path):
     assert 0 < cpu["none"]["min"] and 0 < cpu["memory"]["min"]
     assert r["memory_save_cpu_s"] == cpu["memory"]["median"] - cpu["none"]["median"]
     fl = r["floors"]
-    assert all(0 < fl[k]["min"] <= fl[k]["max"] for k in ("write_s", "write_cpu_s", "wire_s", "wire_cpu_s"))
+    pieces = ("write", "wire", "copy", "read", "hash")
+    assert all(0 < fl[f"{p}{k}"]["min"] <= fl[f"{p}{k}"]["max"] for p in pieces for k in ("_s", "_cpu_s"))
     assert r["floor_cpu_s"] == 2 * fl["write_cpu_s"]["median"] + fl["wire_cpu_s"]["median"]
+    assert r["design_floor_cpu_s"] == pytest.approx(r["floor_cpu_s"] + fl["copy_cpu_s"]["median"]
+                                                    + fl["read_cpu_s"]["median"] + 2 * fl["hash_cpu_s"]["median"])
     assert r["ratios"]["floor_cpu_over_budget"] == r["floor_cpu_s"] / r["budget_cpu_s"] and r["budget_cpu_s"] > 0
     assert r["ratios"]["restart_disk_over_instant_memory"] > r["ratios"]["restart_disk_over_memory"]
     assert "| memory tier (committed: replicated and marked on every node) |" in (out / "memory_bench.md").read_text()
