@@ -162,6 +162,7 @@ class MemoryTier:
         folder = getattr(options, "memory_dir", "") or default_memory_dir(options.dir)
         foreign = foreign_folder(folder)
         tier.folder = None if foreign else folder  # with the tier off too: an earlier attempt's steps may be there
+        tier.layout = NodeLayout.here()  # its leaders remove that folder, once per node
         if not tier.interval:
             return tier
         layout = node_layout()

@@ -133,7 +133,7 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 def unmark(path: str) -> None:
     """A step folder's marker goes first, before its files or its name: a kill then leaves an unmarked folder."""
-    if os.path.exists(os.path.join(path, COMMIT_FILE)):
+    with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(path, COMMIT_FILE))
 
 
@@ -145,8 +145,13 @@ def remove_step(path: str) -> None:
 
 def remove_memory_folder(folder: str) -> None:
     """What the tier keeps in `folder` (step folders, the spare), then the folder if nothing else is left in it: a
-    memory_dir set by hand to a folder holding other things keeps them."""
-    for name in os.listdir(folder):
+    memory_dir set by hand to a folder holding other things keeps them. Ranks of one node may race here (with
+    the tier off and a node layout that is not the ring's): a folder already gone is not an error."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return
+    for name in names:
         if step_of(name) is not None or name in (SPARE, TRASH_DIR):
             remove_step(os.path.join(folder, name))
     with contextlib.suppress(OSError):

@@ -198,7 +198,7 @@ def test_a_run_without_the_tier_that_ends_normally_removes_an_earlier_attempts_m
     mem = tmp_path / "mem"
     (mem / "step-000003").mkdir(parents=True)
     (mem / "step-000003" / "__0_0.distcp").write_bytes(b"x" * 1000)
-    proc = run_train(tmp_path / "f", 0, ["train.max_steps=2", "ckpt.memory_interval=0", f"ckpt.memory_dir={mem}"])
+    proc = run_train(tmp_path / "f", 2, ["train.max_steps=2", "ckpt.memory_interval=0", f"ckpt.memory_dir={mem}"])
     assert not mem.exists()
     (mem / "step-000003").mkdir(parents=True)
     (mem / "notes.txt").write_text("not the tier's")  # a memory_dir set to a folder that holds other things
