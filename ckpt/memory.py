@@ -24,6 +24,7 @@ A failed memory save is a warning (a `checkpoint_failed` event with tier=memory)
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import os
@@ -36,7 +37,7 @@ from .manager import CheckpointManager, checkpoint_groups
 from .peers import NodeLayout
 from .preflight import SHM_DIR, mem_available_bytes, shm_free_bytes
 from .recover import MemoryRecovery, PeerLoad
-from .replicate import MemoryWriter, NodeCommitter, remove_memory_folder
+from .replicate import MemoryWriter, NodeCommitter, remove_memory_folder, tier_folders
 from .saver import Replay
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -53,14 +54,16 @@ def default_memory_dir(ckpt_dir: str) -> str:
 
 
 def foreign_folder(folder: str) -> str | None:
-    """Why `folder` must not hold this job's steps: it exists and is another user's. The default name is
-    predictable, in a folder every user may write to: someone else's folder of that name could read the weights,
-    or hand this job steps of their making. A folder made here is this user's alone (replicate.py)."""
-    try:
-        owner = os.stat(folder).st_uid
-    except OSError:
-        return None
-    return None if owner == os.getuid() else f"{folder} belongs to another user (uid {owner})"
+    """Why `folder` must not hold this job's steps: it exists and is another user's, or is a link to another
+    user's folder, or a link that another user made. The default name is predictable, in a folder every user may
+    write to: someone else's folder of that name could read the weights, or hand this job steps of their making.
+    A folder made here is this user's alone (peers.py make_step_folder)."""
+    owners = set()
+    for look in (os.lstat, os.stat):  # the name itself, and what it leads to
+        with contextlib.suppress(OSError):
+            owners.add(look(folder).st_uid)
+    theirs = owners - {os.getuid()}
+    return f"{folder} belongs to another user (uid {min(theirs)})" if theirs else None
 
 
 def _existing(path: str) -> str:
@@ -84,9 +87,10 @@ def _filesystem_type(path: str) -> str:
 
 
 def _held_bytes(folder: str) -> int:
-    """Bytes of memory steps already in `folder` (a previous attempt's): retention frees them as new ones commit."""
-    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(folder) for n in names
-               if os.path.isfile(os.path.join(d, n)))
+    """Bytes of memory steps already in `folder` (a previous attempt's, and the spare): retention frees them or
+    writes over them as new ones commit. Other files there stay, so they are no room."""
+    return sum(os.path.getsize(os.path.join(d, n)) for top in tier_folders(folder) for d, _, names in os.walk(top)
+               for n in names if os.path.isfile(os.path.join(d, n)))
 
 
 def memory_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, free: int, held: int,
@@ -283,8 +287,8 @@ class MemoryTier:
             self.mgr.close()
             self.mgr = None
         if remove and self.layout.leader and self.folder and os.path.isdir(self.folder):
-            if not was_on:
-                self.log.info(f"memory tier: removing {self.folder}, an earlier attempt's memory steps (the run "
-                              "ended normally)")
-            remove_memory_folder(self.folder)
+            gone = remove_memory_folder(self.folder)
+            if gone and not was_on:
+                self.log.info(f"memory tier: removed {plural(len(gone), 'folder')} of an earlier attempt's memory "
+                              f"steps from {self.folder} (the run ended normally)")
         self.folder = None

@@ -37,6 +37,14 @@ CHUNK = 16 << 20  # bytes per message; a rank holds two buffers of it per file i
 _RANK_FILE = re.compile(r"^__(\d+)_")  # DCP names a rank's data files __<rank>_<n>.distcp
 
 
+def make_step_folder(path: str) -> None:
+    """Step folder `path`, and the memory folder above it if missing: this user's alone (0700), wherever it is
+    made (a save, or a resume fetching onto a node that has none)."""
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path)
+
+
 def rank_of_file(name: str) -> int | None:
     """The rank that wrote data file `name`; None for .metadata and the small files."""
     m = _RANK_FILE.match(name)
@@ -201,7 +209,7 @@ def exchange(transfers: list[Transfer], rank: int, pg, src_dir: str, dst_dir: st
     problems: list[str] = []
     if receiving:
         with contextlib.suppress(OSError):  # if it cannot be made, each file says so (_Incoming)
-            os.makedirs(dst_dir, exist_ok=True)
+            make_step_folder(dst_dir)
     outgoing = [_Outgoing(src_dir, t, chunk, problems) for t in sending]
     incoming = [(_Incoming(dst_dir, t, algorithm, step), _buffers(t.expected["size"], chunk)) for t in receiving]
     try:

@@ -55,9 +55,9 @@ from .checksum import ALGORITHM, new_hasher
 from .committer import record_event
 from .errors import SAVE_ERRORS, CheckpointError, save_failure
 from .faults import fault_at
-from .layout import COMMIT_FILE, TRASH_DIR, step_of
+from .layout import COMMIT_FILE, list_step_dirs
 from .manifest import METADATA_FILE, VerifyError, commit_checkpoint
-from .peers import NodeLayout, Transfer, exchange, rank_of_file
+from .peers import NodeLayout, Transfer, exchange, make_step_folder, rank_of_file
 from .retention import doomed
 from .saver import StagingWait
 from .uploader import CheckpointWriter, lower_priority
@@ -133,7 +133,7 @@ def _write_atomic(path: str, data: bytes) -> None:
 
 def unmark(path: str) -> None:
     """A step folder's marker goes first, before its files or its name: a kill then leaves an unmarked folder."""
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         os.remove(os.path.join(path, COMMIT_FILE))
 
 
@@ -143,19 +143,22 @@ def remove_step(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def remove_memory_folder(folder: str) -> None:
-    """What the tier keeps in `folder` (step folders, the spare), then the folder if nothing else is left in it: a
-    memory_dir set by hand to a folder holding other things keeps them. Ranks of one node may race here (with
-    the tier off and a node layout that is not the ring's): a folder already gone is not an error."""
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return
-    for name in names:
-        if step_of(name) is not None or name in (SPARE, TRASH_DIR):
-            remove_step(os.path.join(folder, name))
+def tier_folders(folder: str) -> list[str]:
+    """What the tier keeps in memory folder `folder`: its step folders and the spare (nothing else is its own)."""
+    spare = os.path.join(folder, SPARE)
+    return [path for _, path in list_step_dirs(folder)] + ([spare] if os.path.isdir(spare) else [])
+
+
+def remove_memory_folder(folder: str) -> list[str]:
+    """`tier_folders`, then `folder` itself if nothing else is left in it (a memory_dir set by hand to a folder
+    holding other things keeps them); returns what it removed. Nodes sharing a hand-set folder may race here:
+    what is already gone is not an error."""
+    gone = tier_folders(folder)
+    for path in gone:
+        remove_step(path)
     with contextlib.suppress(OSError):
         os.rmdir(folder)
+    return gone
 
 
 def demote(path: str, spare: str) -> None:
@@ -175,8 +178,7 @@ def make_step_dir(path: str, files: dict[str, str], spare: str, reused: frozense
         for name in set(os.listdir(path)) - reused:
             os.remove(os.path.join(path, name))
     else:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)  # the memory folder: this user's alone
-        os.mkdir(path)
+        make_step_folder(path)
     for name, text in files.items():
         with open(os.path.join(path, name), "w") as f:
             f.write(text)

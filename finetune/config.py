@@ -320,6 +320,14 @@ _LOCAL_ONLY = {
 }
 
 
+def _nested(a: str, b: str) -> bool:
+    """Local folders `a` and `b` are one, or one holds the other (an object store's URL holds no local folder)."""
+    if "://" in a or "://" in b:
+        return False
+    a, b = os.path.realpath(a), os.path.realpath(b)
+    return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)
+
+
 def validate(cfg: Config) -> None:
     for key, why in _LOCAL_ONLY.items():
         problem = unsupported(_get(cfg, key), f"config key '{key}'", local_only=why)
@@ -337,6 +345,10 @@ def validate(cfg: Config) -> None:
     except ValueError:
         raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, "
                           f"got {cfg.ckpt.interval!r}") from None
+    if cfg.ckpt.memory_dir and _nested(cfg.ckpt.memory_dir, cfg.ckpt.dir):
+        raise ConfigError(f"config key 'ckpt.memory_dir={cfg.ckpt.memory_dir}' must be a folder apart from ckpt.dir "
+                          f"({cfg.ckpt.dir}), neither inside it nor around it: the memory tier removes its step "
+                          "folders when the run ends")
     if cfg.train.eval_interval and not cfg.data.eval_path:
         raise ConfigError("config key 'train.eval_interval' needs 'data.eval_path' (eval data)")
     if cfg.ckpt.keep_best and not cfg.train.eval_interval:

@@ -121,3 +121,12 @@ def test_yaml_syntax_error_is_one_line_and_exit_2(tmp_path, capsys):
 def test_interval_takes_steps_or_auto():
     assert load_config(None, ["ckpt.interval=auto"]).ckpt.interval == "auto"
     assert load_config("configs/tiny.yaml").ckpt.interval == "200"
+
+
+@pytest.mark.parametrize("memory_dir", ["{ckpt}", "{ckpt}/mem", "{ckpt}/../.."])
+def test_a_memory_dir_inside_or_around_ckpt_dir_is_refused(tmp_path, memory_dir):
+    """The memory tier removes its step folders when a run ends: it must never see the disk tier's."""
+    ckpt = tmp_path / "run" / "checkpoints"
+    with pytest.raises(ConfigError, match="ckpt.memory_dir=.* must be a folder apart from ckpt.dir"):
+        load_config(None, [f"ckpt.dir={ckpt}", f"ckpt.memory_dir={memory_dir.format(ckpt=ckpt)}"])
+    assert load_config(None, [f"ckpt.dir={ckpt}", f"ckpt.memory_dir={tmp_path / 'mem'}"]).ckpt.memory_dir

@@ -144,7 +144,7 @@ def _exchange(rank: int, port: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        src, dst = os.path.join(folder, "src"), os.path.join(folder, "dst")
+        src, dst = os.path.join(folder, "src"), os.path.join(folder, "mem", "dst")  # a node with no memory folder yet
         transfers = [Transfer(0, 1, "a.distcp", file_digest(os.path.join(src, "a.distcp")), 0),
                      Transfer(0, 1, "gone.distcp", {"size": 10, ALGORITHM: "0" * 32}, 1)]
         problems = exchange(transfers, rank, dist.new_group(backend="gloo"), src, dst, ALGORITHM, chunk=7)
@@ -160,11 +160,12 @@ def test_a_file_moves_whole_and_checked_and_a_missing_one_never_hangs_the_receiv
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.distcp").write_bytes(bytes(range(200)) * 3)
     start_on_free_port(_exchange, lambda port: (port, str(tmp_path)), nprocs=2, start_method="fork")
-    assert (tmp_path / "dst" / "a.distcp").read_bytes() == bytes(range(200)) * 3  # 86 messages, in order
+    assert (tmp_path / "mem" / "dst" / "a.distcp").read_bytes() == bytes(range(200)) * 3  # 86 messages, in order
     sender, receiver = (json.loads((tmp_path / f"problems-{r}.json").read_text()) for r in (0, 1))
     assert len(sender) == 1 and "gone.distcp: cannot be read to send to rank 1" in sender[0]
     assert receiver == ["gone.distcp from rank 0: checksum mismatch on arrival (xxh3_128)"]
-    assert sorted(os.listdir(tmp_path / "dst")) == ["a.distcp"], "no torn or temporary file is left"
+    assert sorted(os.listdir(tmp_path / "mem" / "dst")) == ["a.distcp"], "no torn or temporary file is left"
+    assert (tmp_path / "mem").stat().st_mode & 0o777 == 0o700, "the memory folder a fetch makes is this user's alone"
 
 
 def test_a_file_arriving_over_one_of_its_name_is_written_over_its_pages(tmp_path):
@@ -172,13 +173,13 @@ def test_a_file_arriving_over_one_of_its_name_is_written_over_its_pages(tmp_path
     import json
     from conftest import start_on_free_port
     (tmp_path / "src").mkdir()
-    (tmp_path / "dst").mkdir()
+    (tmp_path / "mem" / "dst").mkdir(parents=True)
     (tmp_path / "src" / "a.distcp").write_bytes(bytes(range(200)) * 3)
-    (tmp_path / "dst" / "a.distcp").write_bytes(b"\xff" * 1000)
-    inode = os.stat(tmp_path / "dst" / "a.distcp").st_ino
+    (tmp_path / "mem" / "dst" / "a.distcp").write_bytes(b"\xff" * 1000)
+    inode = os.stat(tmp_path / "mem" / "dst" / "a.distcp").st_ino
     start_on_free_port(_exchange, lambda port: (port, str(tmp_path)), nprocs=2, start_method="fork")
-    assert (tmp_path / "dst" / "a.distcp").read_bytes() == bytes(range(200)) * 3, "cut to the bytes received"
-    assert os.stat(tmp_path / "dst" / "a.distcp").st_ino == inode
+    assert (tmp_path / "mem" / "dst" / "a.distcp").read_bytes() == bytes(range(200)) * 3, "cut to the bytes received"
+    assert os.stat(tmp_path / "mem" / "dst" / "a.distcp").st_ino == inode
     assert json.loads((tmp_path / "problems-1.json").read_text()) == [
         "gone.distcp from rank 0: checksum mismatch on arrival (xxh3_128)"]
 

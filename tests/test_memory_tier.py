@@ -200,11 +200,14 @@ def test_a_run_without_the_tier_that_ends_normally_removes_an_earlier_attempts_m
     (mem / "step-000003" / "__0_0.distcp").write_bytes(b"x" * 1000)
     proc = run_train(tmp_path / "f", 2, ["train.max_steps=2", "ckpt.memory_interval=0", f"ckpt.memory_dir={mem}"])
     assert not mem.exists()
+    line = f"memory tier: removed 1 folder of an earlier attempt's memory steps from {mem}"
+    assert sum(line in ln for ln in proc.stdout.splitlines()) == 1, proc.stdout[-2000:]
     (mem / "step-000003").mkdir(parents=True)
     (mem / "notes.txt").write_text("not the tier's")  # a memory_dir set to a folder that holds other things
     run_train(tmp_path / "g", 0, ["train.max_steps=2", "ckpt.memory_interval=1", f"ckpt.memory_dir={mem}"])
     assert os.listdir(mem) == ["notes.txt"]
-    assert sum(f"memory tier: removing {mem}, an earlier attempt's" in ln for ln in proc.stdout.splitlines()) == 1
+    proc = run_train(tmp_path / "h", 0, ["train.max_steps=1", f"ckpt.memory_dir={mem}"])  # nothing of the tier's
+    assert os.listdir(mem) == ["notes.txt"] and "memory tier" not in proc.stdout
 
 
 def test_a_memory_folder_made_by_the_tier_is_this_users_alone(tmp_path):
@@ -228,4 +231,3 @@ def test_plan_shows_the_memory_tier_per_node(capsys, monkeypatch):
     assert "per node in /dev/shm ((memory_keep 1 + 1) x 8 ranks x" in line
     assert train_fsdp.main(["--config", tiny, "--plan", "--nodes", "2", "ckpt.memory_interval=1"]) == 0
     assert "((memory_keep 1 + 1) x (1 + 1 replica) x 8 ranks x" in capsys.readouterr().out
-
