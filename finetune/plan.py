@@ -315,7 +315,7 @@ def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
                      "and AdamW state (model.cpu_offload)")
     problems = []
     if host_gib is not None and staged + offloaded + tier_ram > host_gib * GIB:
-        tier = ", the memory tier's steps on NVMe (ckpt.memory_dir) need less" if tier_ram else ""
+        tier = f", memory tier {size(tier_ram)}: its line above" if tier_ram else ""
         problems.append(f"host memory: {size(staged + offloaded + tier_ram)} per node needed, --host-memory "
                         f"{host_gib:g} GiB (ckpt.async_mode=off stages nothing{tier})")
     return lines, problems
@@ -330,7 +330,8 @@ def memory_tier_lines(cfg, rank_bytes: int, ranks_per_node: int, nodes: int) -> 
     replicas = min(c.memory_replicas, nodes - 1)  # as ckpt/memory.py: at most one copy on each other node
     copies = f" x (1 + {plural(replicas, 'replica')})" if replicas else ""
     need, staging = (c.memory_keep + 1) * (1 + replicas) * ranks_per_node * rank_bytes, ranks_per_node * rank_bytes
-    in_ram = not c.memory_dir or c.memory_dir.startswith(SHM_DIR + "/")  # a node's other folders: not known here
+    folder = os.path.normpath(c.memory_dir or SHM_DIR)
+    in_ram = folder == SHM_DIR or folder.startswith(SHM_DIR + "/")  # a node's other folders: not known here
     return [f"memory tier (ckpt.memory_interval={c.memory_interval}): {size(need)} per node in "
             f"{c.memory_dir or SHM_DIR} ((memory_keep {c.memory_keep} + 1){copies} x "
             f"{plural(ranks_per_node, 'rank')} x {size(rank_bytes)}), and {size(staging)} of RAM "
