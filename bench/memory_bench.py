@@ -134,15 +134,17 @@ class Bench:
         """Steps per second, and this process's CPU seconds per step (every thread: training, the save's copies
         and checksums, gloo's, the kernel's work for them)."""
         mgr = self.memory.mgr
-        t0, cpu0 = time.perf_counter(), time.process_time()
-        for _ in range(self.args.steps):
-            mgr.wait_for_staging()
-            self.train()
-            mgr.poll()
-            if with_memory:
-                mgr.save(self.step, self.state, self.files())
-        mgr.wait()
-        return self.args.steps / (time.perf_counter() - t0), (time.process_time() - cpu0) / self.args.steps
+
+        def steps():
+            for _ in range(self.args.steps):
+                mgr.wait_for_staging()
+                self.train()
+                mgr.poll()
+                if with_memory:
+                    mgr.save(self.step, self.state, self.files())
+            mgr.wait()
+        wall, cpu = timed(steps)
+        return self.args.steps / wall, cpu / self.args.steps
 
     def restart(self, tier: str) -> tuple[float, float]:
         """Seconds from asking for a resume to the state loaded, and to the end of the first resumed step (same
@@ -175,7 +177,7 @@ class Floors:
     """What any memory save must do with a rank's state, each done bare (no format, no checksum, no protocol), for
     its wall and CPU seconds: write the state's bytes into the node's memory folder (over an existing file's
     pages, as a save does over the spare's), and send them to the ring's next node while receiving as many from
-    the one before (gloo, in CHUNK messages through two reused buffers each way, as replication does). What
+    the one before (gloo, in CHUNK messages as replication sends them, one at a time each way). What
     arrives must be written into the folder too: a second write. Beside them, the pieces this design adds, each
     bare too: the snapshot copy that lets the save run off the training thread (into a reused buffer of the
     largest tensor's size), reading the file back to send it (into a CHUNK buffer, as peers.py does), and one
@@ -189,8 +191,7 @@ class Floors:
         size = torch.tensor([sum(v.nbytes for v in self.views)])
         torch.distributed.all_reduce(size, torch.distributed.ReduceOp.MAX, group=pg)  # both ends agree on a count
         self.sizes = [min(CHUNK, int(size) - at) for at in range(0, int(size), CHUNK)]
-        self.send = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)]
-        self.recv = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(2)]
+        self.send, self.recv = torch.empty(CHUNK, dtype=torch.uint8), torch.empty(CHUNK, dtype=torch.uint8)
         self.snapshot = torch.empty(max(v.nbytes for v in self.views), dtype=torch.uint8)
         self.write()  # the file's pages exist before the first timed write
 
@@ -201,7 +202,7 @@ class Floors:
 
     def read(self) -> None:
         with open(self.path, "rb") as f:
-            while f.readinto(memoryview(self.send[0].numpy())):
+            while f.readinto(memoryview(self.send.numpy())):
                 pass
 
     def hash(self) -> None:
@@ -220,9 +221,8 @@ class Floors:
 
     def wire(self) -> None:
         import torch.distributed as dist
-        for k, n in enumerate(self.sizes):
-            works = [dist.isend(self.send[k % 2][:n], self.to, group=self.pg),
-                     dist.irecv(self.recv[k % 2][:n], self.source, group=self.pg)]
+        for n in self.sizes:
+            works = [dist.isend(self.send[:n], self.to, group=self.pg), dist.irecv(self.recv[:n], self.source, group=self.pg)]
             for w in works:
                 w.wait()
 
