@@ -151,14 +151,15 @@ def stop_uploader_process() -> None:
 def setup_uploader_process() -> None:
     """Call in DCP's process-mode uploader while it starts (spawn re-imports the training script there, as
     `__mp_main__`, with the training worker as its parent):
-    - DCP sets the root logger to INFO in that process and prints about 3 lines per rank per save; warnings and
-      errors still print.
+    - DCP sets the root logger to INFO in that process and prints about 3 lines per rank per save; warnings still
+      print. Its errors do not (reported_by_the_worker): each is a failure it also sends to the worker.
     - the uploader must not outlive its worker: with the worker gone nothing can commit what it writes, and it
       would keep writing a large save and holding its shared memory. It has SIGTERM blocked (see above), and a
       parent-death signal (prctl) cannot be used: Linux sends it when the *thread* that spawned the process exits,
       and DCP spawns it from a thread pool it shuts down after the first save. So a daemon thread checks once a
       second that the parent is still the worker, and ends the process when it is not (also mid-write)."""
     logging.disable(logging.INFO)
+    logging.getLogger().addFilter(reported_by_the_worker)
     # the worker's pid as spawn recorded it: if the worker died before this ran, getppid() already differs
     parent = multiprocessing.parent_process().pid if multiprocessing.parent_process() else os.getppid()
 
@@ -167,3 +168,10 @@ def setup_uploader_process() -> None:
             time.sleep(1.0)
         os._exit(1)
     threading.Thread(target=exit_when_orphaned, name="ckpt-uploader-watchdog", daemon=True).start()
+
+
+def reported_by_the_worker(record: logging.LogRecord) -> bool:
+    """A logging filter for DCP's uploader process: False for its error records. It logs every failed start or
+    save, with str() of DCP's CheckpointException (every rank's traceback), and sends the same exception to its
+    worker, which reports it once, as one line (errors.py: `error: no space left on ...`)."""
+    return not (record.levelno >= logging.ERROR and record.module == "_async_process_executor")

@@ -6,7 +6,8 @@ a memory step resumes at another world size; a damaged one is skipped; a short f
 Run A trains at W=2 to step 12 with a memory step every step and a disk step every 10. Run B is A with rank 1
 SIGKILLed after step K+1 (once memory step K is marked) under `torchrun --max-restarts 1`: torchrun restarts both
 ranks, which resume from memory step K. Run C is killed the same way without restarts; its memory folder then
-resumes at W=1 (a new job), and, with its newest step damaged, at the older one.
+resumes at W=1 (a new job), and, with its newest step damaged, at the older one. A kill while a memory save is
+still being copied loses 2N steps (memory_interval=N), the bound docs/memory-tier.md states, and no more.
 """
 
 import os
@@ -139,6 +140,20 @@ def test_a_kill_during_a_memory_save_leaves_no_marked_partial_step(root, tmp_pat
     run_train(run, 2, with_memory(run, keep=2))
     assert [(e["step"], e["tier"]) for e in events(run, "resume")] == [(4, "memory")]
     assert losses(run) == losses(root / "a")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_kill_loses_at_most_two_memory_intervals(tmp_path, n):
+    """docs/memory-tier.md's bound, at its worst: with memory_interval=N, memory step 6 is still being copied and
+    marked (held before its replication) when every rank is SIGKILLed right after step 6 + N, before that step's
+    save begins. The restart resumes from memory step 6 - N, the newest marked (step 6's save began only once it
+    was): 2N steps lost, never more, and more than the N that the memory interval alone suggests."""
+    run, held, killed = tmp_path / "n", 6, 6 + n
+    fault = f"sleep@replicate:{held},secs=300,attempt=0;kill@after_step:{killed},attempt=0"
+    proc = run_train(run, 2, [*with_memory(run), f"ckpt.memory_interval={n}"], env={"CKPT_FAULT": fault}, restarts=1)
+    resumed = [(e["step"], e["tier"]) for e in events(run, "resume")]
+    assert resumed == [(killed - 2 * n, "memory")], proc.stdout[-3000:]
+    assert sorted(losses(run)) == list(range(1, 13))
 
 
 def test_a_disk_step_newer_than_memory_wins(root, tmp_path):
