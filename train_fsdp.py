@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import signal
 import sys
@@ -44,6 +43,7 @@ from finetune.lora import base_file_name, init_adapters, lora_meta, param_summar
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
 from finetune.model_identity import same_content_as
 from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
+from finetune.schedule import lr_factor
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
@@ -117,14 +117,6 @@ def attempt_store(timeout: timedelta) -> dict:
 
 # ---------------------------------------------------------------- optimizer, schedule, preemption
 
-def lr_factor(step: int, warmup: int, max_steps: int, min_ratio: float) -> float:
-    """Linear warmup to 1, then cosine to min_ratio at max_steps. `step` counts finished steps."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
 def build_optimizer(model, cfg: Config):
     t = cfg.train
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
@@ -132,8 +124,7 @@ def build_optimizer(model, cfg: Config):
     # shards on CPU; fused gives the same update to within 1 ulp (bench/adamw_cpu.py, docs/performance.md)
     optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
                                   fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, t.warmup_steps, t.max_steps, t.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
     return optimizer, scheduler
 
 
@@ -216,7 +207,7 @@ def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
 def follow_config_schedule(optimizer, scheduler, t, log) -> None:
     """After a load, the optimizer hyperparameters and the LR schedule are the current config's from this step
     on (a raised max_steps or a new lr must not keep the checkpoint's schedule). Unchanged config: same floats."""
-    factor = lr_factor(scheduler.last_epoch, t.warmup_steps, t.max_steps, t.min_lr_ratio)
+    factor = lr_factor(scheduler.last_epoch, t)
     old_lr = optimizer.param_groups[0]["lr"]
     for group in optimizer.param_groups:
         group.update(initial_lr=t.lr, lr=t.lr * factor, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)

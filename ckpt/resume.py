@@ -30,7 +30,8 @@ from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import list_step_dirs, read_meta, read_saved_config, step_of
 from .s3_io import ObjectStoreReader
 from .storage import scheme_of, storage_for
-from .state import DERIVED_SEED, ModelOptimizer, derived_seed, reseed_all, restores_rng, rng_key, rng_world_size
+from .state import (DERIVED_SEED, ModelOptimizer, derived_seed, fit_to_checkpoint, reseed_all, restores_rng, rng_key,
+                    rng_world_size)
 
 
 def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None],
@@ -197,6 +198,9 @@ def resume_from(mgr, path: str | None, tier: str, state: dict, seed: int, lora_b
     meta = read_meta(path)
     step, saved_world, restore = meta.get("step", step_of(path)), meta["world_size"], restores_rng(meta, mgr.world_size)
     loaded = state if restore else {k: v for k, v in state.items() if k != rng_key(mgr.rank)}
+    loaded, filled = fit_to_checkpoint(loaded, _saved_metadata(path).state_dict_metadata, path)
+    for key, default in filled.items():
+        log.info(f"resume: {path} has no {key} (added to the train state since): it starts at {default!r}")
     model_key = next((k for k, v in state.items() if isinstance(v, ModelOptimizer)), None)
     model_state = None if model_key is None else state[model_key].state_dict()[ModelOptimizer.MODEL]
     with phase(log.info, f"resume: loading {path}"):

@@ -7,6 +7,9 @@
   parameter (lm_head.weight = model.embed_tokens.weight) is saved once, under its first name.
 - RNGState: python, numpy, torch CPU and the own CUDA device's generators of ONE rank, saved under a rank-unique key
   (`rng_rank<r>`): the same key on every rank would come back as rank 0's value for all of them.
+- A state that grows (fit_to_checkpoint): a Stateful with a `fields_added_later()` method ({field: default})
+  resumes a checkpoint written before those fields existed; a field the checkpoint holds that the Stateful no
+  longer has (removed or renamed) is refused by name.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from .errors import CheckpointError
 from .reading import tied_aliases
 
 
@@ -52,6 +56,48 @@ class ModelOptimizer:
         set_state_dict(self.model, self.optimizer, model_state_dict=model_sd,
                        optim_state_dict=state[self.OPTIM],
                        options=StateDictOptions(strict=not self.has_frozen, ignore_frozen_params=True))
+
+
+# ---------------------------------------------------------------- a train state that grows
+
+class _OlderCheckpoint:
+    """A growing Stateful as an older checkpoint sees it: DCP is asked only for the fields the checkpoint holds
+    (so its strict load still catches everything else), and the fields added later get their defaults."""
+
+    def __init__(self, stateful, defaults: dict):
+        self.stateful, self.defaults = stateful, defaults
+
+    def state_dict(self) -> dict:
+        return {k: v for k, v in self.stateful.state_dict().items() if k not in self.defaults}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stateful.load_state_dict({**state, **self.defaults})
+
+
+def fit_to_checkpoint(state: dict, saved_keys, path: str) -> tuple[dict, dict[str, object]]:
+    """`state` as the checkpoint at `path` (holding DCP keys `saved_keys`) can fill it, and {"key.field": default}
+    for each field a growing Stateful added after that checkpoint was written. Raises CheckpointError naming a field
+    the checkpoint holds that the Stateful no longer has, or one it lacks that declares no default."""
+    fitted, filled = dict(state), {}
+    for key, stateful in state.items():
+        added = getattr(stateful, "fields_added_later", None)
+        if added is None:
+            continue
+        saved = {k[len(key) + 1:].split(".")[0] for k in saved_keys if k.startswith(key + ".")}
+        current, defaults = set(stateful.state_dict()), added()
+        gone, lacking = sorted(saved - current), sorted(current - saved)
+        if gone:
+            raise CheckpointError(f"checkpoint {path} holds '{key}.{gone[0]}', which this train state no longer has "
+                                  "(a removed or renamed field): resume it with the code that wrote it, or start "
+                                  "a new run (ckpt.resume=none)")
+        undeclared = [f for f in lacking if f not in defaults]
+        if undeclared:
+            raise CheckpointError(f"checkpoint {path} has no '{key}.{undeclared[0]}': a field added to the train "
+                                  "state resumes older checkpoints only with a default (fields_added_later)")
+        if lacking:
+            fitted[key] = _OlderCheckpoint(stateful, {f: defaults[f] for f in lacking})
+            filled.update({f"{key}.{f}": defaults[f] for f in lacking})
+    return fitted, filled
 
 
 def staging_need(model: torch.nn.Module) -> tuple[int, int]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar
 
 import torch
 
@@ -29,16 +30,24 @@ MODEL_OPTIM, SCHEDULER, PROGRESS, DATA = "app", "scheduler", "progress", "data"
 
 @dataclass
 class TrainProgress:
-    """The small explicit dict of training progress (the data position lives in BatchStream)."""
+    """The small explicit dict of training progress (the data position lives in BatchStream). Every field is saved.
+    A new field: add it here with its default, and its name to ADDED_LATER, so checkpoints written before it resume
+    with that default (ckpt/state.py fit_to_checkpoint logs it). Removing or renaming a field makes those checkpoints
+    refuse to resume, by name."""
     step: int = 0
     tokens: int = 0
     loss_tokens: int = 0
+    ADDED_LATER: ClassVar[tuple[str, ...]] = ()  # fields older checkpoints may lack
+
+    def fields_added_later(self) -> dict:
+        return {f.name: f.default for f in fields(self) if f.name in self.ADDED_LATER}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "loss_tokens": self.loss_tokens}
+        return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens, self.loss_tokens = int(state["step"]), int(state["tokens"]), int(state["loss_tokens"])
+        for f in fields(self):  # DCP may hand back a tensor or numpy scalar: keep the field's own type
+            setattr(self, f.name, type(f.default)(state[f.name]))
 
 
 def checkpoint_state(model, optimizer, scheduler, progress, stream, rank: int, with_rng: bool) -> dict:

@@ -26,6 +26,7 @@ import yaml
 
 from ckpt.policy import parse_interval
 from ckpt.storage import unsupported
+from finetune.schedule import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -101,8 +102,10 @@ class TrainConfig:
     max_steps: int = 100  # optimizer steps
     seed: int = 1234  # model init, data order and dropout all derive from it
     lr: float = 1e-3  # peak learning rate
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    lr_schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay); finetune/schedule.py
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
     warmup_steps: int = 10  # linear warmup from 0
+    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps that decays linearly to lr * min_lr_ratio
     weight_decay: float = 0.01  # AdamW decoupled weight decay
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay
@@ -159,6 +162,7 @@ _CHOICES = {
     "model.attn_implementation": ("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
     "data.format": ("auto", "text", "chat"),
     "ckpt.async_mode": ("off", "thread", "process"),
+    "train.lr_schedule": SCHEDULES,
     "export.dtype": ("auto", "fp32", "bf16", "fp16"),
     "ckpt.resume_config_check": ("refuse", "warn"),
     "run.wandb": ("off", "offline", "online"),
@@ -196,6 +200,7 @@ _RANGES = {
     "train.lr": _above(0),
     "train.min_lr_ratio": _between(0, 1),
     "train.warmup_steps": _at_least(0),
+    "train.decay_fraction": _between(0, 1),
     "train.weight_decay": _at_least(0),
     "train.beta1": _between(0, 1, high_open=True),
     "train.beta2": _between(0, 1, high_open=True),

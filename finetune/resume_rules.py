@@ -45,6 +45,8 @@ _RESUME_EFFECT = {  # what applying a change means, where it is more than "takes
     "train.lr": "the LR schedule follows the new config from the resumed step on",
     "train.min_lr_ratio": "the LR schedule follows the new config from the resumed step on",
     "train.warmup_steps": "the LR schedule follows the new config from the resumed step on",
+    "train.lr_schedule": "the LR schedule follows the new config from the resumed step on",
+    "train.decay_fraction": "the LR schedule follows the new config from the resumed step on",
     "train.max_steps": "the LR schedule follows the new config from the resumed step on",
     "train.weight_decay": "set in the restored optimizer",
     "train.beta1": "set in the restored optimizer",

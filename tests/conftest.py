@@ -54,8 +54,8 @@ def start_on_free_port(fn, args_of_port, nprocs: int, start_method: str = "spawn
                 raise
 
 
-def train_cmd(nproc: int, overrides: list[str], restarts: int = 0) -> list[str]:
-    script = os.path.join(ROOT, "train_fsdp.py")
+def train_cmd(nproc: int, overrides: list[str], restarts: int = 0, script: str = "") -> list[str]:
+    script = script or os.path.join(ROOT, "train_fsdp.py")
     cfg = ["--config", os.path.join(ROOT, "configs", "tiny.yaml")]
     if nproc == 0:  # plain python: a world of one without torchrun
         return [sys.executable, script, *cfg, *overrides]
@@ -97,12 +97,12 @@ def kill_workers(parent_pid: int) -> None:
 
 
 def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None,
-              timeout: float = 300, check: bool = True, restarts: int = 0) -> subprocess.CompletedProcess:
+              timeout: float = 300, check: bool = True, restarts: int = 0, script: str = "") -> subprocess.CompletedProcess:
     """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve); `restarts`:
-    torchrun's --max-restarts."""
+    torchrun's --max-restarts; `script`: another entry point than train_fsdp.py (a test's changed trainer)."""
     args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}", *overrides]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    with subprocess.Popen(train_cmd(nproc, args, restarts), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+    with subprocess.Popen(train_cmd(nproc, args, restarts, script), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True) as p:
         try:
             out, err = p.communicate(timeout=timeout)

@@ -15,7 +15,7 @@ from finetune.config import load_config, to_yaml
 from finetune.model_identity import same_content_as
 from finetune.resume_rules import ConfigChange, resume_changes
 from finetune.data import GlobalOrder
-from train_fsdp import lr_factor
+from finetune.schedule import lr_factor
 
 TIMEOUT = 180
 BASE = ["ckpt.interval=2", "ckpt.async_mode=off", "train.warmup_steps=3", "train.lr=1e-3"]
@@ -51,7 +51,8 @@ def test_lr_and_max_steps_changed_on_resume_follow_the_new_schedule(tmp_path):
     run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=4"])
     proc = run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=8", "train.lr=2e-3"])
     got = {s: r["lr"] for s, r in metrics(run).items() if s > 4}
-    want = {s: 2e-3 * lr_factor(s - 1, 3, 8, 0.1) for s in range(5, 9)}
+    t = load_config(None, [*BASE, "train.max_steps=8", "train.lr=2e-3"]).train
+    want = {s: 2e-3 * lr_factor(s - 1, t) for s in range(5, 9)}
     assert got == want
     assert "resume: config changed since" in proc.stdout and "train.lr: 0.001 -> 0.002 (applied" in proc.stdout
     assert "train.max_steps: 4 -> 8 (applied: the LR schedule follows the new config" in proc.stdout
