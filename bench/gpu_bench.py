@@ -6,9 +6,9 @@
 One process, a world of one (FSDP2 on a one-rank mesh, cpu:gloo,cuda:nccl, as torchrun --nproc_per_node 1), random
 tokens through train_fsdp.train_step (bf16 compute, fp32 masters, fused AdamW). In order, each part skipped (and
 said so in the results) when the time left in --budget-s is short:
-1. each shape of --shapes (Qwen2.5 0.5B, 1.5B, 3B; random init): micro batch x --seq-len tokens per step, the micro
-   batch halved from --batch until --plan's per-GPU estimate (finetune/plan.py gpu_items) fits 90% of the GPU;
-   tokens/s over --steps steps after 2 warm-up steps; MFU = model FLOPs per token x tokens/s / the GPU's dense
+1. each shape of --shapes (Qwen2.5 0.5B, 1.5B, 3B; random init): --batch x --seq-len tokens per optimizer step, the
+   micro batch halved from --batch until --plan's per-GPU estimate (finetune/plan.py gpu_items) fits 90% of the GPU,
+   gradient accumulation making up the rest; tokens/s over --steps steps after 2 warm-up steps; MFU = model FLOPs per token x tokens/s / the GPU's dense
    bf16 peak; max_memory_allocated and _reserved against the plan's estimate;
 2. the largest shape measured again with model.compile=true: tokens/s against eager, and the compile time;
 3. at the first shape, async saves (ckpt.async_mode=thread, CheckpointManager): the training thread's blocking (the
@@ -19,7 +19,8 @@ said so in the results) when the time left in --budget-s is short:
    device time and the share of the step the device was busy.
 Model FLOPs per token (causal, no recompute): 6 x the parameters of every matmul (attention and MLP projections,
 lm_head) + 6 x layers x seq_len x attention width (QK^T and AV, each token attending to seq_len/2 keys on average;
-PaLM's convention counts the full square, 12). Writes bench/results/gpu_bench.{json,md} with the provenance
+PaLM's convention counts the full square, 12). A part that raises (out of memory, no Triton) is recorded with
+its error and the run goes on to the next; the exit status is then 1. Writes bench/results/gpu_bench.{json,md} with the provenance
 (bench/provenance.py), the GPU's name and driver. Without CUDA (and without --device cpu) it says so in one line
 and exits 1; --device cpu writes its smoke results only under the --out it is given, named gpu_bench_cpu_smoke.
 """
@@ -58,7 +59,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=["0.5b", "1.5b", "3b"])
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step to start from (halved until the plan fits)")
+    p.add_argument("--batch", type=int, default=8, help="sequences per optimizer step (the global batch); the micro "
+                   "batch starts there and is halved until the plan fits, accumulation making up the rest")
     p.add_argument("--steps", type=int, default=8, help="timed steps per measurement, after 2 warm-up steps")
     p.add_argument("--saves", type=int, default=3, help="async saves measured (one more first, as warm-up)")
     p.add_argument("--budget-s", type=float, default=420.0, help="wall seconds for everything; parts that do not fit "
@@ -131,26 +133,28 @@ def init_world(device_kind: str):
     return device
 
 
-def plan_bytes(model_dir: str, seq_len: int, batch: int) -> dict:
+def plan_bytes(model_dir: str, seq_len: int, micro: int, accum: int) -> dict:
     """--plan's per-GPU estimate of this config (world 1), and its assumed CUDA-context line apart."""
     from finetune.config import load_config
     from finetune.plan import CUDA_OVERHEAD_GIB, gpu_items, model_shapes
     cfg = load_config(None, [f"model.config_path={model_dir}", f"data.seq_len={seq_len}",
-                             f"data.micro_batch_size={batch}", f"data.global_batch_size={batch}"])
-    total = sum(b for _, b in gpu_items(cfg, model_shapes(cfg.model), 1, batch))
+                             f"data.micro_batch_size={micro}", f"data.global_batch_size={micro * accum}"])
+    total = sum(b for _, b in gpu_items(cfg, model_shapes(cfg.model), 1, micro, accum))
     return {"total": total, "without_cuda_context": total - CUDA_OVERHEAD_GIB * GIB}
 
 
-def fitting_batch(model_dir: str, a, device) -> tuple[int, dict] | None:
-    """The largest micro batch (a halving of --batch) whose plan fits 90% of the GPU; None if not even 1."""
+def fitting_batch(model_dir: str, a, device) -> tuple[int, int, dict] | None:
+    """(micro batch, accumulation, plan): the largest halving of --batch whose plan fits 90% of the GPU; None if
+    not even 1 does."""
     import torch
     room = torch.cuda.get_device_properties(device).total_memory * 0.9 if device.type == "cuda" else float("inf")
-    batch = a.batch
-    while batch >= 1:
-        plan = plan_bytes(model_dir, a.seq_len, batch)
+    micro = a.batch
+    while micro >= 1:
+        accum = -(-a.batch // micro)
+        plan = plan_bytes(model_dir, a.seq_len, micro, accum)
         if plan["total"] <= room:
-            return batch, plan
-        batch //= 2
+            return micro, accum, plan
+        micro //= 2
     return None
 
 
@@ -166,13 +170,13 @@ def build(model_dir: str, device, compile_blocks: bool = False):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
 
 
-def batches(vocab: int, batch: int, seq_len: int):
-    """Endless one-micro-batch global batches of random tokens (host memory, as the data loader hands them)."""
+def batches(vocab: int, micro: int, accum: int, seq_len: int):
+    """Endless global batches of `accum` micro batches of random tokens (host memory, as the data loader hands them)."""
     import torch
     gen = torch.Generator().manual_seed(0)
     while True:
-        ids = torch.randint(0, vocab, (batch, seq_len), generator=gen)
-        yield [(ids, ids.clone(), None)]
+        ids = [torch.randint(0, vocab, (micro, seq_len), generator=gen) for _ in range(accum)]
+        yield [(x, x.clone(), None) for x in ids]
 
 
 def step_times(model, optim, device, data, n: int, before=None, after=None) -> list[float]:
@@ -192,18 +196,20 @@ def tokens_per_s(tokens_per_step: int, times: list[float]) -> float:
     return tokens_per_step * len(times) / sum(times)
 
 
-def throughput(model_dir: str, shape: dict, batch: int, a, device, compile_blocks: bool, peak: float | None) -> dict:
+def throughput(model_dir: str, shape: dict, fit: tuple, a, device, compile_blocks: bool, peak: float | None) -> dict:
     """tokens/s, MFU and peak memory of one shape, eager or compiled (the first step, the compile, timed apart)."""
     import torch
+    micro, accum, _ = fit
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model, optim = build(model_dir, device, compile_blocks)
-    data = batches(shape["vocab_size"], batch, a.seq_len)
+    data = batches(shape["vocab_size"], micro, accum, a.seq_len)
     first = step_times(model, optim, device, data, 2)
     times = step_times(model, optim, device, data, a.steps)
     flops = model_flops_per_token(shape, a.seq_len)
-    rate = tokens_per_s(batch * a.seq_len, times)
-    out = {"compile": compile_blocks, "micro_batch": batch, "tokens_per_step": batch * a.seq_len,
+    rate = tokens_per_s(micro * accum * a.seq_len, times)
+    out = {"compile": compile_blocks, "micro_batch": micro, "accumulation": accum,
+           "tokens_per_step": micro * accum * a.seq_len,
            "warmup_step_s": first, "median_step_s": statistics.median(times), "tokens_per_s": rate,
            "model_flops_per_token": flops["total"], "mfu": mfu(flops["total"], rate, peak)}
     if device.type == "cuda":
@@ -213,7 +219,7 @@ def throughput(model_dir: str, shape: dict, batch: int, a, device, compile_block
 
 
 def free(run: dict) -> None:
-    """Drop a run's model, optimizer and data, and give their device memory back (the next shape's peak is its own)."""
+    """Drop a run's model, optimizer and data, and give their device memory back (the next part's peak is its own)."""
     import torch
     run.clear()
     gc.collect()
@@ -354,47 +360,77 @@ def shape_dir(work: str, name: str, tiny: bool) -> tuple[str, dict]:
     return write_qwen_config(path, shape=name), SHAPES[name]
 
 
-def run_parts(a, device, work: str, budget: Budget) -> dict:
-    peak = peak_tflops(gpu_identity(device)["name"], a.peak_tflops)
-    res = {"gpu": gpu_identity(device), "peak_bf16_tflops": peak, "seq_len": a.seq_len, "steps": a.steps,
-           "mfu_goal": MFU_GOAL, "shapes": {}, "skipped": budget.skipped}
+def attempt(errors: list, part: str, fn):
+    """fn()'s result; if it raises, the error is listed (the results say which part failed and why) and None is
+    returned, so one failing part does not lose the others' figures."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded, and the run's exit status says so
+        errors.append(f"{part}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        print(f"gpu_bench: {errors[-1]}", file=sys.stderr, flush=True)
+        free({})
+        return None
+
+
+def measure_shape(name: str, model_dir: str, shape: dict, fit: tuple, a, device, peak, first: bool, res: dict,
+                  budget: Budget) -> None:
+    """One shape, eager: its figures into res["shapes"][name]; at the first shape also the save parts; a profile
+    of one step when under the MFU goal."""
+    run = throughput(model_dir, shape, fit, a, device, False, peak)
+    r = run["result"]
+    r.update(flops=model_flops_per_token(shape, a.seq_len), plan_bytes=fit[2])
+    if "max_memory_reserved" in r:
+        r.update(reserved_over_plan=r["max_memory_reserved"] / fit[2]["total"],
+                 allocated_over_plan_without_context=r["max_memory_allocated"] / fit[2]["without_cuda_context"])
+    res["shapes"][name] = {"eager": r}
+    errors = res["errors"]
+    try:
+        if first:  # the saves at the first (smallest) shape, before a larger one needs the memory
+            if budget.allows("async saves", 60):
+                res["async_save"] = attempt(errors, "async saves", lambda: dict(async_saves(run, a, device, a.work),
+                                                                                 shape=name))
+            if budget.allows("memory tier", 45):
+                res["memory_tier"] = attempt(errors, "memory tier", lambda: dict(
+                    memory_tier(run, a, device, r["tokens_per_step"], a.work), shape=name))
+        if (r["mfu"] is None or r["mfu"] < MFU_GOAL or a.tiny) and budget.allows(f"{name} profile of one step", 20):
+            r["profile"] = attempt(errors, f"{name} profile", lambda: profile_one_step(run, device))
+    finally:
+        free(run)
+
+
+def compiled(name: str, model_dir: str, shape: dict, fit: tuple, a, device, peak, res: dict) -> None:
+    run = throughput(model_dir, shape, fit, a, device, True, peak)
+    res["shapes"][name]["compiled"] = c = run["result"]
+    free(run)
+    c["compiled_over_eager_tokens_per_s"] = c["tokens_per_s"] / res["shapes"][name]["eager"]["tokens_per_s"]
+    c["compile_s"] = c["warmup_step_s"][0] - c["median_step_s"]
+
+
+def run_parts(a, device, budget: Budget) -> dict:
+    gpu = gpu_identity(device)
+    peak = peak_tflops(gpu["name"], a.peak_tflops)
+    res = {"gpu": gpu, "peak_bf16_tflops": peak, "seq_len": a.seq_len, "global_batch": a.batch, "steps": a.steps,
+           "mfu_goal": MFU_GOAL, "shapes": {}, "skipped": budget.skipped, "errors": []}
     largest = None
     for name in ["tiny"] if a.tiny else a.shapes:
-        model_dir, shape = shape_dir(work, name, a.tiny)
+        model_dir, shape = shape_dir(a.work, name, a.tiny)
         fit = fitting_batch(model_dir, a, device)
         if fit is None:
             budget.skipped.append(f"{name}: --plan needs more than 90% of the GPU's memory even at micro batch 1")
             continue
         if not budget.allows(f"{name} eager", 45):
             break
-        batch, plan = fit
-        run = throughput(model_dir, shape, batch, a, device, False, peak)
-        r = run["result"]
-        r.update(flops=model_flops_per_token(shape, a.seq_len), plan_bytes=plan)
-        if "max_memory_reserved" in r:
-            r.update(reserved_over_plan=r["max_memory_reserved"] / plan["total"],
-                     allocated_over_plan_without_context=r["max_memory_allocated"] / plan["without_cuda_context"])
-        res["shapes"][name] = {"eager": r}
-        largest = (name, model_dir, shape, batch)
-        if len(res["shapes"]) == 1:  # the saves at the first (smallest) shape, before a larger one needs the memory
-            if budget.allows("async saves", 60):
-                res["async_save"] = dict(async_saves(run, a, device, work), shape=name)
-            if budget.allows("memory tier", 45):
-                res["memory_tier"] = dict(memory_tier(run, a, device, r["tokens_per_step"], work), shape=name)
-        if (r["mfu"] is None or r["mfu"] < MFU_GOAL or a.tiny) and budget.allows(f"{name} profile of one step", 20):
-            r["profile"] = profile_one_step(run, device)
-        free(run)
+        attempt(res["errors"], f"{name} eager", lambda: measure_shape(name, model_dir, shape, fit, a, device, peak,
+                                                                      not res["shapes"], res, budget))
+        if name in res["shapes"]:
+            largest = (name, model_dir, shape, fit)
     if largest is None:
         return res
-    name, model_dir, shape, batch = largest
+    name, model_dir, shape, fit = largest
     if a.tiny:
         budget.skipped.append("compile: not in a --tiny run (inductor needs a C++ compiler on CPU)")
     elif budget.allows(f"{name} model.compile=true", 150):
-        compiled = throughput(model_dir, shape, batch, a, device, True, peak)
-        res["shapes"][name]["compiled"] = c = compiled["result"]
-        free(compiled)
-        c["compiled_over_eager_tokens_per_s"] = c["tokens_per_s"] / res["shapes"][name]["eager"]["tokens_per_s"]
-        c["compile_s"] = c["warmup_step_s"][0] - c["median_step_s"]
+        attempt(res["errors"], f"{name} compiled", lambda: compiled(name, model_dir, shape, fit, a, device, peak, res))
     best = max(res["shapes"][name].values(), key=lambda r: r["tokens_per_s"])
     res["largest"] = {"shape": name, "compile": best["compile"], "mfu": best["mfu"],
                       "meets_goal": None if best["mfu"] is None else best["mfu"] >= MFU_GOAL}
@@ -406,26 +442,26 @@ def to_markdown(r: dict) -> list[str]:
     lines = [f"{g['name']}, driver {g.get('driver', '-')}, CUDA {g.get('cuda', '-')}, peak dense bf16 "
              f"{r['peak_bf16_tflops']} TFLOP/s; seq_len {r['seq_len']}, {r['steps']} timed steps. "
              + provenance.markdown_line(r), "",
-             "| shape | way | micro batch | tokens/s | MFU | max allocated | max reserved | plan | reserved / plan |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | way | micro batch x accumulation | tokens/s | MFU | max allocated | max reserved | plan | "
+             "reserved / plan |", "|---|---|---|---|---|---|---|---|---|"]
     for name, ways in r["shapes"].items():
         for way, m in ways.items():
             gib = (lambda k: f"{m[k] / GIB:.1f} GiB" if k in m else "-")  # noqa: E731
-            lines.append(f"| {name} | {way} | {m['micro_batch']} | {m['tokens_per_s']:,.0f} | "
+            lines.append(f"| {name} | {way} | {m['micro_batch']} x {m['accumulation']} | {m['tokens_per_s']:,.0f} | "
                          f"{'-' if m['mfu'] is None else format(m['mfu'], '.1%')} | {gib('max_memory_allocated')} | "
                          f"{gib('max_memory_reserved')} | {ways['eager']['plan_bytes']['total'] / GIB:.1f} GiB | "
                          f"{format(m['reserved_over_plan'], '.2f') if 'reserved_over_plan' in m else '-'} |")
-    if "async_save" in r:
+    if r.get("async_save"):
         s = r["async_save"]
         lines += ["", f"Async save ({s['shape']}, {s['bytes'] / 1e9:.2f} GB): blocking {s['blocking_s']:.3f} s against "
                   f"the pinned D2H floor {s['d2h_pinned_floor_s']:.3f} s ({s['blocking_over_floor']:.2f}x); committed "
                   f"after {s['committed_s']:.2f} s against {s['disk_write_of_the_bytes_s']:.2f} s for the disk "
                   f"({s['disk_GBps']:.2f} GB/s by dd) ({s['committed_over_disk_write']:.2f}x)."]
-    if "memory_tier" in r:
+    if r.get("memory_tier"):
         lines += ["", f"Memory-tier save every step: {r['memory_tier']['memory_over_none']:.1%} of the tokens/s "
                   f"without checkpointing (goal 97%)."]
     for name, ways in r["shapes"].items():
-        if "profile" in ways["eager"]:
+        if ways["eager"].get("profile"):
             p = ways["eager"]["profile"]
             lines += ["", f"One eager step of {name} profiled: {p['step_wall_s']:.3f} s, device busy "
                       f"{p['device_busy_share']:.0%}; top by self time:", "", "| op or kernel | calls | s | share |",
@@ -437,7 +473,7 @@ def to_markdown(r: dict) -> list[str]:
         lines += ["", f"Single-GPU test tier: exit {t['exit_status']}" + (" (out of its time)" if t["timed_out"] else "")
                   + (f", {t['tests']} tests, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped, "
                      f"{t['seconds']:.0f} s" if "tests" in t else "") + "".join(f"; failed {f}" for f in t.get("failed", []))]
-    lines += [""] + [f"Skipped: {s}" for s in r["skipped"]]
+    lines += [""] + [f"Skipped: {s}" for s in r["skipped"]] + [f"Failed: {e}" for e in r["errors"]]
     return lines
 
 
@@ -450,23 +486,23 @@ def main(argv=None) -> int:
         print("error: no CUDA device (torch.cuda.is_available() is False): bench/gpu_bench.py measures a GPU and "
               "wrote nothing", file=sys.stderr)
         return 1
-    work = a.work_dir or tempfile.mkdtemp(prefix="gpu_bench_")
+    a.work = a.work_dir or tempfile.mkdtemp(prefix="gpu_bench_")
     if a.tiny:
         a.seq_len, a.batch, a.steps, a.saves = min(a.seq_len, 32), min(a.batch, 2), min(a.steps, 2), min(a.saves, 1)
     device = init_world(a.device)
     try:
-        res = run_parts(a, device, work, budget)
+        res = run_parts(a, device, budget)
     finally:
         import torch.distributed as dist
         dist.destroy_process_group()
         if not a.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(a.work, ignore_errors=True)
     res["test_tier"] = tier_outcome(a.tier_junit, a.tier_rc)
     name = "gpu_bench" if a.device == "cuda" else "gpu_bench_cpu_smoke"
     os.makedirs(a.out, exist_ok=True)
     provenance.record(res, name, a.out, started)
     provenance.write_markdown(a.out, name, to_markdown(res))
-    return 0
+    return 1 if res["errors"] else 0
 
 
 if __name__ == "__main__":
