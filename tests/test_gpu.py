@@ -16,7 +16,7 @@ One GPU only: a checkpoint crosses between the GPU and 2 CPU ranks both ways (te
 killed under torchrun --max-restarts 1 resumes from the memory tier bit for bit (tests/test_memory_tier.py);
 packed documents under flash_attention_2 (needs the flash_attn package) each get their own loss.
 Two GPUs only: the 2-GPU checkpoint resumes on 1 GPU.
-See docs/gpu.md for the checklist.
+bash bench/gpu_check.sh runs the single-GPU tier and then bench/gpu_bench.py; see docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ def test_a_killed_rank_resumes_from_the_memory_tier_bit_for_bit(tmp_path):
 def test_compiled_blocks_follow_eager_and_resume_eager(tmp_path, gpus):
     """model.compile=true on the GPUs (Triton kernels): the losses follow the eager run's, and the compiled run's step-4
     checkpoint resumes eager on the compiled run's losses. fp32 compute on both sides, so the comparison is to kernel
-    rounding (CPU: ~1e-7 relative, tests/test_compile.py); bf16 is checked by hand (docs/gpu.md, checklist 9)."""
+    rounding (CPU: ~1e-7 relative, tests/test_compile.py); bf16 is checked by hand (docs/gpu.md, one GPU)."""
     run = ["train.max_steps=8", "ckpt.interval=4", "ckpt.keep_last=0", "model.param_dtype=fp32"]
     eager, compiled, resumed = tmp_path / "eager", tmp_path / "compiled", tmp_path / "resumed"
     run_train(eager, nproc=gpus, overrides=run)
