@@ -194,7 +194,9 @@ def test_process_mode_saves_one_process_per_gpu(tmp_path, gpus):
 
 
 def _staged_pointers(staged) -> dict:
-    """{index: (data_ptr, pinned)} of the staged copy's tensors above 1 KiB (DCP pins those), in a fixed order."""
+    """{index: (data_ptr, pinned)} of the staged copy's tensors above 1 KiB (DCP pins those), in a fixed order.
+    On CUDA the stager stages in the background: the copy is a Future's result (done once the save is)."""
+    staged = staged.result() if hasattr(staged, "result") else staged
     found = []
 
     def walk(obj):
