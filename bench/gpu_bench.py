@@ -71,6 +71,7 @@ def parse_args(argv=None):
     p.add_argument("--work-dir", default=None, help="checkpoints and probes go here (default: a temp dir, removed)")
     p.add_argument("--out", default=None, help="results folder (default bench/results; required with --device cpu)")
     p.add_argument("--tier-junit", default=None, help="the single-GPU test tier's junit XML, recorded in the results")
+    p.add_argument("--tier-log", default=None, help="its pytest -v log: the outcomes when no XML was written")
     p.add_argument("--tier-rc", type=int, default=None, help="the test tier's exit status (124: out of its time)")
     a = p.parse_args(argv)
     if a.device == "cpu" and not a.out:
@@ -320,13 +321,22 @@ def profile_one_step(run: dict, device, top: int = 15) -> dict:
                      "share_of_busy": self_us(r) / busy_us if busy_us else 0.0} for r in ranked]}
 
 
-def tier_outcome(junit: str | None, rc: int | None) -> dict | None:
-    """The test tier's counts from pytest's junit XML (absent when it ran out of time), and its exit status."""
+def tier_outcome(junit: str | None, log: str | None, rc: int | None) -> dict | None:
+    """The test tier's counts from pytest's junit XML, or, where pytest was cut short before writing it, from the
+    outcome lines of its -v log (the tests that ended); and its exit status."""
     if junit is None and rc is None:
         return None
+    import re
     import xml.etree.ElementTree as ET
     out = {"exit_status": rc, "timed_out": rc == 124}
-    if junit and os.path.isfile(junit):
+    if (not junit or not os.path.isfile(junit)) and log and os.path.isfile(log):
+        with open(log) as f:
+            ended = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", f.read(), re.M)
+        kinds = [k for _, k in ended]
+        out.update(source="log (no junit XML: pytest did not reach its end)", tests=len(ended),
+                   failures=kinds.count("FAILED"), errors=kinds.count("ERROR"), skipped=kinds.count("SKIPPED"),
+                   seconds=0.0, failed=[t for t, k in ended if k in ("FAILED", "ERROR")])
+    elif junit and os.path.isfile(junit):
         suite = ET.parse(junit).getroot()
         suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
         out.update({k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")},
@@ -471,8 +481,9 @@ def to_markdown(r: dict) -> list[str]:
     t = r.get("test_tier")
     if t:
         lines += ["", f"Single-GPU test tier: exit {t['exit_status']}" + (" (out of its time)" if t["timed_out"] else "")
-                  + (f", {t['tests']} tests, {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped, "
-                     f"{t['seconds']:.0f} s" if "tests" in t else "") + "".join(f"; failed {f}" for f in t.get("failed", []))]
+                  + (f", {t['tests']} tests ended, {t['failures']} failed, {t['errors']} errors, {t['skipped']} "
+                     f"skipped" + (f", {t['seconds']:.0f} s" if t["seconds"] else " (from the log)") if "tests" in t
+                     else "") + "".join(f"; failed {f}" for f in t.get("failed", []))]
     lines += [""] + [f"Skipped: {s}" for s in r["skipped"]] + [f"Failed: {e}" for e in r["errors"]]
     return lines
 
@@ -497,7 +508,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         if not a.work_dir:
             shutil.rmtree(a.work, ignore_errors=True)
-    res["test_tier"] = tier_outcome(a.tier_junit, a.tier_rc)
+    res["test_tier"] = tier_outcome(a.tier_junit, a.tier_log, a.tier_rc)
     name = "gpu_bench" if a.device == "cuda" else "gpu_bench_cpu_smoke"
     os.makedirs(a.out, exist_ok=True)
     provenance.record(res, name, a.out, started)

@@ -7,8 +7,8 @@
 # 2. CPU-side checks: tests/test_gpu.py's single-GPU tier is collected, the benchmark's shapes and FLOP arithmetic
 #    compute;
 # 3. without CUDA: one line saying so, exit 1 (nothing measured, nothing written);
-# 4. python -m pytest tests/test_gpu.py (1-GPU tests) -rs, at most GPU_CHECK_TESTS_S (default 250 s), its junit XML
-#    and log in bench/results/gpu_tier.{xml,log};
+# 4. python -m pytest tests/test_gpu.py (1-GPU tests) -rs -v, at most GPU_CHECK_TESTS_S (default 250 s), its junit
+#    XML and log in bench/results/gpu_tier.{xml,log}; then up to 30 s for the GPU to have no compute process left;
 # 5. python bench/gpu_bench.py with the time left (it skips, and lists, what does not fit), recording the tier's
 #    outcome: bench/results/gpu_bench.{json,md} and runs/gpu_bench/. Everything written is also copied to $OUT
 #    when it is set (the lent GPU machine returns only $OUT). Exit status: the tier's, else the benchmark's.
@@ -47,10 +47,16 @@ mkdir -p bench/results
 tests_s=$(( $(left) - 150 ))
 [ "$tests_s" -gt "${GPU_CHECK_TESTS_S:-250}" ] && tests_s=${GPU_CHECK_TESTS_S:-250}
 rm -f bench/results/gpu_tier.xml
-timeout -k 10 "$tests_s" "$py" -m pytest "${tier[@]}" -rs -q --junitxml bench/results/gpu_tier.xml \
+# -v: each test's outcome is in the log as it ends (the junit XML is written only if pytest reaches its end)
+timeout -k 10 "$tests_s" "$py" -m pytest "${tier[@]}" -rs -v --junitxml bench/results/gpu_tier.xml \
     2>&1 | tee bench/results/gpu_tier.log
 tier_rc=${PIPESTATUS[0]}
-"$py" bench/gpu_bench.py --budget-s $(( $(left) - 15 )) --tier-junit bench/results/gpu_tier.xml --tier-rc "$tier_rc"
+for _ in $(seq 30); do  # a tier cut short may leave ranks finishing: the benchmark wants the GPU to itself
+    [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ] && break
+    sleep 1
+done
+"$py" bench/gpu_bench.py --budget-s $(( $(left) - 15 )) --tier-junit bench/results/gpu_tier.xml \
+    --tier-log bench/results/gpu_tier.log --tier-rc "$tier_rc"
 bench_rc=$?
 
 if [ -n "${OUT:-}" ]; then
