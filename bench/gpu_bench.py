@@ -7,22 +7,24 @@ One process, a world of one (FSDP2 on a one-rank mesh, cpu:gloo,cuda:nccl, as to
 tokens through train_fsdp.train_step (bf16 compute, fp32 masters, fused AdamW). In order, each part skipped (and
 said so in the results) when the time left in --budget-s is short:
 1. each shape of --shapes (Qwen2.5 0.5B, 1.5B, 3B; random init): --batch x --seq-len tokens per optimizer step, the
-   micro batch halved from --batch until --plan's per-GPU estimate (finetune/plan.py gpu_items) fits 90% of the GPU,
-   gradient accumulation making up the rest; tokens/s over --steps steps after 2 warm-up steps; MFU = model FLOPs per token x tokens/s / the GPU's dense
-   bf16 peak; max_memory_allocated and _reserved against the plan's estimate;
-2. the largest shape measured again with model.compile=true: tokens/s against eager, and the compile time;
-3. at the first shape, async saves (ckpt.async_mode=thread, CheckpointManager): the training thread's blocking (the
-   time in save() plus the staging wait before the optimizer step) against a pinned device-to-host copy of the same
-   bytes (the floor), and the time to commit against the disk's own write rate (dd, same folder, same run);
-4. at the first shape, a memory-tier save every step (ckpt.memory_interval=1) against no checkpointing, tokens/s;
-5. when the best MFU at the largest shape is under 40%: a torch.profiler trace of one step, its top kernels by
-   device time and the share of the step the device was busy.
+   micro batch halved from --batch until --plan's per-GPU estimate (finetune/plan.py gpu_items) fits 90% of the
+   GPU, gradient accumulation making up the rest; tokens/s over --steps steps after 2 warm-up steps; MFU = model
+   FLOPs per token x tokens/s / the GPU's dense bf16 peak; max_memory_allocated and _reserved against the plan;
+   - at the first shape, before a larger one needs the memory: async saves (ckpt.async_mode=thread,
+     CheckpointManager), the training thread's blocking (the time in save() plus the staging wait before the
+     optimizer step) against a pinned device-to-host copy of the same bytes (the floor), and the time to commit
+     against the disk's own write rate (dd, same folder, same run); then a memory-tier save every step
+     (ckpt.memory_interval=1) against no checkpointing, tokens/s;
+   - at a shape under 40% MFU: a torch.profiler trace of one step, its top kernels by device time and the share
+     of the step the device was busy;
+2. the largest shape measured again with model.compile=true: tokens/s against eager, and the compile time.
 Model FLOPs per token (causal, no recompute): 6 x the parameters of every matmul (attention and MLP projections,
 lm_head) + 6 x layers x seq_len x attention width (QK^T and AV, each token attending to seq_len/2 keys on average;
-PaLM's convention counts the full square, 12). A part that raises (out of memory, no Triton) is recorded with
-its error and the run goes on to the next; the exit status is then 1. Writes bench/results/gpu_bench.{json,md} with the provenance
-(bench/provenance.py), the GPU's name and driver. Without CUDA (and without --device cpu) it says so in one line
-and exits 1; --device cpu writes its smoke results only under the --out it is given, named gpu_bench_cpu_smoke.
+PaLM's convention counts the full square, 12). A part that raises (out of memory, no Triton) is recorded with its
+error and the run goes on to the next; the exit status is then 1. Writes bench/results/gpu_bench.{json,md} with
+the provenance (bench/provenance.py), the GPU's name and driver. Without CUDA (and without --device cpu) it says
+so in one line and exits 1; --device cpu writes its smoke results only under the --out it is given, named
+gpu_bench_cpu_smoke.
 """
 
 from __future__ import annotations
@@ -480,7 +482,8 @@ def to_markdown(r: dict) -> list[str]:
                       for t in p["top"]]
     t = r.get("test_tier")
     if t:
-        lines += ["", f"Single-GPU test tier: exit {t['exit_status']}" + (" (out of its time)" if t["timed_out"] else "")
+        lines += ["", f"Single-GPU test tier: exit {t['exit_status']}"
+                  + (" (out of its time)" if t["timed_out"] else "")
                   + (f", {t['tests']} tests ended, {t['failures']} failed, {t['errors']} errors, {t['skipped']} "
                      f"skipped" + (f", {t['seconds']:.0f} s" if t["seconds"] else " (from the log)") if "tests" in t
                      else "") + "".join(f"; failed {f}" for f in t.get("failed", []))]

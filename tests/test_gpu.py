@@ -1,7 +1,7 @@
 """The GPU suite: what the CPU tests cannot show. Skipped, with the reason printed, where CUDA is absent.
 
     python -m pytest tests/test_gpu.py -v -rs                 # every tier the machine's GPUs allow
-    python -m pytest tests/test_gpu.py -v -rs -k "not 2gpu and not two_gpus"   # the single-GPU tier (bench/gpu_check.sh)
+    python -m pytest tests/test_gpu.py -v -rs -k "not 2gpu and not two_gpus"    # the single-GPU tier alone
 
 Most tests are the CPU tests' twins, run at 1 GPU (torchrun --nproc_per_node 1: FSDP2 on a one-rank mesh,
 cpu:gloo,cuda:nccl) and, on a machine with two, at 2 GPUs:
