@@ -394,6 +394,7 @@ def measure_shape(name: str, model_dir: str, shape: dict, fit: tuple, a, device,
     if "max_memory_reserved" in r:
         r.update(reserved_over_plan=r["max_memory_reserved"] / fit[2]["total"],
                  allocated_over_plan_without_context=r["max_memory_allocated"] / fit[2]["without_cuda_context"])
+        r["reserved_within_20pct_of_plan"] = abs(r["reserved_over_plan"] - 1) <= 0.2  # the goal
     res["shapes"][name] = {"eager": r}
     errors = res["errors"]
     try:

@@ -46,6 +46,7 @@ fi
 mkdir -p bench/results
 tests_s=$(( $(left) - 150 ))
 [ "$tests_s" -gt "${GPU_CHECK_TESTS_S:-250}" ] && tests_s=${GPU_CHECK_TESTS_S:-250}
+[ "$tests_s" -lt 30 ] && tests_s=30  # timeout 0 would mean no limit at all
 rm -f bench/results/gpu_tier.xml
 # -v: each test's outcome is in the log as it ends (the junit XML is written only if pytest reaches its end)
 timeout -k 10 "$tests_s" "$py" -m pytest "${tier[@]}" -rs -v --junitxml bench/results/gpu_tier.xml \
@@ -60,9 +61,10 @@ done
 bench_rc=$?
 
 if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/bench/results"
-    cp -r bench/results/gpu_bench.json bench/results/gpu_bench.md bench/results/gpu_tier.log \
-        bench/results/gpu_tier.xml bench/results/runs "$OUT/bench/results/" 2>/dev/null
+    mkdir -p "$OUT/bench/results/runs"
+    cp bench/results/gpu_bench.json bench/results/gpu_bench.md bench/results/gpu_tier.log \
+        bench/results/gpu_tier.xml "$OUT/bench/results/" 2>/dev/null
+    cp -r bench/results/runs/gpu_bench "$OUT/bench/results/runs/" 2>/dev/null
 fi
 echo "gpu_check: tier exit $tier_rc, benchmark exit $bench_rc, $(( $(date +%s) - start )) s"
 [ "$tier_rc" -ne 0 ] && exit "$tier_rc"
