@@ -16,6 +16,7 @@ import warnings
 from contextlib import contextmanager
 
 import pytest
+import torch
 import torch.multiprocessing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,6 +27,13 @@ from finetune.metrics import read_metrics  # noqa: E402
 # A small, fast variant of configs/tiny.yaml: a few seconds per run on 2 CPU cores.
 FAST = ["run.log_interval=1", "run.progress_bar=false", "train.sample_at_end=false", "data.seq_len=32",
         "data.global_batch_size=12", "data.micro_batch_size=3", "train.warmup_steps=3"]
+
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+NO_CUDA = "CUDA is not available (torch.cuda.is_available() is False): the GPU suite runs on a GPU machine"
+one_gpu = pytest.mark.skipif(GPUS < 1, reason=NO_CUDA)
+two_gpus = pytest.mark.skipif(GPUS < 2, reason=NO_CUDA if GPUS == 0 else f"needs 2 GPUs, found {GPUS}")
+ON_CPU = {"CUDA_VISIBLE_DEVICES": ""}  # run_train(env=ON_CPU): CPU ranks (gloo) on a GPU machine
 
 
 def free_port() -> int:
@@ -161,6 +169,13 @@ def small_filesystem(mnt, size_bytes: int, subdir: str, fault_steps: range):
         return
     warnings.warn(f"disk-full test ran with an injected ENOSPC, not a tmpfs: {why}")
     yield mnt / subdir, {"CKPT_FAULT": ";".join(f"oserror@write:{s}" for s in fault_steps)}, "injected"
+
+
+def assert_loss_falls(run_dir, n: int = 5) -> None:
+    """The mean loss of the last `n` steps is below 0.8 x that of the first `n`: the tiny job learns."""
+    steps = [loss for _, loss in sorted(losses(run_dir).items())]
+    first, last = sum(steps[:n]) / n, sum(steps[-n:]) / n
+    assert last < 0.8 * first, f"loss did not fall: {first:.3f} -> {last:.3f}"
 
 
 def losses(run_dir) -> dict[int, float]:

@@ -5,26 +5,31 @@ from (bench/provenance.py): commit, date, machine, load before and after, comman
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 PROVENANCE = {"git_commit", "git_dirty", "started_utc", "finished_utc", "load_average_before", "load_average_after",
               "machine", "command"}
 
 
-def check_provenance(out, name: str, args: list[str]) -> dict:
-    """The latest results file names its run, and the run is also kept under runs/<name>/; returns the result."""
+def check_provenance(out, name: str, args: list[str], script: str | None = None) -> dict:
+    """The latest results file names its run (by `script`, default `name`), and the run is also kept under
+    runs/<name>/; returns the result."""
     r = json.loads((out / f"{name}.json").read_text())
     p = r["provenance"]
     assert PROVENANCE <= set(p) and set(p["machine"]) >= {"cpu", "cores", "ram_GiB", "kernel"}
     assert len(p["git_commit"]) == 40 and isinstance(p["git_dirty"], bool) and p["finished_utc"].endswith("Z")
     assert len(p["load_average_before"]) == 3 and len(p["load_average_after"]) == 3 and p["machine"]["cores"] >= 1
-    assert p["command"] == " ".join(["python", f"bench/{name}.py", *args])
+    assert p["command"] == " ".join(["python", f"bench/{script or name}.py", *args])
     assert r in [json.loads(f.read_text()) for f in (out / "runs" / name).glob("*.json")]
     return r
 
@@ -176,3 +181,73 @@ def test_realsize_bench_tiny(tmp_path):
     assert x["rows"][2]["rank_GB"] == pytest.approx(x["rows"][1]["rank_GB"] / 8, rel=1e-3)  # 70B: 512 vs 64 GPUs
     md = (out / "realsize_extrapolate.md").read_text()
     assert md.startswith("Extrapolated from ") and md.count("(extrapolated)") == 9
+
+
+# ---------------------------------------------------------------- the one-GPU check (bench/gpu_check.sh, gpu_bench.py)
+
+no_cuda_here = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
+
+
+@no_cuda_here
+def test_gpu_check_without_cuda_says_so_in_one_line_and_writes_nothing(tmp_path):
+    results = [ROOT + "/bench/results/" + f for f in ("gpu_bench.json", "gpu_tier.log")]
+    before = [os.path.exists(f) and os.path.getmtime(f) for f in results]
+    proc = subprocess.run(["bash", "bench/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OUT": str(tmp_path)})
+    assert proc.returncode != 0 and proc.stdout == "", proc.stdout[-2000:]
+    assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: no CUDA device"), \
+        proc.stderr[-2000:]
+    assert [os.path.exists(f) and os.path.getmtime(f) for f in results] == before and not os.listdir(tmp_path)
+
+
+@no_cuda_here
+def test_gpu_bench_without_cuda_is_one_error_line():
+    proc = subprocess.run([sys.executable, "bench/gpu_bench.py"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: no CUDA device")
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr[-2000:]
+
+
+def test_model_flops_and_mfu_of_the_qwen05b_shape():
+    """6 x the matmul parameters: every nn.Linear of the real Qwen2.5-0.5B module (lm_head, tied, counted once as
+    the matmul it is), plus the causal attention term; MFU against the GPU's peak, looked up by its name."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from gpu_bench import PEAK_BF16_TFLOPS, mfu, model_flops_per_token, peak_tflops
+    from qwen_shape import SHAPES
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES["0.5b"]))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    f = model_flops_per_token(SHAPES["0.5b"], 2048)
+    assert f["matmul_params"] == linear == 493_961_216
+    assert f["attention"] == 6 * 24 * 2048 * 896 and f["total"] == 6 * linear + 6 * 24 * 2048 * 896
+    assert mfu(f["total"], 100_000, 989.4) == pytest.approx(f["total"] * 1e5 / 989.4e12)
+    assert mfu(f["total"], 100_000, None) is None
+    assert [peak_tflops(n, None) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "Tesla T4")] == \
+        [989.4, 756.0, 989.4, None]
+    assert peak_tflops("Tesla T4", 65.0) == 65.0 and dict(PEAK_BF16_TFLOPS)["H100"] == 989.4
+
+
+def test_gpu_bench_cpu_smoke_runs_every_part_and_never_writes_gpu_results(tmp_path):
+    args = ["--device", "cpu", "--tiny", "--out", str(tmp_path)]
+    run("gpu_bench", args, 300)
+    r = check_provenance(tmp_path, "gpu_bench_cpu_smoke", args, script="gpu_bench")
+    eager = r["shapes"]["tiny"]["eager"]
+    assert eager["tokens_per_s"] > 0 and eager["mfu"] is None and eager["plan_bytes"]["total"] > 0
+    assert r["async_save"]["blocking_s"] > 0 and r["async_save"]["disk_GBps"] > 0
+    assert set(r["memory_tier"]["tokens_per_s"]) == {"none", "memory"} and eager["profile"]["top"]
+    assert r["gpu"]["name"] == "cpu (smoke run)" and not (tmp_path / "gpu_bench.json").exists()
+    refused = subprocess.run([sys.executable, "bench/gpu_bench.py", "--device", "cpu"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "give --out" in refused.stderr
+
+
+def test_gpu_bench_records_the_test_tier_even_when_it_was_cut_short(tmp_path):
+    """bench/gpu_check.sh gives the tier a time limit: killed, pytest writes no junit XML, so the outcomes of the
+    tests that ended come from its -v log, and the results say it ran out of time."""
+    from gpu_bench import tier_outcome
+    log = tmp_path / "tier.log"
+    log.write_text("tests/test_gpu.py::test_a[1gpu] PASSED    [ 10%]\n"
+                   "tests/test_gpu.py::test_b[1gpu] FAILED    [ 20%]\n"
+                   "tests/test_gpu.py::test_c SKIPPED (no flash_attn)    [ 30%]\n")
+    t = tier_outcome(str(tmp_path / "absent.xml"), str(log), 124)
+    assert t["timed_out"] and (t["tests"], t["failures"], t["skipped"]) == (3, 1, 1)
+    assert t["failed"] == ["tests/test_gpu.py::test_b[1gpu]"] and "log" in t["source"]

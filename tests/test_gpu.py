@@ -1,16 +1,22 @@
 """The GPU suite: what the CPU tests cannot show. Skipped, with the reason printed, where CUDA is absent.
 
-    python -m pytest tests/test_gpu.py -v -rs          # on a machine with 2+ GPUs (most tests need 2)
+    python -m pytest tests/test_gpu.py -v -rs                 # every tier the machine's GPUs allow
+    python -m pytest tests/test_gpu.py -v -rs -k "not 2gpu and not two_gpus"    # the single-GPU tier alone
 
-- 2-GPU training with async saves in thread and process modes, killed and resumed: bit-identical losses
-  (train.deterministic=true), and a resume of the 2-GPU checkpoint on 1 GPU;
-- during process-mode saves every GPU has exactly one compute process (the uploader opens no CUDA
-  context), and the number of open files stays flat from one save to the next;
+Most tests are the CPU tests' twins, run at 1 GPU (torchrun --nproc_per_node 1: FSDP2 on a one-rank mesh,
+cpu:gloo,cuda:nccl) and, on a machine with two, at 2 GPUs:
+- bf16 compute with fp32 masters trains the tiny job and its loss falls (tests/test_train_e2e.py);
+- async saves in thread and process modes, killed and resumed: bit-identical losses (train.deterministic=true);
+- during process-mode saves every GPU has exactly one compute process (the uploader opens no CUDA context), the
+  number of open files stays flat from one save to the next, and the pinned staging buffers are reused;
 - a bf16 export loads with from_pretrained and gives the fp32 export's logits to bf16 precision;
 - a tiny Gemma3 (a non-persistent buffer inside a module with weights) gives from_pretrained's logits;
-- packed documents under flash_attention_2 (1 GPU, needs the flash_attn package) each get their own loss;
 - model.compile=true (Triton kernels) follows the eager losses, and its checkpoint resumes eager.
-See docs/gpu.md for the same checks by hand.
+One GPU only: a checkpoint crosses between the GPU and 2 CPU ranks both ways (tests/test_world_size.py); a rank
+killed under torchrun --max-restarts 1 resumes from the memory tier bit for bit (tests/test_memory_tier.py);
+packed documents under flash_attention_2 (needs the flash_attn package) each get their own loss.
+Two GPUs only: the 2-GPU checkpoint resumes on 1 GPU.
+bash bench/gpu_check.sh runs the single-GPU tier and then bench/gpu_bench.py; see docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -26,14 +32,16 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import ROOT, events, start_on_free_port, kill_after_commit, losses, run_train
+from conftest import (GPUS, NO_CUDA, ON_CPU, ROOT, assert_loss_falls, events, kill_after_commit, losses, one_gpu,
+                      run_train, start_on_free_port, two_gpus)
 from finetune.metrics import read_metrics
+from test_memory_tier import K, final_items, kill_after_memory_step, same_item, with_memory
 
-GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-NO_CUDA = "CUDA is not available (torch.cuda.is_available() is False): the GPU suite runs on a GPU machine"
 pytestmark = pytest.mark.skipif(GPUS == 0, reason=NO_CUDA)
-two_gpus = pytest.mark.skipif(GPUS < 2, reason=NO_CUDA if GPUS == 0 else f"needs 2 GPUs, found {GPUS}")
+# each test that runs at any number of GPUs: once per count the machine has (ids 1gpu, 2gpu)
+GPU_COUNTS = [pytest.param(1, marks=one_gpu, id="1gpu"), pytest.param(2, marks=two_gpus, id="2gpu")]
 
 RUN = ["train.max_steps=12", "ckpt.interval=6", "ckpt.keep_last=0", "train.deterministic=true"]
 
@@ -45,15 +53,31 @@ def _compute_apps() -> list[tuple[int, str]]:
     return [(int(p), u.strip()) for p, u in (line.split(",") for line in out.strip().splitlines() if line.strip())]
 
 
-@two_gpus
+def master_dtypes(ckpt_path) -> set:
+    """The dtypes of the model's parameters in a checkpoint (the fp32 masters, whatever the compute dtype)."""
+    md = FileSystemReader(str(ckpt_path)).read_metadata().state_dict_metadata
+    return {m.properties.dtype for k, m in md.items() if k.startswith("app.model.")}
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_bf16_compute_with_fp32_masters_trains(tmp_path, gpus):
+    """The default on CUDA (model.param_dtype=auto): bf16 compute, fp32 master shards; the tiny job learns."""
+    run = tmp_path / "r"
+    proc = run_train(run, nproc=gpus, overrides=["train.max_steps=40", "ckpt.interval=20"])
+    assert "device cuda" in proc.stdout, proc.stdout[-2000:]
+    assert_loss_falls(run)
+    assert master_dtypes(run / "checkpoints" / "step-000040") == {torch.float32}
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
 @pytest.mark.parametrize("mode", ["thread", "process"])
-def test_two_gpu_kill_and_resume_is_bit_identical(tmp_path, mode):
+def test_kill_during_async_save_and_resume_is_bit_identical(tmp_path, mode, gpus):
     straight, run = tmp_path / "straight", tmp_path / "resumed"
-    run_train(straight, nproc=2, overrides=[*RUN, f"ckpt.async_mode={mode}"])
-    killed = run_train(run, nproc=2, overrides=[*RUN, f"ckpt.async_mode={mode}"],
+    run_train(straight, nproc=gpus, overrides=[*RUN, f"ckpt.async_mode={mode}"])
+    killed = run_train(run, nproc=gpus, overrides=[*RUN, f"ckpt.async_mode={mode}"],
                        env={"CKPT_FAULT": kill_after_commit(run, 6, 8)}, check=False)
     assert killed.returncode != 0 and max(losses(run)) == 8
-    run_train(run, nproc=2, overrides=[*RUN, f"ckpt.async_mode={mode}"])
+    run_train(run, nproc=gpus, overrides=[*RUN, f"ckpt.async_mode={mode}"])
     assert [e["step"] for e in events(run, "resume")] == [6]
     a, b = losses(straight), losses(run)
     assert sorted(b) == list(range(1, 13))
@@ -78,16 +102,58 @@ def test_resume_two_gpus_on_one(tmp_path):
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=1e-4), f"step {s}: loss left the 2-GPU run's"
 
 
-@two_gpus
-def test_compiled_blocks_follow_eager_and_resume_eager(tmp_path):
-    """model.compile=true on 2 GPUs (Triton kernels): the losses follow the eager run's, and the compiled run's step-4
+RANKS = {"gpu": (1, {}), "cpu": (2, ON_CPU)}  # (torchrun ranks, env): the GPU, or 2 CPU ranks on the same machine
+
+
+@one_gpu
+@pytest.mark.parametrize("saved_on,resumed_on", [("gpu", "cpu"), ("cpu", "gpu")])
+def test_a_checkpoint_crosses_between_the_gpu_and_cpu_ranks(tmp_path, saved_on, resumed_on):
+    """A checkpoint saved on the GPU resumes on 2 CPU ranks, and one saved by 2 CPU ranks on the GPU: the same
+    samples in the same order, and losses within 1e-3 relative of the saving run's. fp32 compute on both sides
+    (model.param_dtype=fp32), so the gap is kernel rounding (GPU and CPU sum in other orders), not bf16's."""
+    run = [*RUN, "model.param_dtype=fp32", "ckpt.async_mode=thread"]
+    first, then = tmp_path / saved_on, tmp_path / f"{resumed_on}-resumed"
+    nproc, env = RANKS[saved_on]
+    run_train(first, nproc=nproc, overrides=run, env=env)
+    nproc, env = RANKS[resumed_on]
+    proc = run_train(then, nproc=nproc, overrides=[*run, f"ckpt.resume={first / 'checkpoints' / 'step-000006'}"],
+                     env=env)
+    assert f"device {'cuda' if resumed_on == 'gpu' else 'cpu'}" in proc.stdout, proc.stdout[-2000:]
+    assert [e["step"] for e in events(then, "resume")] == [6]
+    a, b = read_metrics(str(first / "metrics.jsonl"))[0], read_metrics(str(then / "metrics.jsonl"))[0]
+    assert sorted(b) == list(range(7, 13))
+    for s in range(7, 13):
+        assert b[s]["sample_ids"] == a[s]["sample_ids"], f"step {s}: another batch"
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=1e-3), f"step {s}: loss left the {saved_on} run's"
+
+
+@one_gpu
+def test_a_killed_rank_resumes_from_the_memory_tier_bit_for_bit(tmp_path):
+    """tests/test_memory_tier.py's kill on the GPU: the one rank SIGKILLed after memory step K + 1 under torchrun
+    --max-restarts 1 resumes from memory step K; losses and final state equal the uninterrupted run's."""
+    det = ["train.deterministic=true"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    run_train(a, 1, [*with_memory(a), *det])
+    proc = run_train(b, 1, [*with_memory(b), *det], restarts=1,
+                     env={"CKPT_FAULT": kill_after_memory_step(b, K, rank=0, attempt=0)})
+    assert [(e["step"], e["tier"]) for e in events(b, "resume")] == [(K, "memory")], proc.stdout[-3000:]
+    assert losses(b) == losses(a) and sorted(losses(b)) == list(range(1, 13))
+    before, after = final_items(a), final_items(b)
+    assert sorted(before) == sorted(after)
+    for k in before:
+        assert same_item(before[k], after[k]), f"{k} differs from the uninterrupted run's final state"
+
+
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_compiled_blocks_follow_eager_and_resume_eager(tmp_path, gpus):
+    """model.compile=true on the GPUs (Triton kernels): the losses follow the eager run's, and the compiled run's step-4
     checkpoint resumes eager on the compiled run's losses. fp32 compute on both sides, so the comparison is to kernel
-    rounding (CPU: ~1e-7 relative, tests/test_compile.py); bf16 is checked by hand (docs/gpu.md, checklist 9)."""
+    rounding (CPU: ~1e-7 relative, tests/test_compile.py); bf16 is checked by hand (docs/gpu.md, one GPU)."""
     run = ["train.max_steps=8", "ckpt.interval=4", "ckpt.keep_last=0", "model.param_dtype=fp32"]
     eager, compiled, resumed = tmp_path / "eager", tmp_path / "compiled", tmp_path / "resumed"
-    run_train(eager, nproc=2, overrides=run)
-    run_train(compiled, nproc=2, overrides=[*run, "model.compile=true"], timeout=900)  # compiling: minutes
-    run_train(resumed, nproc=2, overrides=[*run, f"ckpt.resume={compiled / 'checkpoints' / 'step-000004'}"])
+    run_train(eager, nproc=gpus, overrides=run)
+    run_train(compiled, nproc=gpus, overrides=[*run, "model.compile=true"], timeout=900)  # compiling: minutes
+    run_train(resumed, nproc=gpus, overrides=[*run, f"ckpt.resume={compiled / 'checkpoints' / 'step-000004'}"])
     a, b, c = losses(eager), losses(compiled), losses(resumed)
     assert sorted(b) == list(range(1, 9)) and sorted(c) == list(range(5, 9))
     for s in range(1, 9):
@@ -96,8 +162,8 @@ def test_compiled_blocks_follow_eager_and_resume_eager(tmp_path):
         assert c[s] == pytest.approx(b[s], rel=1e-3), f"step {s}: eager, resumed from the compiled checkpoint"
 
 
-@two_gpus
-def test_process_mode_saves_one_process_per_gpu(tmp_path):
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_process_mode_saves_one_process_per_gpu(tmp_path, gpus):
     """nvidia-smi, sampled during a run that saves every 2 steps in process mode: never more than one
     process per GPU (DCP's uploader must not open a context on GPU 0)."""
     if shutil.which("nvidia-smi") is None:
@@ -111,7 +177,7 @@ def test_process_mode_saves_one_process_per_gpu(tmp_path):
     t = threading.Thread(target=sample)
     t.start()
     try:
-        run_train(tmp_path / "r", nproc=2, overrides=["train.max_steps=30", "ckpt.interval=2",
+        run_train(tmp_path / "r", nproc=gpus, overrides=["train.max_steps=30", "ckpt.interval=2",
                                                         "ckpt.async_mode=process"])
     finally:
         done.set()
@@ -124,9 +190,29 @@ def test_process_mode_saves_one_process_per_gpu(tmp_path):
         for pid, uuid in apps:
             per_gpu.setdefault(uuid, set()).add(pid)
         assert all(len(p) == 1 for p in per_gpu.values()), f"more than one process on a GPU: {apps}"
+    assert max(len({u for _, u in apps}) for apps in busy) == gpus
 
 
-def _fd_worker(rank: int, port: int, ckpt_dir: str, out: dict) -> None:
+def _staged_pointers(staged) -> dict:
+    """{index: (data_ptr, pinned)} of the staged copy's tensors above 1 KiB (DCP pins those), in a fixed order.
+    On CUDA the stager stages in the background: the copy is a Future's result (done once the save is)."""
+    staged = staged.result() if hasattr(staged, "result") else staged
+    found = []
+
+    def walk(obj):
+        if isinstance(obj, dict):
+            for k in sorted(obj, key=str):
+                walk(obj[k])
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+        elif isinstance(obj, torch.Tensor) and obj.nbytes > 1024:
+            found.append((obj.data_ptr(), obj.is_pinned()))
+    walk(staged)
+    return dict(enumerate(found))
+
+
+def _fd_worker(rank: int, port: int, world: int, mode: str, ckpt_dir: str, out: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -137,15 +223,15 @@ def _fd_worker(rank: int, port: int, ckpt_dir: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=2, device_id=device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, device_id=device)
     try:
         model = build_sharded_model(ModelConfig(config_path=os.path.join(ROOT, "assets", "tiny-llama")),
-                                    init_device_mesh("cuda", (2,)), device)
+                                    init_device_mesh("cuda", (world,)), device)
         init_random(model, 0, 0.02)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-        mgr = CheckpointManager(ckpt_dir, "process", keep_last=1)
+        mgr = CheckpointManager(ckpt_dir, mode, keep_last=1)
         state = {"app": ModelOptimizer(model, optim)}
-        counts = []
+        counts, staged = [], []
         for step in range(1, 6):
             ids = torch.randint(6, 101, (2, 16), device=device)
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
@@ -155,25 +241,32 @@ def _fd_worker(rank: int, port: int, ckpt_dir: str, out: dict) -> None:
             mgr.save(step, state, {"meta.json": "{}"})
             mgr.wait()
             counts.append(len(os.listdir("/proc/self/fd")))
+            staged.append(_staged_pointers(mgr.staged[1]))
         mgr.close()
-        out[rank] = counts
+        out[rank] = counts, staged
     finally:
         dist.destroy_process_group()
 
 
-@two_gpus
-def test_open_files_stay_flat_across_process_mode_saves(tmp_path):
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_open_files_stay_flat_and_pinned_staging_is_reused(tmp_path, mode, gpus):
+    """5 async saves: after the first, open files stay flat; every save stages into the same pinned host
+    buffers (DCP's stager caches them per source storage: only the first save allocates and pins)."""
     out = mp.Manager().dict()
-    start_on_free_port(_fd_worker, lambda port: (port, str(tmp_path / "ck"), out), nprocs=2)
-    for rank, counts in out.items():
+    start_on_free_port(_fd_worker, lambda port: (port, gpus, mode, str(tmp_path / "ck"), out), nprocs=gpus)
+    assert sorted(out) == list(range(gpus))
+    for rank, (counts, staged) in out.items():
         assert max(counts[1:]) - min(counts[1:]) <= 2, f"rank {rank}: open files grow with saves: {counts}"
+        assert staged[0] and all(pinned for _, pinned in staged[0].values()), f"rank {rank}: staging not pinned"
+        assert all(s == staged[0] for s in staged[1:]), f"rank {rank}: a save staged into new buffers"
 
 
-@two_gpus
-def test_bf16_export_gives_the_fp32_exports_logits(tmp_path):
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_bf16_export_gives_the_fp32_exports_logits(tmp_path, gpus):
     from transformers import AutoModelForCausalLM
     run = tmp_path / "r"
-    run_train(run, nproc=2, overrides=["train.max_steps=4", "ckpt.interval=0", "ckpt.async_mode=thread"])
+    run_train(run, nproc=gpus, overrides=["train.max_steps=4", "ckpt.interval=0", "ckpt.async_mode=thread"])
     ckpt = sorted((run / "checkpoints").glob("step-*"))[-1]
     for dtype in ("fp32", "bf16"):
         subprocess.run([sys.executable, "-m", "ckpt", "export", "--dtype", dtype, str(ckpt), str(tmp_path / dtype)],
@@ -188,7 +281,7 @@ def test_bf16_export_gives_the_fp32_exports_logits(tmp_path):
     assert err < 0.05, f"bf16 export logits off by {err:.3f} of the largest logit"
 
 
-def _gemma_worker(rank: int, port: int, path: str, out: dict) -> None:
+def _gemma_worker(rank: int, port: int, world: int, path: str, out: dict) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
@@ -200,11 +293,11 @@ def _gemma_worker(rank: int, port: int, path: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=2, device_id=device)
+    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, device_id=device)
     try:
         # fp32 compute on both sides, so the comparison is exact up to kernel rounding
-        model = build_sharded_model(ModelConfig(name_or_path=path, param_dtype="fp32"), init_device_mesh("cuda", (2,)),
-                                    device)
+        model = build_sharded_model(ModelConfig(name_or_path=path, param_dtype="fp32"),
+                                    init_device_mesh("cuda", (world,)), device)
         load_hf_weights(model, path)
         ids = torch.randint(3, 101, (2, 24), generator=torch.Generator().manual_seed(7)).to(device)
         with torch.no_grad():
@@ -215,12 +308,13 @@ def _gemma_worker(rank: int, port: int, path: str, out: dict) -> None:
         dist.destroy_process_group()
 
 
-@two_gpus
-def test_gemma3_tiny_gives_from_pretrained_logits(tmp_path):
+@pytest.mark.parametrize("gpus", GPU_COUNTS)
+def test_gemma3_tiny_gives_from_pretrained_logits(tmp_path, gpus):
     from test_model_init import save_tiny
     path = save_tiny(str(tmp_path / "gemma3"), "gemma3")
     out = mp.Manager().dict()
-    start_on_free_port(_gemma_worker, lambda port: (port, path, out), nprocs=2)
+    start_on_free_port(_gemma_worker, lambda port: (port, gpus, path, out), nprocs=gpus)
+    assert sorted(out) == list(range(gpus))
     assert max(out.values()) < 1e-3, dict(out)
 
 
@@ -232,6 +326,7 @@ def _token_losses(model, ids, labels, pos) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[0, :-1][keep], labels[0, 1:][keep], reduction="none")
 
 
+@one_gpu
 @torch.no_grad()
 def test_flash_attention_packed_loss_is_each_documents_own_loss():
     """model.attn_implementation=flash_attention_2 on the padding-free packed layout train_fsdp.py uses with it
