@@ -41,7 +41,7 @@ from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
-from finetune.model_identity import same_content_as
+from finetune.model_identity import content_change_since
 from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
 from finetune.schedule import lr_factor
 
@@ -192,7 +192,7 @@ def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
         return
-    changes = resume_changes(saved, cfg, same_content_as(read_meta(path), cfg.model))  # a moved model is no change
+    changes = resume_changes(saved, cfg, content_change_since(read_meta(path), cfg.model))  # moved: no change
     for change in changes:
         log.info(f"resume: config changed since {path}: {change.line()}")
     if changes:

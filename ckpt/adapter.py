@@ -7,8 +7,9 @@
 A LoRA checkpoint holds only the adapters and their optimizer state; meta.json's "lora" entry names the
 base model folder and a fingerprint of its weights (`base_fingerprint`). Resuming or exporting against
 another base is refused, naming both (`check_same_base`). The merged export streams the base one tensor
-at a time from its safetensors files, adds scaling * B @ A where an adapter applies, and writes it to its
-place in the pre-sized output files: peak memory is about two copies of the largest tensor, not the model.
+at a time from its safetensors files, adds peft's delta where an adapter applies (`lora_delta`: scaling *
+B @ A, transposed for a layer that stores its weight (in, out)), and writes it to its place in the
+pre-sized output files: peak memory is about two copies of the largest tensor, not the model.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import shutil
 
 import torch
+import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
@@ -30,7 +32,8 @@ from .errors import CheckpointError
 from .hf_files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
                        safetensors_header, write_index, write_model_files)
 from .layout import read_meta
-from .reading import dcp_metadata, model_names, read_items, safetensors_headers, source_dirs, source_dtype
+from .reading import (dcp_metadata, few, meta_model, model_names, read_items, safetensors_headers, source_dirs,
+                      source_dtype)
 from .schema import schema_of
 
 ADAPTER_SUFFIX = (".lora_A.default.weight", ".lora_B.default.weight")  # peft's names in the training model
@@ -93,6 +96,36 @@ def describe_lora(meta: dict, ckpt_bytes: int) -> str | None:
     return (f"LoRA checkpoint: adapters r={lora['r']}, alpha {lora['alpha']}, on base {lora['base']} "
             f"({lora['base_fingerprint']}); {ckpt_bytes / 2**20:.2f} MiB = {100 * ckpt_bytes / full:.2f}% of a full "
             f"fine-tuning checkpoint of this model (~{full / 2**20:.1f} MiB: fp32 weights + AdamW moments)")
+
+
+# ---------------------------------------------------------------- peft's merge rule, per layer type
+
+MERGEABLE = "Linear and transformers' Conv1D (GPT-2's family) layers"
+
+
+def delta_transposed(layer: nn.Module) -> bool | None:
+    """Whether peft's merge transposes B @ A for this base layer (its `fan_in_fan_out`): True for transformers'
+    Conv1D, which stores its weight (in, out) and for which peft sets fan_in_fan_out itself; False for Linear.
+    None for a layer type the merged export has no rule for (peft's Embedding, Conv, MultiheadAttention...)."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(layer, Conv1D):
+        return True
+    if isinstance(layer, nn.Linear):
+        return False
+    return None
+
+
+def unmergeable(layers: dict[str, nn.Module]) -> str | None:
+    """'name (Type), ...' of the adapted layers that delta_transposed has no rule for; None if there are none."""
+    bad = [f"{name} ({type(layer).__name__})" for name, layer in layers.items() if delta_transposed(layer) is None]
+    return few(bad) if bad else None
+
+
+def lora_delta(a: torch.Tensor, b: torch.Tensor, scaling: float, transposed: bool) -> torch.Tensor:
+    """What peft's merge adds to the base weight, in fp32: scaling * B @ A, transposed for a fan_in_fan_out layer."""
+    delta = b.float() @ a.float()
+    return (delta.T if transposed else delta) * scaling
 
 
 # ---------------------------------------------------------------- exports
@@ -162,6 +195,7 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
     unknown = [m for m in adapters if m + ".weight" not in headers]
     if unknown:
         raise CheckpointError(f"{ckpt_path}: adapters for {unknown[:4]}, which base {model_dir} does not have")
+    transposed = merge_rules(ckpt_path, config, adapters)
     shapes = {n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
                                        torch.Size(headers[n]["shape"]), []) for n in names}
     out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else DTYPES[dtype]  # auto: the base's
@@ -172,8 +206,9 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
         fd, data_start = os.open(os.path.join(tmp, fname), os.O_RDWR), len(safetensors_header(tensors))
         try:
             for out in tensors:
-                _write_one(fd, data_start, out, headers[out.name]["file"], adapters.get(out.name[:-len(".weight")]),
-                           scaling)
+                module = out.name[:-len(".weight")]
+                _write_one(fd, data_start, out, headers[out.name]["file"], adapters.get(module), scaling,
+                           transposed.get(module, False))
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -183,12 +218,24 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
             "bytes": sum(t.nbytes for ts in files for t in ts), "dtype": DTYPE_NAMES[out_dtype]}
 
 
-def _write_one(fd: int, data_start: int, out: OutTensor, src_file: str, adapter, scaling: float) -> None:
+def merge_rules(ckpt_path: str, config, adapters: dict) -> dict[str, bool]:
+    """{adapted module: delta transposed?} from the base architecture's layer types, as peft chose them when it
+    injected the adapters; a layer type with no rule is refused by name, never merged wrong."""
+    model = meta_model(config)
+    layers = {m: model.get_submodule(m) for m in adapters}
+    bad = unmergeable(layers)
+    if bad:
+        raise CheckpointError(f"{ckpt_path}: cannot merge LoRA into {bad}: the merged export merges {MERGEABLE} "
+                              "only; export the adapters alone with --adapter")
+    return {m: delta_transposed(layer) for m, layer in layers.items()}
+
+
+def _write_one(fd: int, data_start: int, out: OutTensor, src_file: str, adapter, scaling: float,
+               transposed: bool) -> None:
     with safe_open(src_file, "pt") as f:
         tensor = f.get_tensor(out.name)
     if adapter is not None:
-        a, b = adapter
-        tensor = tensor.float() + (b.float() @ a.float()) * scaling  # as peft's merge: W + (B @ A) * scaling
+        tensor = tensor.float() + lora_delta(*adapter, scaling, transposed)  # peft's merge: W + delta
     data = tensor.to(out.dtype).contiguous().view(torch.uint8).numpy()
     os.pwrite(fd, data, data_start + out.begin)
     out.written = data.nbytes

@@ -118,12 +118,17 @@ def source_dirs(ckpt_path: str) -> tuple[str, str]:
     return model_dir, tok_dir
 
 
-def model_names(config) -> tuple[str, list[str], dict[str, str]]:
-    """(class name, state-dict names, tied aliases) of the HF model for `config`, built on `meta`: no memory."""
+def meta_model(config) -> torch.nn.Module:
+    """The HF causal LM for `config`, built on `meta`: its names and layer types, no memory."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def model_names(config) -> tuple[str, list[str], dict[str, str]]:
+    """(class name, state-dict names, tied aliases) of the HF model for `config`."""
+    model = meta_model(config)
     return type(model).__name__, list(model.state_dict()), tied_aliases(model)
 
 

@@ -21,7 +21,7 @@ from ckpt import CheckpointSchema, ModelOptimizer, RNGState, rng_key
 from finetune.config import Config, config_hash, to_yaml
 from finetune.data import BATCH_KEY
 from finetune.lora import lora_meta
-from finetune.model_identity import model_content
+from finetune.model_identity import model_content, model_files
 
 # checkpoint_state's keys. checkpoint_schema derives from them every key ckpt/'s readers need (recorded in meta.json);
 # "app" and "progress" are the names existing checkpoints were saved under.
@@ -80,7 +80,8 @@ def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float |
             "transformers": transformers.__version__, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "config_hash": config_hash(cfg), "model": cfg.model.name_or_path or cfg.model.config_path,
             "seed": cfg.train.seed, "schema": checkpoint_schema(cfg).to_meta(),
-            "model_content": model_content(cfg.model)}  # a resume from a moved copy compares these, not paths
+            "model_content": model_content(cfg.model),  # a resume from a moved copy compares these, not paths
+            "model_files": model_files(cfg.model)}  # and names what differs when they do not match
     if eval_loss is not None:
         meta["score"] = eval_loss  # lower is better: ckpt.keep_best keeps the lowest (the eval loss of this step)
     if cfg.model.lora.r:

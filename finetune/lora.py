@@ -4,8 +4,9 @@
     python -m pytest tests/test_lora.py -q
 
 - `add_adapters` injects peft's LoRA layers into the meta model (`inject_adapter_in_model`): each targeted
-  Linear becomes `<name>.base_layer` (frozen) + `<name>.lora_A/B.default` (trainable). `fully_shard` then
-  shards base and adapter weights of a block together; the optimizer only ever sees the adapters.
+  Linear (or transformers' Conv1D: GPT-2's family; other layer types are refused by name) becomes
+  `<name>.base_layer` (frozen) + `<name>.lora_A/B.default` (trainable). `fully_shard` then shards base and
+  adapter weights of a block together; the optimizer only ever sees the adapters.
 - `base_file_name` maps the model's parameter names back to the names in the base model's safetensors, so
   the existing sharded import (`ckpt.hf_load.load_hf_weights`) reads the frozen base on every rank.
 - `init_adapters` draws lora_A in full from a generator seeded by (seed, name), as peft initialises it
@@ -22,7 +23,7 @@ import os
 import torch
 import torch.nn as nn
 
-from ckpt.adapter import base_fingerprint
+from ckpt.adapter import MERGEABLE, base_fingerprint, unmergeable
 from finetune.shards import ModelError, copy_full_into, seed_for
 
 ADAPTER = "default"  # peft's adapter name; it appears in parameter names (lora_A.default.weight)
@@ -47,6 +48,7 @@ def add_adapters(model: nn.Module, lora_cfg, model_dir: str, base_dtype: torch.d
     `base_dtype` (the compute dtype): a frozen weight needs no fp32 master, so bf16 halves the base's memory.
     FSDP2 only asks the trainable parameters of a group to share a dtype (the fp32 adapters)."""
     from peft import LoraConfig, inject_adapter_in_model
+    from peft.tuners.lora import LoraLayer
 
     check_not_quantized(model_dir)
     targets = lora_cfg.target_modules.strip()
@@ -57,6 +59,10 @@ def add_adapters(model: nn.Module, lora_cfg, model_dir: str, base_dtype: torch.d
         inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ModelError(f"model.lora.target_modules={targets!r} on {type(model).__name__}: {e}") from None
+    bad = unmergeable({name: m.get_base_layer() for name, m in model.named_modules() if isinstance(m, LoraLayer)})
+    if bad:  # refused before training, not at the export: its merge and the weight import know no other layers
+        raise ModelError(f"model.lora.target_modules={targets!r}: LoRA on {bad} is not supported; it applies to "
+                         f"{MERGEABLE}")
     cast_frozen(model, base_dtype)
 
 

@@ -5,7 +5,8 @@
 The rules (docs/resume-rules.md): a change in RESUME_REFUSED makes the continuation meaningless (another model,
 tokenizer, data set, data order or batch) and is refused unless ckpt.resume_config_check=warn; every other field
 takes effect as the new config says, with what that means where it is more than that (_RESUME_EFFECT). A model
-folder that moved but kept its content is no change (finetune/model_identity.py says whether it did).
+folder that moved but kept its content is no change (finetune/model_identity.py says whether it did, and what
+changed when it did not).
 """
 
 from __future__ import annotations
@@ -81,11 +82,12 @@ def _same(key: str, a, b) -> bool:
 
 
 def resume_changes(saved_yaml: str, cfg: Config,
-                   same_content: typing.Callable[[str, str], bool] | None = None) -> list[ConfigChange]:
+                   content_change: typing.Callable[[str, str], str | None] | None = None) -> list[ConfigChange]:
     """Every field whose value differs between a checkpoint's config.yaml and `cfg`, with its rule.
     Fields that only one side knows (another version of this file) are not compared. A model folder key whose
-    path changed but whose content is the same (`same_content(key, saved path)`, finetune/model_identity.py)
-    is applied, not refused: the model moved, it did not change."""
+    path changed but whose content is the same (`content_change(key, saved path)` is None,
+    finetune/model_identity.py) is applied, not refused: the model moved, it did not change. Otherwise what
+    content_change names (config.json fields, the weights' fingerprint) is added to the reason."""
     try:
         saved = flatten(yaml.safe_load(saved_yaml) or {})
     except (yaml.YAMLError, AttributeError) as e:
@@ -94,13 +96,15 @@ def resume_changes(saved_yaml: str, cfg: Config,
     for key, current in flatten(to_dict(cfg)).items():
         if key not in saved or _same(key, saved[key], current):
             continue
+        differs = content_change(key, saved[key]) if key in _MOVABLE and content_change is not None else ""
+        refusal = RESUME_REFUSED.get(key, "") + (f" ({differs})" if differs else "")
         if key not in RESUME_REFUSED:
             verdict, why = "applied", _RESUME_EFFECT.get(key, "takes effect")
-        elif key in _MOVABLE and same_content is not None and same_content(key, saved[key]):
+        elif differs is None:
             verdict, why = "applied", "the same files at another path (their fingerprints match the checkpoint's)"
         elif cfg.ckpt.resume_config_check == "refuse":
-            verdict, why = "refused", RESUME_REFUSED[key]
+            verdict, why = "refused", refusal
         else:
-            verdict, why = "warned", f"{RESUME_REFUSED[key]}; {_RESUME_EFFECT.get(key, 'takes effect')}"
+            verdict, why = "warned", f"{refusal}; {_RESUME_EFFECT.get(key, 'takes effect')}"
         changes.append(ConfigChange(key, saved[key], current, verdict, why))
     return changes

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, events, run_train
 from finetune.config import load_config, to_yaml
-from finetune.model_identity import same_content_as
+from finetune.model_identity import content_change_since
 from finetune.resume_rules import ConfigChange, resume_changes
 from finetune.data import GlobalOrder
 from finetune.schedule import lr_factor
@@ -90,17 +90,20 @@ def copy_model(dst, edit: dict | None = None) -> str:
 
 def test_moved_model_folder_resumes_an_edited_one_is_refused(tmp_path):
     """Continuing on another machine: model.config_path names an identical copy elsewhere. What the model is
-    (its config.json, recorded in meta.json) decides, not where it lives."""
+    (its config.json, recorded in meta.json) decides, not where it lives; an edited copy is refused naming the
+    fields that differ, with both values, from meta.json alone (the old machine's folder is gone)."""
     run = tmp_path / "run"
     first = copy_model(tmp_path / "machine-a" / "tiny")
     run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=2", f"model.config_path={first}"])
     moved = copy_model(tmp_path / "machine-b" / "tiny")
-    edited = copy_model(tmp_path / "edited", edit={"rms_norm_eps": 1e-3})
+    edited = copy_model(tmp_path / "edited", edit={"hidden_size": 96, "num_hidden_layers": 3})
+    shutil.rmtree(first)  # the old machine's folder is gone: meta.json's fingerprint and record decide
     refused = run_train(run, nproc=0, check=False, timeout=TIMEOUT,
                         overrides=[*BASE, "train.max_steps=4", f"model.config_path={edited}"])
-    assert refused.returncode == 2 and "with a changed model.config_path (" in refused.stderr, refused.stderr[-2000:]
-    assert "the architecture trained is another one" in refused.stderr
-    shutil.rmtree(first)  # the old machine's folder is gone: the fingerprint in meta.json decides
+    err = [x for x in refused.stderr.splitlines() if x.strip()]
+    assert refused.returncode == 2 and len(err) == 1, refused.stderr[-2000:]
+    assert "with a changed model.config_path (" in err[0] and "the architecture trained is another one" in err[0]
+    assert "(hidden_size: 64 -> 96, num_hidden_layers: 2 -> 3)" in err[0], err[0]
     proc = run_train(run, nproc=0, timeout=TIMEOUT, overrides=[*BASE, "train.max_steps=4", f"model.config_path={moved}"])
     assert f"model.config_path: '{first}' -> '{moved}' (applied: the same files at another path" in proc.stdout
     assert max(metrics(run)) == 4
@@ -113,6 +116,28 @@ def test_moved_model_of_an_older_checkpoint_compared_by_its_saved_folder(tmp_pat
     saved = to_yaml(load_config(None, [f"model.config_path={first}"]))
     for folder, verdict in ((moved, "applied"), (edited, "refused")):
         cfg = load_config(None, [f"model.config_path={folder}"])
-        changes = resume_changes(saved, cfg, same_content_as({}, cfg.model))
+        changes = resume_changes(saved, cfg, content_change_since({}, cfg.model))
         assert [(c.key, c.verdict) for c in changes] == [("model.config_path", verdict)], changes
         assert isinstance(changes[0], ConfigChange)
+    assert changes[0].why == "the architecture trained is another one (hidden_act: 'silu' -> 'gelu')", changes[0].why
+
+
+def test_a_base_with_other_weights_is_refused_naming_the_fingerprints(tmp_path):
+    """model.name_or_path at a copy whose config.json is the same but whose weights are not."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ckpt.adapter import base_fingerprint
+
+    first = copy_model(tmp_path / "a")
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(first)).save_pretrained(first)
+    other = str(shutil.copytree(first, tmp_path / "b"))
+    weights = os.path.join(other, "model.safetensors")
+    save_file({k: v + 0.01 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    saved = to_yaml(load_config(None, [f"model.name_or_path={first}"]))
+    cfg = load_config(None, [f"model.name_or_path={other}"])
+    changes = {c.key: c for c in resume_changes(saved, cfg, content_change_since({}, cfg.model))}
+    a, b = base_fingerprint(first)["fingerprint"], base_fingerprint(other)["fingerprint"]
+    assert changes["model.name_or_path"].verdict == "refused"
+    assert changes["model.name_or_path"].why == \
+        f"the weights trained on are another model's (the weights' fingerprint differs ({a} -> {b}))"
