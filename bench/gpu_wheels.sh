@@ -28,7 +28,8 @@ fetch() {
   rm -rf "$FOLDER"
   # --no-deps: the list above is the whole set; every other dependency is on the GPU machine already
   python3 -m pip download --quiet --dest "$FOLDER" --no-deps --only-binary=:all: --implementation cp \
-    --python-version "$PY_VERSION" --abi "cp${PY_VERSION/./}" --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+    --python-version "$PY_VERSION" --abi "cp${PY_VERSION/./}" \
+    --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
     "${PACKAGES[@]}" "${FALLBACK[@]}"
   echo "gpu_wheels: $(ls "$FOLDER" | wc -l) wheels, $(du -sh "$FOLDER" | cut -f1) in $FOLDER/: $(ls "$FOLDER" | tr '\n' ' ')"
 }
@@ -45,8 +46,8 @@ install() {
     echo "error: pip could not install ${PACKAGES[*]} from $FOLDER/: $(grep -m1 '^ERROR' "$log" || tail -n1 "$log")" >&2
     exit 1
   fi
-  local done
-  done=$(grep -m1 '^Successfully installed' "$log" | sed 's/^Successfully installed //' || true)
+  local installed_now
+  installed_now=$(grep -m1 '^Successfully installed' "$log" | sed 's/^Successfully installed //' || true)
   rm -f "$log"
   # what the project needs of this interpreter, beyond the wheels: torch/transformers releases, xxhash's XXH3-128
   "$PYTHON" -c 'import sys, datasets, peft, transformers, xxhash, torch
@@ -56,7 +57,7 @@ if problem:
     sys.exit(f"error: {problem}")
 print(f"gpu_wheels: installed {sys.argv[1]}; using torch {torch.__version__}, "
       f"transformers {transformers.__version__}, datasets {datasets.__version__}, peft {peft.__version__}")' \
-    "${done:-nothing, all there already}"
+    "${installed_now:-nothing, all there already}"
 }
 
 case "${1:-}" in
