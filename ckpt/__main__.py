@@ -19,6 +19,7 @@ import argparse
 import os
 import sys
 
+from common.versions import unsupported_versions
 from common.words import plural
 from .describe import inspect_path
 from .export import export_cli
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     named = {name: getattr(args, name) for name in ("path", "src", "dst", "checkpoint", "out_dir") if hasattr(args, name)}
     paths = list(named.values())
-    for name, path in named.items():  # local, or s3://bucket/prefix
-        problem = unsupported(path, name.replace("_", "-"))
+    problems = [unsupported_versions()] + [unsupported(path, name.replace("_", "-")) for name, path in named.items()]
+    for problem in problems:  # the torch/transformers releases, then each path: local, or s3://bucket/prefix
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2

@@ -5,6 +5,7 @@
 Owns: rank-0 helpers (rank 0 builds while the others wait through the filesystem; rank 0 runs and every rank
 gets the result or the error), a small all-reduce, a free local port, the world-size divisibility rule
 (dist.py), the one name -> dtype map of configs and the command line (dtypes.py), the start and end
-lines of a long phase (progress.py), and the one plural rule of printed counts (words.py).
+lines of a long phase (progress.py), the one plural rule of printed counts (words.py), and the torch and
+transformers releases supported (versions.py).
 May import: torch and the standard library only; nothing of this project outside common/.
 """

@@ -1,6 +1,6 @@
 """The checks of a run's inputs that every rank makes, identically and in milliseconds, before any process group:
-the launch, the model and tokenizer folders, the attention kernel, model.compile's compiler, the local data
-files.
+the torch and transformers releases (common/versions.py), the launch, the model and tokenizer folders, the attention
+kernel, model.compile's compiler, the local data files.
 
     python -m pytest tests/test_launch.py -q
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from common.versions import unsupported_versions
 from finetune.config import Config, ConfigError
 from finetune.data.errors import DataError
 from finetune.data.sources import is_local_path, sources
@@ -21,7 +22,7 @@ from finetune.model import check_attn_implementation, check_compile, check_model
 
 def check_inputs(cfg: Config) -> None:
     """Raise ConfigError / ModelError / DataError for the first input that cannot work."""
-    problem = accelerate_world_problem()
+    problem = unsupported_versions() or accelerate_world_problem()
     if problem:
         raise ConfigError(problem)
     check_attn_implementation(cfg.model)

@@ -51,6 +51,18 @@ def test_export_and_plot_exit_2_on_bad_input(tmp_path):
     one_error(cli("-m", "finetune.metrics", str(tmp_path / "metrics.jsonl")), "cannot plot")
 
 
+def test_ckpt_cli_refuses_a_transformers_older_than_supported(tmp_path):
+    """transformers 5.16 (its installed version faked by a sitecustomize): refused before the path is looked at."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import importlib.metadata as m\n_version = m.version\n"
+        "m.version = lambda name: '5.16.0' if name == 'transformers' else _version(name)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    proc = subprocess.run([sys.executable, "-m", "ckpt", "verify", str(tmp_path / "nope")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    one_error(proc, "transformers 5.16.0 is older than this project supports (5.17.0 to 5.23.0 were checked; "
+                    "docs/dependencies.md): install transformers>=5.17.0")
+
+
 def test_every_positional_and_option_has_help():
     from ckpt.__main__ import build_parser
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))

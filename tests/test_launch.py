@@ -21,12 +21,14 @@ TIMEOUT = 120
 TORCHRUN_EXIT = 1  # torchrun's own status when a worker fails; the workers' 2 is in its summary (README)
 
 
-def launch(cmd: list[str], tmp_path, *args: str) -> subprocess.CompletedProcess:
-    return launch_script(cmd, "train_fsdp.py", "--config", "configs/tiny.yaml", *FAST, f"run.dir={tmp_path}/run", *args)
+def launch(cmd: list[str], tmp_path, *args: str, **env: str) -> subprocess.CompletedProcess:
+    return launch_script(cmd, "train_fsdp.py", "--config", "configs/tiny.yaml", *FAST, f"run.dir={tmp_path}/run", *args,
+                         **env)
 
 
-def launch_script(cmd: list[str], script: str, *args: str) -> subprocess.CompletedProcess:
+def launch_script(cmd: list[str], script: str, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(extra_env)
     return subprocess.run([*cmd, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -81,6 +83,17 @@ def test_rank_0_waits_for_a_slower_rank_to_reach_the_verdict(tmp_path):
 def test_bad_input_once_under_torchrun(tmp_path, launcher, bad, needle):
     proc = launch(launcher, tmp_path, bad.format(tmp=tmp_path))
     assert_one_error(proc, needle.format(tmp=tmp_path), TORCHRUN_EXIT)
+
+
+def test_a_torch_older_than_supported_is_one_line_under_torchrun(tmp_path):
+    """torch 2.10 (its version faked in every process by a sitecustomize) is refused before any process group,
+    once, naming the oldest supported release, instead of failing later inside DCP."""
+    (tmp_path / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.10.0+cu128'\n")
+    fake_older_torch = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc = launch(README_TORCHRUN, tmp_path, PYTHONPATH=fake_older_torch)
+    assert_one_error(proc, "torch 2.10.0+cu128 is older than this project supports (2.11.0 to 2.13.0 were checked; "
+                           "docs/dependencies.md): install torch>=2.11.0", TORCHRUN_EXIT)
+    assert not os.path.exists(tmp_path / "run" / "metrics.jsonl")
 
 
 # ---------------------------------------------------------------- accelerate
