@@ -21,9 +21,9 @@ import sys
 
 from common.words import plural
 from .describe import inspect_path
-from .export import export_cli
+from .hf.export import export_cli
 from .layout import COMMIT_FILE, META_FILE, list_step_dirs, step_of
-from .manifest import VerifyError, verify_checkpoint
+from .commit_protocol import VerifyError, verify_checkpoint
 from .reshard import reshard
 from .storage import join, scheme_of, storage_for, unsupported
 
