@@ -20,10 +20,10 @@ import os
 import sys
 
 from common.words import plural
+from .commit_protocol import VerifyError, verify_checkpoint
 from .describe import inspect_path
 from .hf.export import export_cli
 from .layout import COMMIT_FILE, META_FILE, list_step_dirs, step_of
-from .commit_protocol import VerifyError, verify_checkpoint
 from .reshard import reshard
 from .storage import join, scheme_of, storage_for, unsupported
 

@@ -41,13 +41,13 @@ from typing import Callable
 
 from common.progress import phase
 from .errors import CheckpointError, DiskFullError, collective_timed_out
-from .hf.export import export_final
 from .faults import fault_at, fault_point
+from .hf.export import export_final
 from .layout import step_dir
 from .lock import lock_for_job
 from .manager import CheckpointManager, checkpoint_groups
-from .memory_tier.tier import MemoryTier
 from .memory_tier.peers import NodeLayout
+from .memory_tier.tier import MemoryTier
 from .policy import SavePolicy
 from .resume import Resumed, restore
 from .state import staging_need

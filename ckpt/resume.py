@@ -24,14 +24,14 @@ from torch.distributed.checkpoint import FileSystemReader
 from common.dist import first_problem, on_rank0_then_share
 from common.progress import phase
 from common.words import plural
-from .lora_base import check_same_base
 from .commit_protocol import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import list_step_dirs, read_meta, read_saved_config, step_of
+from .lora_base import check_same_base
 from .s3_io import ObjectStoreReader
-from .storage import scheme_of, storage_for
 from .state import (DERIVED_SEED, ModelOptimizer, derived_seed, fit_to_checkpoint, reseed_all, restores_rng, rng_key,
                     rng_world_size)
+from .storage import scheme_of, storage_for
 
 
 def choose_checkpoint(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None],

@@ -25,12 +25,12 @@ from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorag
 
 from common.dtypes import DTYPE_NAMES, DTYPES
 from ..errors import CheckpointError
-from .files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
-                    safetensors_header, write_index, write_model_files)
 from ..lora_base import base_fingerprint, lora_info
 from ..reading import (dcp_metadata, few, meta_model, model_names, read_items, safetensors_headers, source_dirs,
                        source_dtype)
 from ..schema import schema_of
+from .files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
+                    safetensors_header, write_index, write_model_files)
 
 ADAPTER_SUFFIX = (".lora_A.default.weight", ".lora_B.default.weight")  # peft's names in the training model
 _ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # safetensors header name -> torch

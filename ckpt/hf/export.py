@@ -36,17 +36,17 @@ from torch.futures import Future
 
 from common.dist import on_rank0_then_share
 from common.dtypes import DTYPE_NAMES, DTYPES
-from .adapter import export_lora
-from ..lora_base import lora_info
-from ..errors import SAVE_ERRORS, CheckpointError, save_failure
-from .files import (OutTensor, assign_files, create_files, file_names, parse_size, replace_dir, safetensors_header,
-                    write_index, write_model_files)
-from ..layout import step_of
 from ..commit_protocol import VerifyError, verify_checkpoint
+from ..errors import SAVE_ERRORS, CheckpointError, save_failure
+from ..layout import step_of
+from ..lora_base import lora_info
 from ..reading import dcp_metadata, few, model_names, source_dirs, source_dtype
 from ..s3_io import ObjectStoreReader
 from ..schema import schema_of
 from ..storage import scheme_of, storage_for
+from .adapter import export_lora
+from .files import (OutTensor, assign_files, create_files, file_names, parse_size, replace_dir, safetensors_header,
+                    write_index, write_model_files)
 
 _PIECE = 4 << 20  # elements converted and written at a time (16 MiB of fp32)
 

@@ -35,12 +35,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from common.dist import first_problem
 from common.words import plural
 from ..checksum import new_hasher
+from ..commit_protocol import VerifyError, check_file, held_files, read_marker, shares
 from ..errors import CheckpointError
 from ..layout import list_step_dirs, step_dir
-from ..commit_protocol import VerifyError, check_file, held_files, read_marker, shares
+from ..resume import check_model_matches, load, trust_metadata
 from .peers import NodeLayout, Transfer, exchange, rank_of_file
 from .replicate import SHARED, remove_step
-from ..resume import check_model_matches, load, trust_metadata
 
 DATA = ".distcp"
 

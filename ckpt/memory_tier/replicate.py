@@ -52,16 +52,16 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from common.dist import first_problem
 from ..checksum import ALGORITHM, new_hasher
+from ..commit_protocol import METADATA_FILE, VerifyError, commit_checkpoint
 from ..committer import record_event
 from ..errors import SAVE_ERRORS, CheckpointError, save_failure
 from ..faults import fault_at
 from ..layout import COMMIT_FILE, list_step_dirs
-from ..commit_protocol import METADATA_FILE, VerifyError, commit_checkpoint
-from .peers import NodeLayout, Transfer, exchange, make_step_folder, rank_of_file
 from ..retention import doomed
 from ..saver import StagingWait
 from ..uploader import CheckpointWriter, lower_priority
 from ..writeback import InPlaceFileSystem
+from .peers import NodeLayout, Transfer, exchange, make_step_folder, rank_of_file
 
 SMALL = "s"  # DCP file-name prefix suffix of a rank's items that are not shards: __<rank>_s0.distcp
 

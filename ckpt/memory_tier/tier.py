@@ -34,11 +34,11 @@ from common.words import plural
 from ..errors import CheckpointError
 from ..layout import step_dir, step_of
 from ..manager import CheckpointManager, checkpoint_groups
-from .peers import NodeLayout
 from ..preflight import SHM_DIR, mem_available_bytes, shm_free_bytes
+from ..saver import Replay
+from .peers import NodeLayout
 from .recover import TierRecovery, PeerLoad
 from .replicate import TierWriter, NodeCommitter, remove_memory_folder, tier_folders
-from ..saver import Replay
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
