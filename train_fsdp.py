@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
-from ckpt.hf_load import load_hf_weights
+from ckpt.hf.load import load_hf_weights
 from common.dist import free_port, rank0_builds_others_wait
 from common.progress import phase
 from common.words import plural
@@ -188,7 +188,7 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
 def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
     """List every difference between the checkpoint's config (`saved`, the text of its config.yaml) and this
     one; refuse the ones that make the continuation meaningless (finetune/resume_rules.py RESUME_REFUSED,
-    docs/resume-rules.md). ckpt/ calls it before loading `path` (resume.py resume_state)."""
+    docs/resume-rules.md). ckpt/ calls it before loading `path` (ckpt/resume.py restore)."""
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
         return

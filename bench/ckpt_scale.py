@@ -17,7 +17,7 @@ write commit.json with W entries, fsync. On resume rank 0 checks the manifest ag
 The manifest costs are measured, not assumed: for each (model, W) this script writes a DCP .metadata
 with the model's real tensor count (Llama: 9 tensors per layer + 3, each x3 with the two AdamW
 moments, plus one `step` per tensor), every sharded tensor in W chunks as FSDP2 saves it, and times
-ckpt.manifest's commit_checkpoint (hash .metadata + manifest of W digests + fsyncs) and check_manifest,
+ckpt.commit_protocol's commit_checkpoint (hash .metadata + manifest of W digests + fsyncs) and check_manifest,
 up to --measure-max; above it they are extrapolated (scaled by W from the largest measured W), and the JSON
 (`manifest_costs`) and the table say so. The run is also kept under bench/results/runs/ (bench/provenance.py).
 Rates are this machine's page-cache rates, so the old scheme's figures are lower bounds: its rank 0
@@ -83,7 +83,7 @@ def synthetic_metadata(layers: int, world: int, digest_of: dict):
 
 def manifest_costs(layers: int, world: int, work: str) -> dict:
     """Seconds for rank 0's commit (after the upload) and its manifest check on resume, measured."""
-    from ckpt.manifest import check_manifest, commit_checkpoint
+    from ckpt.commit_protocol import check_manifest, commit_checkpoint
     path = os.path.join(work, "step-000001")
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)

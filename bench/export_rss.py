@@ -30,7 +30,7 @@ import provenance  # noqa: E402 - bench/provenance.py, beside this script
 MEASURE = r"""
 import json, sys, threading, time
 import torch, transformers, transformers.models.llama.modeling_llama
-from ckpt.export import export_cli
+from ckpt.hf.export import export_cli
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -80,7 +80,7 @@ def save_checkpoint(root: str) -> tuple[str, int, int]:
     from transformers import AutoModelForCausalLM
 
     from ckpt.checksum import ChecksummingWriter
-    from ckpt.manifest import commit_checkpoint
+    from ckpt.commit_protocol import commit_checkpoint
 
     model_dir, ckpt = os.path.join(root, "model"), os.path.join(root, "checkpoints", "step-000001")
     config = bench_config()

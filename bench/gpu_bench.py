@@ -274,7 +274,7 @@ def memory_tier(run: dict, a, device, tokens_per_step: int, work: str) -> dict:
     """tokens/s with a memory-tier save every step against none, interleaved (none, memory, memory, none)."""
     from types import SimpleNamespace
     from ckpt import ModelOptimizer
-    from ckpt.memory import MemoryTier
+    from ckpt.memory_tier.tier import MemoryTier
     model, optim, data = run["model"], run["optim"], run["data"]
     log, state = Log(0), {"app": ModelOptimizer(model, optim)}
     options = SimpleNamespace(memory_interval=1, memory_keep=1, memory_replicas=0, dir=os.path.join(work, "disk"),

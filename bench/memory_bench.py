@@ -104,7 +104,7 @@ class Bench:
     def __init__(self, args, model, optim, device, log):
         from types import SimpleNamespace
         from ckpt import CheckpointManager, ModelOptimizer
-        from ckpt.memory import MemoryTier
+        from ckpt.memory_tier.tier import MemoryTier
         self.args, self.model, self.optim, self.device, self.log = args, model, optim, device, log
         self.state, self.step = {"app": ModelOptimizer(model, optim)}, 1
         node = int(os.environ.get("GROUP_RANK", "0"))
@@ -150,17 +150,17 @@ class Bench:
         """Seconds from asking for a resume to the state loaded, and to the end of the first resumed step (same
         world size)."""
         import torch.distributed as dist
-        from ckpt.resume import resume_from
+        from ckpt.resume import restore
         if tier == "disk":
             self.disk.wait()
             drop_page_cache(self.disk.dir)
         dist.barrier()
         t0 = time.perf_counter()
         if tier == "memory":
-            mgr, path, _ = self.memory.resume_candidate(self.disk, "auto")
+            mgr, path, _ = self.memory.choose_checkpoint(self.disk, "auto")
         else:
-            mgr, path = self.disk, self.disk.find_resume("auto")
-        resume_from(mgr, path, tier, self.state, 0, None, self.log)
+            mgr, path = self.disk, self.disk.choose_checkpoint("auto")
+        restore(mgr, path, tier, self.state, 0, None, self.log)
         loaded = time.perf_counter() - t0
         self.train()
         return loaded, time.perf_counter() - t0
@@ -185,7 +185,7 @@ class Floors:
 
     def __init__(self, tensors: list, folder: str, pg, rank: int, peers: tuple[int, int]):
         import torch
-        from ckpt.peers import CHUNK
+        from ckpt.memory_tier.peers import CHUNK
         self.views = [t.detach().reshape(-1).view(torch.uint8).numpy() for t in tensors]  # no copy: contiguous
         self.path, self.pg, (self.to, self.source) = os.path.join(folder, f"floor-{rank}"), pg, peers
         size = torch.tensor([sum(v.nbytes for v in self.views)])

@@ -69,7 +69,7 @@ def timed_save(mgr, state: dict, step: int, events: list) -> dict:
 def timed_resume(mgr, state: dict) -> dict:
     """The newest checkpoint verified by all ranks (each its share), then loaded."""
     t0 = time.perf_counter()
-    path = mgr.find_resume("auto")
+    path = mgr.choose_checkpoint("auto")
     verified = time.perf_counter() - t0
     mgr.load(path, state)
     return {"verify_s": verified, "load_s": time.perf_counter() - t0 - verified, "resume_s": time.perf_counter() - t0}

@@ -2,19 +2,25 @@
 
     python -m ckpt --help
 
-Owns how to checkpoint, and every failure rule. A training loop opens one handle, TrainingCheckpoints
-(loop.py, `open_checkpoints`: resume, when to save, what a failure means, finish, export), which drives
-CheckpointManager (manager.py: how; its parts are saver.py, committer.py, lock.py and resume.py), and with
-ckpt.memory_interval a second one for node-local memory (memory.py, the memory tier; replicate.py copies it to
-peer nodes, recover.py resumes from it, peers.py moves files between nodes). Offline
-tools: `python -m ckpt` (verify, inspect: describe.py, reshard, export). Nothing here imports the training
-config: the trainer hands over plain objects, its options, an event sink, and a CheckpointSchema (schema.py)
-naming what its checkpoints hold.
+Owns how to checkpoint, and every failure rule. Its parts, top to bottom:
+- the handle a training loop holds: loop.py (`open_checkpoints` -> TrainingCheckpoints: resume, when to save,
+  what a failure means, finish, export); the offline tools: `python -m ckpt` (__main__.py; describe.py inspect,
+  reshard.py, verify, export).
+- memory_tier/ (node-local memory, replicated to peer nodes) and hf/ (HF weights in, HF folders out): each
+  imports the core below, never the other, and only the layer above imports them.
+- the core, flat in this folder: the save path (manager.py -> saver.py -> uploader.py, prestage.py), the commit
+  protocol (commit_protocol.py: when a checkpoint counts as complete; committer.py runs it, retention.py
+  after it), the resume path (resume.py, state.py), the job lock (lock.py), and what they share (layout.py,
+  checksum.py, errors.py, faults.py, schema.py, reading.py, lora_base.py).
+- storage (storage.py, s3_io.py): a local folder or an object store behind the operations the protocol needs.
+Nothing here imports the training config: the trainer hands over plain objects, its options, an event sink, and
+a CheckpointSchema (schema.py) naming what its checkpoints hold.
 May import: common/, torch, the standard library, and third-party packages (safetensors, yaml; transformers
-and peft lazily, in the export). Never finetune/ or train_fsdp.py. docs/design.md draws the layers.
+and peft lazily, in the export). Never finetune/ or train_fsdp.py. docs/design.md draws the layers and says
+which file to change for what; tests/test_layers.py checks the arrows.
 """
 
-from .manifest import VerifyError, verify_checkpoint
+from .commit_protocol import VerifyError, verify_checkpoint
 from .errors import CheckpointError, DiskFullError, collective_timed_out
 from .layout import latest_committed_step, read_meta, read_saved_config, step_dir
 from .loop import TrainingCheckpoints, open_checkpoints

@@ -21,10 +21,10 @@ import sys
 
 from common.versions import unsupported_versions
 from common.words import plural
+from .commit_protocol import VerifyError, verify_checkpoint
 from .describe import inspect_path
-from .export import export_cli
+from .hf.export import export_cli
 from .layout import COMMIT_FILE, META_FILE, list_step_dirs, step_of
-from .manifest import VerifyError, verify_checkpoint
 from .reshard import reshard
 from .storage import join, scheme_of, storage_for, unsupported
 

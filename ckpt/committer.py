@@ -4,7 +4,7 @@
     python -m pytest tests/test_retention.py tests/test_ckpt_unit.py tests/test_faults.py -q
 
 The protocol, per save:
-1. commit: rank 0 writes commit.json from every rank's digests, which DCP's finish gathered (commit.py). The save
+1. commit: rank 0 writes commit.json from every rank's digests, which DCP's finish gathered (commit_protocol.py). The save
    is committed once the marker is durable: a sync save returns there, and the `checkpoint` event's committed_s
    stops there. A sync save commits on the calling thread and every rank receives rank 0's outcome
    (`commit_sync`); an async one commits on the committer thread once its upload is done (`start_async_commit`).
@@ -30,7 +30,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from common.dist import on_rank0_then_share
-from .manifest import commit_checkpoint
+from .commit_protocol import commit_checkpoint
 from .errors import SAVE_ERRORS, CheckpointError, RetentionError, cause_line, collective_timed_out, save_failure
 from .faults import fault_at
 from .retention import apply_retention, delete_share, list_trash, remove_trash

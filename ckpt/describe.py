@@ -22,13 +22,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from common.dist import divisibility_problem
 from common.words import plural
-from .adapter import describe_lora
+from .commit_protocol import VerifyError, verify_checkpoint
 from .layout import META_FILE, is_marked_committed, list_step_dirs, read_meta, step_of
-from .manifest import VerifyError, verify_checkpoint
+from .lora_base import describe_lora
 from .reading import dcp_metadata, read_items
 from .schema import schema_of
-from .storage import scheme_of, storage_for
 from .state import DERIVED_SEED, restores_rng, rng_key, rng_world_size
+from .storage import scheme_of, storage_for
 
 # ---------------------------------------------------------------- reading one checkpoint
 

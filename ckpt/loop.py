@@ -23,7 +23,7 @@ what a failure means, how to resume, and exports the final checkpoint.
 - on an exception: no emergency save after a collective timed out (a save needs every rank), on a full
   disk, or in the middle of a step (the batch would be recorded as trained on); otherwise the last
   finished step is saved synchronously, after the in-flight save is drained.
-- the memory tier (memory.py, ckpt.memory_interval): a save to node-local memory, copied to other nodes; at a
+- the memory tier (memory_tier/tier.py, ckpt.memory_interval): a save to node-local memory, copied to other nodes; at a
   step the disk tier saves too, it saves the disk save's staged copy; resume takes the newest step of either
   tier; the memory folder goes when the run ends normally.
 `options` is any object with the attributes dir, async_mode, keep_last, keep_best, resume, interval,
@@ -41,15 +41,15 @@ from typing import Callable
 
 from common.progress import phase
 from .errors import CheckpointError, DiskFullError, collective_timed_out
-from .export import export_final
 from .faults import fault_at, fault_point
+from .hf.export import export_final
 from .layout import step_dir
 from .lock import lock_for_job
 from .manager import CheckpointManager, checkpoint_groups
-from .memory import MemoryTier
-from .peers import NodeLayout
+from .memory_tier.peers import NodeLayout
+from .memory_tier.tier import MemoryTier
 from .policy import SavePolicy
-from .resume import Resumed, resume_from
+from .resume import Resumed, restore
 from .state import staging_need
 
 
@@ -69,7 +69,7 @@ def open_checkpoints(options, max_steps: int, timeout: timedelta | None, open_lo
 class TrainingCheckpoints:
     def __init__(self, mgr, options, max_steps: int, log, memory: MemoryTier | None = None):
         """`mgr`: the CheckpointManager (how to save); `log`: the event sink (info and event); `memory`: the
-        memory tier (memory.py), off when None."""
+        memory tier (memory_tier/tier.py), off when None."""
         self.mgr, self.options, self.max_steps, self.log = mgr, options, max_steps, log
         self.memory = memory or MemoryTier(log)
         self.state, self.files_for, self.policy = {}, None, None  # track() sets them, right before the loop
@@ -93,10 +93,10 @@ class TrainingCheckpoints:
     def resume(self, state: dict, files_for: Callable[[int], dict[str, str]], seed: int, lora_base: dict | None,
                check_config: Callable[[str, str | None], None]) -> Resumed:
         """Load into `state` what options.resume names, or with the memory tier on the newest step of either tier
-        (resume.py resume_from: the base check, `check_config`, the RNG rule), then track it; returns what was
+        (resume.py restore: the base check, `check_config`, the RNG rule), then track it; returns what was
         loaded."""
-        mgr, path, tier = self.memory.resume_candidate(self.mgr, self.options.resume)  # disk only when it is off
-        resumed = resume_from(mgr, path, tier, state, seed, lora_base, self.log, check_config)
+        mgr, path, tier = self.memory.choose_checkpoint(self.mgr, self.options.resume)  # disk only when it is off
+        resumed = restore(mgr, path, tier, state, seed, lora_base, self.log, check_config)
         self.track(state, files_for)
         return resumed
 
@@ -163,7 +163,7 @@ class TrainingCheckpoints:
 
     def export(self, step: int, out_dir: str, dtype: str) -> None:
         """The final checkpoint, `step`, saved by this job, as a HF folder in `out_dir`; every rank writes its
-        share of the tensors (export.py export_final). One log line says what was written."""
+        share of the tensors (hf/export.py export_final). One log line says what was written."""
         if self.mgr.last_saved_step != step:
             raise CheckpointError(f"export.at_end: no checkpoint of the final step {step} (ckpt.save_at_end=false?)")
         with phase(self.log.info, f"export: writing step {step} to {out_dir}"):

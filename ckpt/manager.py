@@ -11,7 +11,7 @@ save lives in its own file:
   committer thread of every rank, retention empties .trash, each rank deleting its share.
 - agreement: poll()/wait()/save() raise a background save's error on every rank at the same call (one
   all-reduce), so no rank goes on while another failed.
-- resume: find_resume / load (resume.py).
+- resume: choose_checkpoint / load (resume.py).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class CheckpointManager:
                  lock: DirLock | None = None, committer=None, writer: type = CheckpointWriter, upload_nice: int = 0):
         """`groups`: checkpoint_groups(timeout), made here when None. `lock`: the ckpt.dir lock its caller took
         on groups[0] (lock_for_job), released by close(); or acquire_lock() later. `committer`, `writer`: the
-        memory tier's (replicate.py), made on groups[0]; else the Committer and CheckpointWriter of ckpt.dir.
+        memory tier's (memory_tier/replicate.py), made on groups[0]; else the Committer and CheckpointWriter of ckpt.dir.
         `upload_nice`: the upload thread's niceness (uploader.py)."""
         if async_mode not in ("off", "thread", "process"):
             raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
@@ -106,7 +106,7 @@ class CheckpointManager:
 
         `files` (name -> text) are written beside the shards by rank 0 (meta.json, config.yaml).
         blocking=True (or async_mode=off) returns only once the checkpoint is committed. `stager`: instead of
-        this manager's own (memory.py: a replay of the disk save's staged copy)."""
+        this manager's own (memory_tier/tier.py: a replay of the disk save's staged copy)."""
         t0 = time.perf_counter()
         self.wait()  # at most one save in flight; raises a previous save's error
         path = step_dir(self.dir, step)
@@ -199,9 +199,9 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ resume
 
-    def find_resume(self, resume: str, newer_than: int = -1) -> str | None:
+    def choose_checkpoint(self, resume: str, newer_than: int = -1) -> str | None:
         """'none' -> None; 'auto' -> newest verified one after step `newer_than` (skips logged); a path -> it."""
-        return _resume.find_resume(self.dir, resume, self.pg, self.on_log, self.on_event, newer_than)
+        return _resume.choose_checkpoint(self.dir, resume, self.pg, self.on_log, self.on_event, newer_than)
 
     def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:
         """Load `state` in place (resume.py); `model_state` is checked against the keys under `prefix` first."""

@@ -3,7 +3,7 @@ a HF safetensors folder, and the model a checkpoint was trained from (its folder
 
     python -m pytest tests/test_hf.py tests/test_lora.py -q
 
-Below hf_load.py, export.py, adapter.py and describe.py; imports nothing of them. Nothing here needs a
+Below hf/ (load.py, export.py, adapter.py) and describe.py; imports nothing of them. Nothing here needs a
 process group.
 """
 

@@ -1,5 +1,5 @@
 """Resume: which checkpoint to load (newest verified, or the one named), verified by all ranks together, a
-load that names a model mismatch instead of failing inside DCP, and `resume_state`, the whole sequence a
+load that names a model mismatch instead of failing inside DCP, and `restore`, the whole sequence a
 trainer asks for (base check, its own config check, load, the RNG rule of state.py), returning what it loaded.
 
     python -m pytest tests/test_ckpt_unit.py tests/test_ckpt_resume.py -q
@@ -24,17 +24,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from common.dist import first_problem, on_rank0_then_share
 from common.progress import phase
 from common.words import plural
-from .adapter import check_same_base
-from .manifest import VerifyError, check_files, check_listing, check_marker, check_references, shares
+from .commit_protocol import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import list_step_dirs, read_meta, read_saved_config, step_of
+from .lora_base import check_same_base
 from .s3_io import ObjectStoreReader
-from .storage import scheme_of, storage_for
 from .state import (DERIVED_SEED, ModelOptimizer, derived_seed, fit_to_checkpoint, reseed_all, restores_rng, rng_key,
                     rng_world_size)
+from .storage import scheme_of, storage_for
 
 
-def find_resume(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None],
+def choose_checkpoint(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None],
                 newer_than: int = -1) -> str | None:
     """'none' -> None; 'auto' -> newest verified checkpoint after step `newer_than` (skips are logged); a path ->
     that one."""
@@ -112,7 +112,7 @@ class _VerifiedObjectStoreReader(_VerifiedRead, ObjectStoreReader):
 
 def trust_metadata(path: str, metadata) -> None:
     """`metadata`, read from `path`'s .metadata after its checksum passed, is the one the next load of `path` uses
-    (the memory tier verifies its own way, recover.py)."""
+    (the memory tier verifies its own way, memory_tier/recover.py)."""
     _verified.clear()
     _verified[os.path.normpath(path)] = metadata
 
@@ -169,35 +169,29 @@ def check_model_matches(path: str, model_state: dict, prefix: str) -> None:
 
 @dataclass
 class Resumed:
-    """What resume_state did. `path` None: nothing to resume (a fresh start, RNG seeded for step 0)."""
+    """What restore did. `path` None: nothing to resume (a fresh start, RNG seeded for step 0)."""
     path: str | None = None
     step: int = 0
     saved_world_size: int | None = None
     rng: str = "seeded"  # "seeded" (fresh start), "restored" (each rank's saved RNG), "re-derived" (DERIVED_SEED)
 
 
-def resume_state(mgr, state: dict, resume: str, seed: int, lora_base: dict | None, log,
-                 check_config: Callable[[str, str | None], None] = lambda path, saved: None) -> Resumed:
-    """Load the newest committed checkpoint (`resume` "auto"), the one named, or none ("none") into `state`,
-    in place, at any world size (DCP reshards). Before the load: the LoRA base must be the checkpoint's
-    (`lora_base`: the run's meta "lora" entry, None for full fine-tuning; adapter.py check_same_base), and
-    `check_config(path, saved config.yaml text or None)`, the trainer's own rule, may refuse. The RNG follows
-    state.py's rule; without a checkpoint every rank seeds derived_seed(seed, rank). `log`: info and event."""
-    return resume_from(mgr, mgr.find_resume(resume), "disk", state, seed, lora_base, log, check_config)
-
-
-def resume_from(mgr, path: str | None, tier: str, state: dict, seed: int, lora_base: dict | None, log,
-                check_config: Callable[[str, str | None], None] = lambda path, saved: None) -> Resumed:
-    """resume_state's load of `path`, a verified checkpoint of `mgr`'s folder found in `tier` (disk, memory), or
-    None; the `resume` event records the tier."""
+def restore(mgr, path: str | None, tier: str, state: dict, seed: int, lora_base: dict | None, log,
+            check_config: Callable[[str, str | None], None] = lambda path, saved: None) -> Resumed:
+    """Load `path`, a verified checkpoint of `mgr`'s folder found in `tier` (disk, memory; the `resume` event
+    records it), into `state`, in place, at any world size (DCP reshards); None: a fresh start. Before the load:
+    the LoRA base must be the checkpoint's (`lora_base`: the run's meta "lora" entry, None for full fine-tuning;
+    lora_base.py check_same_base), and `check_config(path, saved config.yaml text or None)`, the trainer's own
+    rule, may refuse. The RNG follows state.py's rule; without a checkpoint every rank seeds
+    derived_seed(seed, rank). `log`: info and event."""
     if path is None:
         reseed_all(derived_seed(seed, mgr.rank))
         return Resumed()
     check_same_base(path, lora_base)
     check_config(path, on_rank0_then_share(lambda: read_saved_config(path), mgr.pg, CheckpointError))
     meta = read_meta(path)
-    step, saved_world, restore = meta.get("step", step_of(path)), meta["world_size"], restores_rng(meta, mgr.world_size)
-    loaded = state if restore else {k: v for k, v in state.items() if k != rng_key(mgr.rank)}
+    step, saved_world, same_rng = meta.get("step", step_of(path)), meta["world_size"], restores_rng(meta, mgr.world_size)
+    loaded = state if same_rng else {k: v for k, v in state.items() if k != rng_key(mgr.rank)}
     loaded, filled = fit_to_checkpoint(loaded, _saved_metadata(path).state_dict_metadata, path)
     for key, default in filled.items():
         log.info(f"resume: {path} has no {key} (added to the train state since): it starts at {default!r}")
@@ -205,11 +199,11 @@ def resume_from(mgr, path: str | None, tier: str, state: dict, seed: int, lora_b
     model_state = None if model_key is None else state[model_key].state_dict()[ModelOptimizer.MODEL]
     with phase(log.info, f"resume: loading {path}"):
         mgr.load(path, loaded, model_state=model_state, prefix=f"{model_key}.{ModelOptimizer.MODEL}.")
-    if not restore:
+    if not same_rng:
         reseed_all(derived_seed(seed, mgr.rank, step))
         log.info(f"resume: RNG saved by {plural(rng_world_size(meta), 'rank')}, now {mgr.world_size}: re-derived as "
                  f"{DERIVED_SEED} (step {step})")
     log.info(f"resume: loaded {path} at step {step} (saved by {plural(saved_world, 'rank')}, now {mgr.world_size})")
     log.event("resume", step=step, path=path, world_size=mgr.world_size, saved_world_size=saved_world, tier=tier)
-    return Resumed(path, step, saved_world, "restored" if restore else "re-derived")
+    return Resumed(path, step, saved_world, "restored" if same_rng else "re-derived")
 

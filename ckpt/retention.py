@@ -29,7 +29,7 @@ import shutil
 import time
 from typing import Callable
 
-from .manifest import fsync_dir
+from .commit_protocol import fsync_dir
 from .layout import COMMIT_FILE, is_marked_committed, list_step_dirs, read_meta, trash_dir, trash_slot
 from .storage import join, scheme_of, storage_for
 

@@ -101,7 +101,7 @@ def save_planner(ckpt_dir: str, pg, to_lowest_rank: bool = False) -> DefaultSave
     managers in one process, or one world size after another, would merge their plans: a W=2 save after a
     W=1 one in the same process failed in gloo's scatter with one plan for two ranks. One key per checkpoint
     dir and world size keeps them apart. `to_lowest_rank`: an item several ranks hold is written by the lowest
-    of them, not spread over them (the memory tier, replicate.py)."""
+    of them, not spread over them (the memory tier, memory_tier/replicate.py)."""
     planner = DefaultSavePlanner(enable_plan_caching=True, dedup_save_to_lowest_rank=to_lowest_rank)
     world_size = dist.get_world_size(pg) if dist.is_initialized() else 1
     planner._cached_plans_key = f"{type(planner).__name__}:{os.path.realpath(ckpt_dir)}:W={world_size}"

@@ -15,7 +15,7 @@ Used for local files only (an object store's stream has no file descriptor; its 
 
 InPlaceFileSystem writes over a file that is already there instead of replacing it: the memory tier's steps go to
 tmpfs, where allocating a new file's pages (and freeing the old one's) costs more than copying the bytes into
-pages already there, so the next step reuses a superseded step's files (ckpt/replicate.py, the spare folder).
+pages already there, so the next step reuses a superseded step's files (ckpt/memory_tier/replicate.py, the spare folder).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
   `<name>.base_layer` (frozen) + `<name>.lora_A/B.default` (trainable). `fully_shard` then shards base and
   adapter weights of a block together; the optimizer only ever sees the adapters.
 - `base_file_name` maps the model's parameter names back to the names in the base model's safetensors, so
-  the existing sharded import (`ckpt.hf_load.load_hf_weights`) reads the frozen base on every rank.
+  the existing sharded import (`ckpt.hf.load.load_hf_weights`) reads the frozen base on every rank.
 - `init_adapters` draws lora_A in full from a generator seeded by (seed, name), as peft initialises it
   (kaiming-uniform, a=sqrt(5)), and zeroes lora_B: the same adapters at any world size, and step 0 is the base.
 - `lora_meta` is what meta.json records: the adapter settings, the base folder and its fingerprint.
@@ -23,7 +23,8 @@ import os
 import torch
 import torch.nn as nn
 
-from ckpt.adapter import MERGEABLE, base_fingerprint, unmergeable
+from ckpt.hf.adapter import MERGEABLE, unmergeable
+from ckpt.lora_base import base_fingerprint
 from finetune.shards import ModelError, copy_full_into, seed_for
 
 ADAPTER = "default"  # peft's adapter name; it appears in parameter names (lora_A.default.weight)

@@ -19,7 +19,7 @@ import json
 import os
 from typing import Callable
 
-from ckpt.adapter import base_fingerprint
+from ckpt.lora_base import base_fingerprint
 from finetune.model import TOKENIZER_FILES
 
 MODEL_PATH_KEYS = ("model.name_or_path", "model.config_path", "model.tokenizer_path")

@@ -322,12 +322,12 @@ def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
 
 
 def memory_tier_lines(cfg, rank_bytes: int, ranks_per_node: int, nodes: int) -> tuple[list[str], int]:
-    """The memory tier's need per node (ckpt/memory.py checks the same at start and turns the tier off if short):
+    """The memory tier's need per node (ckpt/memory_tier/tier.py checks the same at start and turns the tier off if short):
     report lines, and the bytes of RAM: its staging buffers, and its steps where the folder is /dev/shm's."""
     c = cfg.ckpt
     if not c.memory_interval:
         return [], 0
-    replicas = min(c.memory_replicas, nodes - 1)  # as ckpt/memory.py: at most one copy on each other node
+    replicas = min(c.memory_replicas, nodes - 1)  # as ckpt/memory_tier/tier.py: at most one copy on each other node
     copies = f" x (1 + {plural(replicas, 'replica')})" if replicas else ""
     need, staging = (c.memory_keep + 1) * (1 + replicas) * ranks_per_node * rank_bytes, ranks_per_node * rank_bytes
     folder = os.path.normpath(c.memory_dir or SHM_DIR)

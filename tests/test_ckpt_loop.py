@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckpt import CheckpointError, CheckpointSchema, DiskFullError, TrainingCheckpoints
 from ckpt.checksum import ChecksummingWriter
-from ckpt.manifest import commit_checkpoint
+from ckpt.commit_protocol import commit_checkpoint
 from ckpt.describe import inspect_path, world_size_problem
 from ckpt.schema import schema_of
 

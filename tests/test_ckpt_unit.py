@@ -20,11 +20,11 @@ import torch.distributed.checkpoint as dcp
 
 import ckpt.lock as lock_module
 from ckpt.checksum import ChecksummingWriter
-from ckpt.manifest import VerifyError, check_files, commit_checkpoint, shares, verify_checkpoint
+from ckpt.commit_protocol import VerifyError, check_files, commit_checkpoint, shares, verify_checkpoint
 from ckpt.layout import COMMIT_FILE, list_step_dirs, step_dir
 from ckpt.manager import CheckpointError, CheckpointManager
-from ckpt.peers import NodeLayout
-from ckpt.replicate import NodeCommitter
+from ckpt.memory_tier.peers import NodeLayout
+from ckpt.memory_tier.replicate import NodeCommitter
 
 DATA = "__0_0.distcp"
 
@@ -101,7 +101,7 @@ def test_old_sha256_manifest_still_verifies(tmp_path):
                 marker["files"][name] = {"size": info["size"], "sha256": hashlib.sha256(f.read()).hexdigest()}
     rewrite_marker(path, to_old_format)
     assert verify_checkpoint(path)["algorithm"] == "sha256"
-    assert CheckpointManager(str(tmp_path), "off").find_resume("auto") == path
+    assert CheckpointManager(str(tmp_path), "off").choose_checkpoint("auto") == path
     flip_byte(path)
     with pytest.raises(VerifyError, match="checksum mismatch \\(sha256\\)"):
         verify_checkpoint(path)
@@ -151,13 +151,13 @@ def test_find_resume_walks_back_and_logs(tmp_path):
     fake_checkpoint(tmp_path, 6, commit=False)
     logs = []
     mgr = CheckpointManager(str(tmp_path), "off", on_log=logs.append)
-    assert mgr.find_resume("auto") == step_dir(str(tmp_path), 2)
+    assert mgr.choose_checkpoint("auto") == step_dir(str(tmp_path), 2)
     skips = [line for line in logs if "skipping" in line]  # the others: each verification's start and end
     assert len(skips) == 2 and "step-000006" in skips[0] and "step-000004" in skips[1]
     assert f"resume: verifying {step_dir(str(tmp_path), 2)}: done in" in logs[-1]
-    assert mgr.find_resume("none") is None
+    assert mgr.choose_checkpoint("none") is None
     with pytest.raises(CheckpointError, match="cannot resume from"):
-        mgr.find_resume(step_dir(str(tmp_path), 4))
+        mgr.choose_checkpoint(step_dir(str(tmp_path), 4))
 
 
 def test_lock_refuses_second_holder(tmp_path):
@@ -299,7 +299,7 @@ def test_resume_unpickles_metadata_once(tmp_path, monkeypatch):
         calls.append(str(self.path))
         return real(self, *args, **kwargs)
     monkeypatch.setattr(FileSystemReader, "read_metadata", counted)
-    path = mgr.find_resume("auto")
+    path = mgr.choose_checkpoint("auto")
     state = {"w": torch.zeros(10)}
     mgr.load(path, state, model_state={"w": torch.zeros(10)})
     assert calls == [path] and torch.equal(state["w"], torch.arange(10.0))

@@ -3,7 +3,7 @@
     python -m pytest tests/test_ckpt_verify.py -q
 
 One real 2-rank training run makes the checkpoints; each case damages a copy, then `python -m ckpt
-verify` (offline, threads; its main() called here, a process start saved per case) and CheckpointManager.find_resume in 1 and 2 gloo processes (each rank
+verify` (offline, threads; its main() called here, a process start saved per case) and CheckpointManager.choose_checkpoint in 1 and 2 gloo processes (each rank
 checks its share of the files) must reach the same verdict, name the same problem, and walk back.
 """
 
@@ -72,7 +72,7 @@ def _resume_worker(rank, world_size, port, dirs, out):
         found = {}
         for name, d in dirs.items():
             logs = []
-            chosen = CheckpointManager(d, "off", on_log=logs.append).find_resume("auto")
+            chosen = CheckpointManager(d, "off", on_log=logs.append).choose_checkpoint("auto")
             found[name] = {"chosen": os.path.basename(chosen), "logs": logs}
         with open(f"{out}.{rank}", "w") as f:
             json.dump(found, f)

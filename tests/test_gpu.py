@@ -286,7 +286,7 @@ def _gemma_worker(rank: int, port: int, world: int, path: str, out: dict) -> Non
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from ckpt.hf_load import load_hf_weights
+    from ckpt.hf.load import load_hf_weights
     from finetune.config import ModelConfig
     from finetune.model import build_sharded_model
 

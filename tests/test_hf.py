@@ -89,7 +89,7 @@ def hf_models(tmp_path_factory):
 @pytest.mark.parametrize("seed", range(20))
 def test_chunk_runs_cover_exactly_the_chunk(seed):
     """Any saved chunk (FSDP dim-0 shards, or split on later dims) lands on exactly its own elements."""
-    from ckpt.export import chunk_runs
+    from ckpt.hf.export import chunk_runs
 
     gen = np.random.default_rng(seed)
     shape = tuple(int(d) for d in gen.integers(1, 6, size=gen.integers(1, 4)))
@@ -104,7 +104,7 @@ def test_chunk_runs_cover_exactly_the_chunk(seed):
 
 def test_parse_size_and_stray_files(hf_models, tmp_path):
     from ckpt import CheckpointError
-    from ckpt.hf_files import parse_size
+    from ckpt.hf.files import parse_size
     from ckpt.reading import check_safetensors_files
 
     assert parse_size("2GB") == 2 * 10**9 and parse_size("100KiB") == 102400 and parse_size("512") == 512
@@ -126,7 +126,7 @@ def _import_worker(rank: int, port: int, models: dict, ckpt_root: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from ckpt import CheckpointError, CheckpointManager
-    from ckpt.hf_load import load_hf_weights
+    from ckpt.hf.load import load_hf_weights
     from finetune.config import Config
     from finetune.model import build_sharded_model
 
@@ -165,7 +165,7 @@ def _import_worker(rank: int, port: int, models: dict, ckpt_root: str) -> None:
 
 
 def test_import_w2_bit_exact_then_export_round_trip(hf_models, tmp_path):
-    from ckpt.export import export_checkpoint
+    from ckpt.hf.export import export_checkpoint
 
     ckpt_root = str(tmp_path / "ckpts")
     start_on_free_port(_import_worker, lambda port: (port, hf_models, ckpt_root), nprocs=2, start_method="fork")
@@ -212,7 +212,7 @@ def test_train_from_hf_then_export(hf_models, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ckpt.__main__ import main as ckpt_cli
-    from ckpt.export import export_cli
+    from ckpt.hf.export import export_cli
 
     llama, run = hf_models["llama"], tmp_path / "run"
     run_train(run, 2, [f"model.name_or_path={llama}", "train.max_steps=2", "export.at_end=true", "export.dtype=fp32"])

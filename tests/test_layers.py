@@ -161,11 +161,46 @@ def test_no_private_name_imported_across_modules():
     assert not bad, "\n".join(bad)
 
 
+# ckpt/'s own parts, top to bottom (ckpt/__init__.py): the handle and the CLI; the memory tier and HF interop, side
+# by side; the core (save, commit protocol, resume, lock, what they share).
+CKPT_TOP = ("ckpt", "ckpt.__main__", "ckpt.loop")
+CKPT_SIDE = ("ckpt.memory_tier", "ckpt.hf")
+
+
+def ckpt_part(module: str) -> tuple[int, str]:
+    """(height, name) of a module of ckpt/: an import may go to the same part or to a lower height only."""
+    if module in CKPT_TOP:
+        return 2, "top"
+    side = next((p for p in CKPT_SIDE if module == p or module.startswith(p + ".")), None)
+    return (1, side) if side else (0, "core")
+
+
+def ckpt_part_violations(edges: list[Import], modules: set[str]) -> list[str]:
+    bad = []
+    for e in edges:
+        if layer(e.src) == "ckpt" and layer(e.dst) == "ckpt" and e.dst in modules:
+            (src_h, src_p), (dst_h, dst_p) = ckpt_part(e.src), ckpt_part(e.dst)
+            if dst_h > src_h or (dst_h == src_h and dst_p != src_p):
+                bad.append(f"{_where(e)}: {src_p} may not import {dst_p}")
+    return bad
+
+
+def test_ckpt_parts_import_only_downwards():
+    """The core never imports the memory tier, HF interop or the handle; the memory tier and HF interop never
+    import each other."""
+    modules, edges = import_graph()
+    bad = ckpt_part_violations(edges, modules)
+    assert not bad, "ckpt/'s parts (ckpt/__init__.py):\n" + "\n".join(bad)
+
+
 def test_the_rules_catch_a_lower_layer_importing_a_higher_one_and_a_cycle():
     """The checks above can fail: a synthetic graph with both faults trips them."""
     edges = [Import("ckpt.a", "finetune.b", True, (), 1), Import("finetune.b", "ckpt.a", False, (), 1)]
     assert find_cycle({"ckpt.a", "finetune.b"}, edges) == ["ckpt.a", "finetune.b", "ckpt.a"]
     assert [e for e in edges if layer(e.src) == "ckpt" and layer(e.dst) == "finetune"]
+    parts = [Import("ckpt.resume", "ckpt.hf.adapter", False, (), 1), Import("ckpt.hf.export", "ckpt.memory_tier.tier",
+                                                                           False, (), 2)]
+    assert len(ckpt_part_violations(parts, {"ckpt.hf.adapter", "ckpt.memory_tier.tier"})) == 2
 
 
 # ---------------------------------------------------------------- sizes a reader takes in at once

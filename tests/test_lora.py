@@ -171,7 +171,7 @@ def test_resume_on_a_moved_copy_of_the_base_continues(root, straight, tmp_path):
 
 def test_check_same_base_rules(tmp_path):
     from ckpt import CheckpointError
-    from ckpt.adapter import check_same_base
+    from ckpt.lora_base import check_same_base
 
     lora = {"r": 8, "base": "/m/a", "base_fingerprint": "sha256:aa"}
     (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "lora": lora}))
@@ -188,7 +188,7 @@ def test_check_same_base_rules(tmp_path):
 def test_fingerprint_sees_weights_not_sharding(root, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from ckpt.adapter import base_fingerprint
+    from ckpt.lora_base import base_fingerprint
 
     a, other = base_fingerprint(base_of(root)), base_fingerprint(str(root / "other"))
     assert a["fingerprint"] != other["fingerprint"] and a["params"] == other["params"]
@@ -355,7 +355,7 @@ def test_a_layer_the_merge_has_no_rule_for_is_refused_by_name(tmp_path):
     from transformers import AutoConfig
 
     from ckpt import CheckpointError
-    from ckpt.adapter import merge_rules
+    from ckpt.hf.adapter import merge_rules
 
     config = AutoConfig.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
     base = random_base(tmp_path / "llama", config)

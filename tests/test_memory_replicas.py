@@ -140,7 +140,7 @@ def _exchange(rank: int, port: int, folder: str) -> None:
     import json
     import torch.distributed as dist
     from ckpt.checksum import ALGORITHM, file_digest
-    from ckpt.peers import Transfer, exchange
+    from ckpt.memory_tier.peers import Transfer, exchange
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -185,8 +185,8 @@ def test_a_file_arriving_over_one_of_its_name_is_written_over_its_pages(tmp_path
 
 
 def test_a_superseded_step_becomes_the_spare_and_the_next_step_writes_over_its_files(tmp_path):
-    from ckpt.peers import NodeLayout
-    from ckpt.replicate import SPARE, NodeCommitter, make_step_dir, shard_file
+    from ckpt.memory_tier.peers import NodeLayout
+    from ckpt.memory_tier.replicate import SPARE, NodeCommitter, make_step_dir, shard_file
     from ckpt.writeback import InPlaceFileSystem
     folder = tmp_path / "mem"
     for step in (1, 2):
@@ -221,7 +221,7 @@ def test_dcp_writing_over_a_longer_file_leaves_exactly_its_bytes(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
     from ckpt.checksum import file_digest
-    from ckpt.replicate import MemoryWriter, shard_file
+    from ckpt.memory_tier.replicate import TierWriter, shard_file
     step = tmp_path / "step"
     step.mkdir()
     (step / shard_file(0)).write_bytes(b"\xff" * 1_000_000)
@@ -230,7 +230,7 @@ def test_dcp_writing_over_a_longer_file_leaves_exactly_its_bytes(tmp_path):
     try:
         mesh = init_device_mesh("cpu", (1,))
         metadata = dcp.save({"w": distribute_tensor(torch.arange(1000.0), mesh, [Shard(0)])},
-                            storage_writer=MemoryWriter(str(step), 0))
+                            storage_writer=TierWriter(str(step), 0))
         loaded = {"w": distribute_tensor(torch.zeros(1000), mesh, [Shard(0)])}
         dcp.load(loaded, checkpoint_id=str(step))
     finally:

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from ckpt import verify_checkpoint
-from ckpt.memory import default_memory_dir, memory_shortfall
+from ckpt.memory_tier.tier import default_memory_dir, memory_shortfall
 from ckpt.reading import read_items
-from ckpt.replicate import make_step_dir
+from ckpt.memory_tier.replicate import make_step_dir
 import train_fsdp
 from conftest import ROOT, events, losses, run_train
 from finetune.metrics import read_metrics

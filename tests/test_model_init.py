@@ -72,7 +72,7 @@ def _worker(rank: int, port: int, dirs: dict, results: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from ckpt.hf_load import load_hf_weights
+    from ckpt.hf.load import load_hf_weights
     from finetune.config import ModelConfig
     from finetune.model import build_sharded_model, decoder_blocks, init_random
 

@@ -127,7 +127,7 @@ def test_a_base_with_other_weights_is_refused_naming_the_fingerprints(tmp_path):
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ckpt.adapter import base_fingerprint
+    from ckpt.lora_base import base_fingerprint
 
     first = copy_model(tmp_path / "a")
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(first)).save_pretrained(first)

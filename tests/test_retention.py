@@ -192,7 +192,7 @@ def test_nothing_in_trash_looks_committed_or_is_listed(tmp_path, capsys):
     assert ckpt_cli(["inspect", str(ck)]) == 0
     rows = capsys.readouterr().out.splitlines()[1:]
     assert len(rows) == 1 and rows[0].split()[0] == "4", rows
-    assert CheckpointManager(str(ck), "off").find_resume("auto") == step_dir(str(ck), 4)
+    assert CheckpointManager(str(ck), "off").choose_checkpoint("auto") == step_dir(str(ck), 4)
 
 
 def test_retention_without_a_rename_deletes_in_place_but_never_a_marked_folder(tmp_path, monkeypatch):

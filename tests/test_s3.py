@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 from ckpt.checksum import ChecksummingWriter
 from ckpt.errors import CheckpointError
-from ckpt.manifest import VerifyError, commit_checkpoint, verify_checkpoint
+from ckpt.commit_protocol import VerifyError, commit_checkpoint, verify_checkpoint
 from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
 from ckpt.layout import list_step_dirs
 from conftest import ROOT, events, losses, run_train, start_on_free_port

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from ckpt import s3_io, storage
 from ckpt.layout import list_step_dirs
-from ckpt.manifest import verify_checkpoint
+from ckpt.commit_protocol import verify_checkpoint
 from ckpt.s3_io import PartUploadStream, part_size, read_ranges, s3_filesystem
 from ckpt.storage import S3Storage
 from conftest import ROOT, events, losses, run_train

@@ -27,7 +27,7 @@ import pytest
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
 from ckpt.layout import LOCK_FILE
 from ckpt.lock import STALE_S
-from ckpt.memory import default_memory_dir
+from ckpt.memory_tier.tier import default_memory_dir
 from conftest import FAST, ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
 from slurm_cluster import Host, SlurmCluster, SlurmError, running, unavailable_reason

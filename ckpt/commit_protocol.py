@@ -78,7 +78,7 @@ def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files
 def commit_checkpoint(ckpt_path: str, world_size: int, digests: dict[str, dict], metadata,
                       own_files: list[str], **extra) -> dict:
     """Write the commit marker from the gathered digests. Call on one rank after the save finished. `extra`:
-    more fields (the memory tier's "held", the files this node's folder holds, replicate.py)."""
+    more fields (the memory tier's "held", the files this node's folder holds, memory_tier/replicate.py)."""
     files = build_manifest(ckpt_path, digests, metadata, own_files)
     marker = {"step": step_of(ckpt_path), "world_size": world_size, "committed_at": time.time(),
               "algorithm": ALGORITHM, "files": files, **extra}

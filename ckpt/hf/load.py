@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from .errors import CheckpointError
-from .reading import check_safetensors_files, few, tied_aliases
+from ..errors import CheckpointError
+from ..reading import check_safetensors_files, few, tied_aliases
 
 def check_hf_keys(model: torch.nn.Module, model_sd: dict, saved: dict, hf_dir: str) -> list[str]:
     """The state-dict names to read. Missing or unexpected names and shape mismatches are errors that

@@ -1,12 +1,12 @@
-"""LoRA checkpoints: which base they belong to, and their two exports (PEFT adapter folder, merged HF model).
+"""LoRA checkpoints' two exports: a PEFT adapter folder, or the adapters merged into the base as a HF model.
 
     python -m ckpt export runs/lora/checkpoints/step-000100 out/adapter --adapter   # PeftModel.from_pretrained
     python -m ckpt export runs/lora/checkpoints/step-000100 out/merged              # full HF model, merged
     python -m pytest tests/test_lora.py -q
 
 A LoRA checkpoint holds only the adapters and their optimizer state; meta.json's "lora" entry names the
-base model folder and a fingerprint of its weights (`base_fingerprint`). Resuming or exporting against
-another base is refused, naming both (`check_same_base`). The merged export streams the base one tensor
+base model folder and a fingerprint of its weights (lora_base.py: exporting against another base is refused,
+naming both, as a resume is). The merged export streams the base one tensor
 at a time from its safetensors files, adds peft's delta where an adapter applies (`lora_delta`: scaling *
 B @ A, transposed for a layer that stores its weight (in, out)), and writes it to its place in the
 pre-sized output files: peak memory is about two copies of the largest tensor, not the model.
@@ -14,10 +14,6 @@ pre-sized output files: peak memory is about two copies of the largest tensor, n
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import json
-import math
 import os
 import shutil
 
@@ -28,74 +24,16 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorProperties, TensorStorageMetadata
 
 from common.dtypes import DTYPE_NAMES, DTYPES
-from .errors import CheckpointError
-from .hf_files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
-                       safetensors_header, write_index, write_model_files)
-from .layout import read_meta
-from .reading import (dcp_metadata, few, meta_model, model_names, read_items, safetensors_headers, source_dirs,
-                      source_dtype)
-from .schema import schema_of
+from ..errors import CheckpointError
+from ..lora_base import base_fingerprint, lora_info
+from ..reading import (dcp_metadata, few, meta_model, model_names, read_items, safetensors_headers, source_dirs,
+                       source_dtype)
+from ..schema import schema_of
+from .files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
+                    safetensors_header, write_index, write_model_files)
 
 ADAPTER_SUFFIX = (".lora_A.default.weight", ".lora_B.default.weight")  # peft's names in the training model
 _ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # safetensors header name -> torch
-_SAMPLED_TENSORS, _SAMPLED_BYTES = 8, 1 << 20
-
-
-# ---------------------------------------------------------------- the base model and its fingerprint
-
-@functools.lru_cache(maxsize=4)
-def base_fingerprint(hf_dir: str) -> dict:
-    """{"fingerprint", "params", "bytes"} of a HF safetensors folder: sha256 over every tensor's name, dtype
-    and shape, plus the first MiB of 8 tensors spread over the sorted names. Cost: the headers + 8 MiB read,
-    whatever the model size. Same weights in other files (sharding) -> same fingerprint; another fine-tune of
-    the same architecture differs in the sampled bytes."""
-    headers = safetensors_headers(hf_dir)
-    h = hashlib.sha256()
-    names = sorted(headers)
-    for name in names:
-        h.update(json.dumps([name, headers[name]["dtype"], headers[name]["shape"]]).encode())
-    step = max(1, len(names) // _SAMPLED_TENSORS)
-    for name in names[::step][:_SAMPLED_TENSORS]:
-        t = headers[name]
-        with open(t["file"], "rb") as f:
-            f.seek(t["start"])
-            h.update(f.read(min(t["nbytes"], _SAMPLED_BYTES)))
-    return {"fingerprint": "sha256:" + h.hexdigest()[:32], "params": sum(math.prod(t["shape"]) for t in headers.values()),
-            "bytes": sum(t["nbytes"] for t in headers.values())}
-
-
-def lora_info(ckpt_path: str) -> dict | None:
-    """meta.json's "lora" entry of a checkpoint, or None for a full fine-tuning checkpoint."""
-    return read_meta(ckpt_path, missing_ok=True).get("lora")
-
-
-def check_same_base(ckpt_path: str, expected: dict | None) -> None:
-    """Refuse to resume `ckpt_path` in a run whose adapter setup (`expected`: the run's meta "lora" entry, None
-    for full fine-tuning) differs: full vs LoRA, or adapters trained on another base (both named)."""
-    saved = lora_info(ckpt_path)
-    if saved is None and expected is None:
-        return
-    if saved is None:
-        raise CheckpointError(f"checkpoint {ckpt_path} is a full fine-tuning checkpoint, but this run trains LoRA "
-                              f"adapters (r={expected['r']}) on {expected['base']}")
-    if expected is None:
-        raise CheckpointError(f"checkpoint {ckpt_path} holds LoRA adapters (r={saved['r']}) of base {saved['base']}, "
-                              "but this run does full fine-tuning")
-    if saved["base_fingerprint"] != expected["base_fingerprint"]:
-        raise CheckpointError(f"checkpoint {ckpt_path} was trained on base {saved['base']} "
-                              f"({saved['base_fingerprint']}), but this run's base is {expected['base']} "
-                              f"({expected['base_fingerprint']}): adapters only fit the weights they were trained on")
-
-
-def describe_lora(meta: dict, ckpt_bytes: int) -> str | None:
-    """One line for `inspect`: a LoRA checkpoint, and its size against a full one (fp32 weights + AdamW)."""
-    lora = meta.get("lora")
-    if not lora:
-        return None
-    full = lora["base_params"] * 12  # 4 bytes of fp32 weight + 8 of AdamW moments per parameter
-    return (f"LoRA checkpoint: adapters r={lora['r']}, alpha {lora['alpha']}, on base {lora['base']} "
-            f"({lora['base_fingerprint']}); {ckpt_bytes / 2**20:.2f} MiB = {100 * ckpt_bytes / full:.2f}% of a full "
-            f"fine-tuning checkpoint of this model (~{full / 2**20:.1f} MiB: fp32 weights + AdamW moments)")
 
 
 # ---------------------------------------------------------------- peft's merge rule, per layer type

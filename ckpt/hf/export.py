@@ -6,7 +6,7 @@
 
 Full checkpoints (`export_checkpoint`): one `dcp.load` with no process group whose planner, instead of
 filling a state dict, writes each saved chunk straight to its place in the output safetensors files
-(hf_files.py), so memory peaks at about one saved chunk (a rank's shard of the largest tensor), not the
+(files.py), so memory peaks at about one saved chunk (a rank's shard of the largest tensor), not the
 model: `python bench/export_rss.py` measures it. The files are created at full size first, so writers fill
 them in parallel, each its share of the tensors: `--jobs N` processes offline, every rank of the job for
 `export.at_end`. LoRA checkpoints go to adapter.py (merged into the base, or the adapter alone). The
@@ -36,16 +36,17 @@ from torch.futures import Future
 
 from common.dist import on_rank0_then_share
 from common.dtypes import DTYPE_NAMES, DTYPES
-from .adapter import export_lora, lora_info
-from .errors import SAVE_ERRORS, CheckpointError, save_failure
-from .hf_files import (OutTensor, assign_files, create_files, file_names, parse_size, replace_dir, safetensors_header,
-                       write_index, write_model_files)
-from .layout import step_of
-from .manifest import VerifyError, verify_checkpoint
-from .reading import dcp_metadata, few, model_names, source_dirs, source_dtype
-from .s3_io import ObjectStoreReader
-from .schema import schema_of
-from .storage import scheme_of, storage_for
+from ..commit_protocol import VerifyError, verify_checkpoint
+from ..errors import SAVE_ERRORS, CheckpointError, save_failure
+from ..layout import step_of
+from ..lora_base import lora_info
+from ..reading import dcp_metadata, few, model_names, source_dirs, source_dtype
+from ..s3_io import ObjectStoreReader
+from ..schema import schema_of
+from ..storage import scheme_of, storage_for
+from .adapter import export_lora
+from .files import (OutTensor, assign_files, create_files, file_names, parse_size, replace_dir, safetensors_header,
+                    write_index, write_model_files)
 
 _PIECE = 4 << 20  # elements converted and written at a time (16 MiB of fp32)
 
@@ -268,7 +269,7 @@ def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "auto", max_sha
                       overwrite: bool = False, verify: bool = True, jobs: int = 1, adapter: bool = False) -> dict:
     """Write a complete HF model folder from a checkpoint saved at any world size, with `jobs` processes
     and no process group. The folder appears whole or not at all (built beside it, then renamed).
-    A LoRA checkpoint is merged into its base (ckpt/adapter.py); adapter=True writes the PEFT adapter alone.
+    A LoRA checkpoint is merged into its base (ckpt/hf/adapter.py); adapter=True writes the PEFT adapter alone.
     The checkpoint may be on S3, and so may `out_dir` (export_to_object_store)."""
     if scheme_of(out_dir) is not None:
         return export_to_object_store(ckpt_path, out_dir, dtype, max_shard_size, overwrite, verify, jobs, adapter)

@@ -34,13 +34,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from common.dist import first_problem
 from common.words import plural
-from .checksum import new_hasher
-from .errors import CheckpointError
-from .layout import list_step_dirs, step_dir
-from .manifest import VerifyError, check_file, held_files, read_marker, shares
+from ..checksum import new_hasher
+from ..commit_protocol import VerifyError, check_file, held_files, read_marker, shares
+from ..errors import CheckpointError
+from ..layout import list_step_dirs, step_dir
+from ..resume import check_model_matches, load, trust_metadata
 from .peers import NodeLayout, Transfer, exchange, rank_of_file
 from .replicate import SHARED, remove_step
-from .resume import check_model_matches, load, trust_metadata
 
 DATA = ".distcp"
 
@@ -164,7 +164,7 @@ def plan_fetch(requests: list[list[str]], cand: Candidate, layout: NodeLayout) -
     return out
 
 
-class MemoryRecovery:
+class TierRecovery:
     """Steps 1-3 of the docstring for one resume. `log`: the memory tier's (info, event)."""
 
     def __init__(self, folder: str, layout: NodeLayout, pg, info, event):
@@ -266,10 +266,10 @@ class MemoryRecovery:
 
 
 class PeerLoad:
-    """What resume.py's resume_from asks of a manager (rank, world_size, pg, load) for a memory step: the load
+    """What resume.py's restore asks of a manager (rank, world_size, pg, load) for a memory step: the load
     first fetches the files this node lacks, then dcp.load reads the node's folder."""
 
-    def __init__(self, mgr, recovery: MemoryRecovery, cand: Candidate):
+    def __init__(self, mgr, recovery: TierRecovery, cand: Candidate):
         self.rank, self.world_size, self.pg = mgr.rank, mgr.world_size, mgr.pg
         self.recovery, self.cand = recovery, cand
 

@@ -8,7 +8,7 @@ A memory step, step by step (docs/memory-tier.md):
    folder, with meta.json and config.yaml; a leftover of the same step (never marked, or skipped on resume)
    is deleted first. Every rank learns a leader's failure.
 2. write (DCP's upload thread): each rank writes its own files into its node's folder, with checksums
-   (`MemoryWriter`: the shards in __<rank>_0.distcp, the rank's other items in __<rank>_s0.distcp; the planner
+   (`TierWriter`: the shards in __<rank>_0.distcp, the rank's other items in __<rank>_s0.distcp; the planner
    puts every item all ranks hold on rank 0, so __0_s0.distcp, a few MB at 70B, is the only small file every
    rank loads). Rank 0 writes .metadata into node 0's folder.
 3. replicate (the committer thread, `NodeCommitter`): each rank sends its files to the same local rank on the
@@ -51,17 +51,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from common.dist import first_problem
-from .checksum import ALGORITHM, new_hasher
-from .committer import record_event
-from .errors import SAVE_ERRORS, CheckpointError, save_failure
-from .faults import fault_at
-from .layout import COMMIT_FILE, list_step_dirs
-from .manifest import METADATA_FILE, VerifyError, commit_checkpoint
+from ..checksum import ALGORITHM, new_hasher
+from ..commit_protocol import METADATA_FILE, VerifyError, commit_checkpoint
+from ..committer import record_event
+from ..errors import SAVE_ERRORS, CheckpointError, save_failure
+from ..faults import fault_at
+from ..layout import COMMIT_FILE, list_step_dirs
+from ..retention import doomed
+from ..saver import StagingWait
+from ..uploader import CheckpointWriter, lower_priority
+from ..writeback import InPlaceFileSystem
 from .peers import NodeLayout, Transfer, exchange, make_step_folder, rank_of_file
-from .retention import doomed
-from .saver import StagingWait
-from .uploader import CheckpointWriter, lower_priority
-from .writeback import InPlaceFileSystem
 
 SMALL = "s"  # DCP file-name prefix suffix of a rank's items that are not shards: __<rank>_s0.distcp
 
@@ -78,7 +78,7 @@ def shard_file(rank: int) -> str:
     return f"__{rank}_0.distcp"
 
 
-class MemoryWriter(CheckpointWriter):
+class TierWriter(CheckpointWriter):
     """The memory tier's writer: a rank's shards in __<rank>_0.distcp, its other items (its RNG; on rank 0 the
     items every rank holds, which the planner puts there) in the small __<rank>_s0.distcp; over the spare's file
     of that name where there is one."""

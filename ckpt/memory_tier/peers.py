@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .checksum import new_hasher
-from .faults import fault_point
-from .writeback import open_in_place
+from ..checksum import new_hasher
+from ..faults import fault_point
+from ..writeback import open_in_place
 
 CHUNK = 16 << 20  # bytes per message; a rank holds two buffers of it per file it sends or receives
 _RANK_FILE = re.compile(r"^__(\d+)_")  # DCP names a rank's data files __<rank>_<n>.distcp

@@ -31,14 +31,14 @@ import os
 
 from common.dist import all_ranks_reduce
 from common.words import plural
-from .errors import CheckpointError
-from .layout import step_dir, step_of
-from .manager import CheckpointManager, checkpoint_groups
+from ..errors import CheckpointError
+from ..layout import step_dir, step_of
+from ..manager import CheckpointManager, checkpoint_groups
+from ..preflight import SHM_DIR, mem_available_bytes, shm_free_bytes
+from ..saver import Replay
 from .peers import NodeLayout
-from .preflight import SHM_DIR, mem_available_bytes, shm_free_bytes
-from .recover import MemoryRecovery, PeerLoad
-from .replicate import MemoryWriter, NodeCommitter, remove_memory_folder, tier_folders
-from .saver import Replay
+from .recover import TierRecovery, PeerLoad
+from .replicate import TierWriter, NodeCommitter, remove_memory_folder, tier_folders
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 
@@ -182,7 +182,7 @@ class MemoryTier:
         nice = getattr(options, "upload_nice", 0)
         committer = NodeCommitter(folder, groups[0], tier.keep, layout, tier.replicas, tier._event, tier._info, nice)
         tier.mgr = CheckpointManager(folder, "thread", tier.keep, tier._event, tier._info, groups=groups,
-                                     committer=committer, writer=MemoryWriter, upload_nice=nice)
+                                     committer=committer, writer=TierWriter, upload_nice=nice)
         copies = (f", {plural(layout.nodes, 'node')}, each step's files also on the next "
                   f"{plural(tier.replicas, 'node') if tier.replicas > 1 else 'node'}" if tier.replicas else
                   f", {plural(layout.nodes, 'node')}, no replicas" if layout.nodes > 1 else "")
@@ -213,16 +213,16 @@ class MemoryTier:
         if any(any_rank(reason is not None)):
             self.turn_off(reason or "memory is short on another node")
 
-    def resume_candidate(self, disk: CheckpointManager, resume: str) -> tuple:
+    def choose_checkpoint(self, disk: CheckpointManager, resume: str) -> tuple:
         """(manager, path or None, tier): with resume=auto and the tier on, the newest step of either tier (the disk
         one only if newer), with one line saying which and why newer memory steps were skipped; a memory step's
         `manager` fetches, inside its load, the files this node lacks (recover.py)."""
         if self.mgr is None or resume != "auto":
-            return disk, disk.find_resume(resume), "disk"
-        recovery = MemoryRecovery(self.mgr.dir, self.layout, self.mgr.pg, self.log.info, self._event)
+            return disk, disk.choose_checkpoint(resume), "disk"
+        recovery = TierRecovery(self.mgr.dir, self.layout, self.mgr.pg, self.log.info, self._event)
         found = recovery.find()
         mem_step = found.step if found else -1
-        path = disk.find_resume("auto", newer_than=mem_step)
+        path = disk.choose_checkpoint("auto", newer_than=mem_step)
         why = f"; skipped newer memory steps: {', '.join(self.skipped)}" if self.skipped else ""
         if path is not None or found is None:
             newest = f"step {mem_step}" if found else "none"
