@@ -161,6 +161,13 @@ def test_no_private_name_imported_across_modules():
     assert not bad, "\n".join(bad)
 
 
+def test_only_the_storage_package_asks_which_scheme_a_path_has():
+    """Everything that differs between storage backends is a method of the backend (ckpt/storage/base.py)."""
+    bad = [f"{os.path.relpath(p, ROOT)}:{n}" for m, p in module_files().items() if not m.startswith("ckpt.storage")
+           for n, line in enumerate(open(p), 1) if "scheme_of" in line]
+    assert not bad, "ask ckpt.storage.storage_for(path) instead:\n" + "\n".join(bad)
+
+
 def test_the_rules_catch_a_lower_layer_importing_a_higher_one_and_a_cycle():
     """The checks above can fail: a synthetic graph with both faults trips them."""
     edges = [Import("ckpt.a", "finetune.b", True, (), 1), Import("finetune.b", "ckpt.a", False, (), 1)]

@@ -18,7 +18,8 @@ Operations:
   right under a folder/prefix, [] if none), `list_folders` (the names of folders/prefixes right under it), `sizes`
   ({name: bytes} of the files right under it), `is_folder` (a folder, or a prefix with something under it);
   `has_folders` says whether a folder exists apart from its files (False on an object store).
-- `delete(path)`, `delete_many(paths)` (files already gone are fine), `delete_tree(path)` (everything under it).
+- `delete(path)`, `delete_many(paths)` (files already gone are fine), `delete_tree(path)` (everything under it;
+  nothing there is fine).
 - `put_folder(local, url)`: where there is no atomic rename, a folder built locally goes up whole, config.json
   last (export's HF folder, ckpt/export.py).
 - `occupied(path)`: anything stands there; `prepare_folder(path)`: make the folder a step's files go into (a store of objects has none to make).

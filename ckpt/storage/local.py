@@ -148,7 +148,8 @@ class LocalStorage(Storage):
                 os.remove(path)
 
     def delete_tree(self, path: str) -> None:
-        shutil.rmtree(path)
+        if os.path.lexists(path):  # nothing there is fine
+            shutil.rmtree(path)
 
     def prepare_folder(self, path: str) -> None:
         os.makedirs(path)

@@ -183,7 +183,7 @@ class S3Storage(Storage):
     @as_oserror
     def delete_tree(self, path: str) -> None:
         """Every object under `path`/ (DeleteObjects: up to 1000 keys per request, the server does the work)."""
-        if self.fs.ls(path, detail=False, refresh=True):
+        if self.listdir(path):  # nothing there is fine (ls raises FileNotFoundError for an empty prefix)
             self.fs.rm(path, recursive=True)
 
     def put_folder(self, local: str, url: str) -> None:
