@@ -16,7 +16,6 @@ path that is no checkpoint, bad arguments, storage out of reach or refusing acce
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from common.words import plural

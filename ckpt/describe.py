@@ -14,7 +14,6 @@ resume would fail; 0 otherwise (a listing is 0 even when it shows bad checkpoint
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections import defaultdict
 

@@ -18,7 +18,6 @@ rank at the original world size, re-derived from (seed, step, rank) at any other
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
