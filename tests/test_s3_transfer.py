@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ckpt.storage import s3 as s3_backend
-from ckpt.storage import s3_transfer as s3_io
+from ckpt.storage import s3_transfer
 from ckpt.layout import list_step_dirs
 from ckpt.manifest import verify_checkpoint
 from ckpt.storage.s3_transfer import PartUploadStream, part_size, read_ranges, s3_filesystem
@@ -38,7 +38,7 @@ def test_part_sizes_stay_within_s3_limits():
     """S3: parts of 5 MiB to 5 GiB, at most 10,000 of them. The schedule keeps the first 2,000 parts at the base size
     (bounded upload buffers) and still fits objects far larger than a rank's share of a 70B checkpoint."""
     sizes = [part_size(n) for n in range(1, 10_001)]
-    assert sizes[0] == sizes[1999] == s3_io.PART_BYTES and sizes[2000] == 2 * s3_io.PART_BYTES
+    assert sizes[0] == sizes[1999] == s3_transfer.PART_BYTES and sizes[2000] == 2 * s3_transfer.PART_BYTES
     assert min(sizes) >= 5 << 20 and max(sizes) <= 5 << 30 and sum(sizes) >= 1 << 40
 
 
