@@ -22,7 +22,8 @@ Operations:
   nothing there is fine).
 - `put_folder(local, url)`: where there is no atomic rename, a folder built locally goes up whole, config.json
   last (export's HF folder, ckpt/export.py).
-- `occupied(path)`: anything stands there; `prepare_folder(path)`: make the folder a step's files go into (a store of objects has none to make).
+- `occupied(path)`: anything stands there; `prepare_folder(path)`: make the folder a step's files go into (a store
+  of objects has none to make).
 - Retention (ckpt/retention.py says when): `retire(path, marker)` takes a checkpoint out of the listing at once
   (its marker first, so no crash leaves a marked checkpoint with files missing) and raises OSError if it cannot;
   `retire_failed(path, error, on_log)` makes sure an unmarked one that could not be retired goes anyway;
@@ -35,9 +36,10 @@ Operations:
   only where it is (ckpt/checksum.py).
 - DCP: `writer_filesystem(folder_fs=None)` (the FileSystem ChecksummingWriter writes through; `folder_fs`, the
   FileSystem class a writer prefers for a folder, writeback.py's, is used by backends that write through a file
-  descriptor), `sync_files` (whether DCP must
-  fsync each file), `reader_class` (DCP's StorageReader: `reader_class(path)`); `partial_writes` says whether a
-  reader can ever see a file half written (the fault tests tear files only where it can).
+  descriptor); `sync_files` (whether DCP must fsync each file); `reader_class` (DCP's StorageReader, built as
+  `reader_class(path)`, an `ItemLoader`: its read_data hands each item to `load_item`, which the reader variants
+  of resume and export override on every backend at once, `ckpt.storage.reader_with`); `partial_writes` (whether
+  a reader can ever see a file half written: the fault tests tear files only where it can).
 
 The DCP write-stream contract (`writer_filesystem().create_stream(path, "wb")`), which DCP relies on and a backend
 must keep:

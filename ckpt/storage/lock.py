@@ -193,10 +193,10 @@ class DirLock:
 
 
 class ObjectLock:
-    """The lock of a ckpt.dir on an object store (`store`, which offers compare_and_swap): an object <ckpt.dir>/.lock holding the same record, created with a
-    conditional PUT (If-None-Match: *: of two jobs starting together, one gets it) and rewritten by the heartbeat
-    thread with a compare-and-swap on its ETag (If-Match). An object store has no flock, so the record decides, as
-    on a file system without flock: a fresh heartbeat refuses, a stale one is taken over (again by If-Match on
+    """The lock of a ckpt.dir on an object store (`store`, which offers compare_and_swap): an object
+    <ckpt.dir>/.lock holding the same record, created create-only (S3: If-None-Match: *: of two jobs starting
+    together, one gets it) and rewritten by the heartbeat thread with a compare-and-swap on its ETag (If-Match).
+    An object store has no flock, so the record decides, as on a file system without flock: a fresh heartbeat refuses, a stale one is taken over (again by If-Match on
     the ETag read, so two jobs cannot both take over) with a warning naming the dead job."""
 
     def __init__(self, ckpt_dir: str, store, warn: Callable[[str], None] = _warn):

@@ -124,7 +124,8 @@ class S3Storage(Storage):
 
     @as_oserror
     def open_read(self, path: str):
-        """A streaming read: ranged GETs of PART_BYTES, PARALLEL_PARTS in flight ahead of the reader (s3_transfer.RangeStream)."""
+        """A streaming read: ranged GETs of PART_BYTES, PARALLEL_PARTS in flight ahead of the reader
+        (s3_transfer.RangeStream)."""
         return RangeStream(self.fs, path, self.fs.size(path))
 
     @as_oserror

@@ -10,8 +10,8 @@ holds at most (PARALLEL_PARTS + 1) parts of upload buffers. A file smaller than 
 to 62,000 x PART_BYTES (1.9 TiB) fits. A failed upload aborts its multipart upload: no object appears and no
 parts are left to bill.
 Reads (`read_ranges`): byte ranges, neighbours less than MAX_GAP apart merged, cut into pieces of at most
-PART_BYTES, fetched PARALLEL_PARTS at a time ahead of the consumer: `S3Reader` (ckpt/storage/s3.py: DCP's load of this rank's
-items only) and `RangeStream` (one whole file front to back, for hashing).
+PART_BYTES, fetched PARALLEL_PARTS at a time ahead of the consumer: `S3Reader` (ckpt/storage/s3.py: DCP's load of
+this rank's items only) and `RangeStream` (one whole file front to back, for hashing).
 Retries: every request goes through botocore's standard retry mode, MAX_ATTEMPTS attempts per request (a part,
 not a file), exponential backoff with jitter (up to 20 s when S3 throttles with SlowDown), unless the standard
 AWS_MAX_ATTEMPTS / AWS_RETRY_MODE variables say otherwise; s3fs also retries a GET whose body is cut off. When the
