@@ -19,7 +19,7 @@ Operations:
   ({name: bytes} of the files right under it), `is_folder` (a folder, or a prefix with something under it);
   `has_folders` says whether a folder exists apart from its files (False on an object store).
 - `delete(path)`, `delete_many(paths)` (files already gone are fine), `delete_tree(path)` (everything under it;
-  nothing there is fine).
+  nothing there is fine); `list_objects(path)` (every file under it, full paths: the default sweep's list).
 - `put_folder(local, url)`: where there is no atomic rename, a folder built locally goes up whole, config.json
   last (export's HF folder, ckpt/export.py).
 - `occupied(path)`: anything stands there; `prepare_folder(path)`: make the folder a step's files go into (a store
