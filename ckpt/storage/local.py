@@ -37,12 +37,17 @@ def fsync_dir(path: str) -> None:
 
 
 def _write_tmp(path: str, data: bytes) -> str:
-    """`data` in a durable temporary file beside `path`; returns its name."""
+    """`data` in a durable temporary file beside `path`; returns its name. A failed write (a full disk) leaves none."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return tmp
 
 
