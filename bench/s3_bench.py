@@ -8,7 +8,7 @@ system, side by side on the bench model (bench/ckpt_bench.py's default size), me
 Without --bucket it starts moto's S3 server (tests/s3_server.py) in this process on 127.0.0.1 and launches itself
 under torchrun (2 ranks, gloo): each round saves with CheckpointManager (sync, so committed_s is the whole save)
 to a local folder and to s3://, in alternating order, then resumes each (verify, every rank its share, then
-dcp.load through ObjectStoreReader's parallel ranged GETs). Per method: median and min-max over the rounds after
+dcp.load through S3Reader's parallel ranged GETs). Per method: median and min-max over the rounds after
 the first (warm-up), and the ratios S3 / local. On one machine the S3 figures are the server's own cost (moto
 parses and stores every request in Python, in this process) plus loopback HTTP, never a network: they bound the
 client side's overhead, not what a real bucket would do (docs/performance.md has that arithmetic).

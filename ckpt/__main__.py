@@ -16,7 +16,6 @@ path that is no checkpoint, bad arguments, storage out of reach or refusing acce
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from common.versions import unsupported_versions
@@ -24,24 +23,24 @@ from common.words import plural
 from .commit_protocol import VerifyError, verify_checkpoint
 from .describe import inspect_path
 from .hf.export import export_cli
-from .layout import COMMIT_FILE, META_FILE, list_step_dirs, step_of
+from .layout import COMMIT_FILE, META_FILE, list_step_dirs
 from .reshard import reshard
-from .storage import join, scheme_of, storage_for, unsupported
+from .storage import storage_for, unsupported
 
 def not_a_checkpoint(path: str, cmd: str = "verify") -> str | None:
     """Why `path` is no checkpoint folder at all (rather than a damaged or uncommitted one), or None."""
-    local = scheme_of(path) is None
-    if local and not os.path.isdir(path):
+    store = storage_for(path)
+    if store.has_folders and not store.is_folder(path):
         return f"{path}: no such folder"
-    names = set(storage_for(path).listdir(path))
+    names = set(store.listdir(path))
     if names & {COMMIT_FILE, META_FILE, ".metadata"}:
         return None  # a checkpoint, committed or not: verify says what is wrong with it
-    steps = [p for _, p in list_step_dirs(path)] if local else [join(path, n) for n in sorted(names) if step_of(n)]
+    steps = [p for _, p in list_step_dirs(path)]
     if steps:
         return (f"{path} is a checkpoints folder ({plural(len(steps), 'step-* folder')}), not a checkpoint: {cmd} one "
                 f"of them, e.g. the newest: python -m ckpt {cmd} {steps[-1]}")
-    if not names and not local:
-        return f"{path}: nothing stored under this prefix"
+    if not names and not store.has_folders:  # an object store's empty prefix (an empty folder: below)
+        return f"{path}: {store.missing}"
     return f"{path} is not a checkpoint folder (no {COMMIT_FILE}, {META_FILE} or .metadata in it)"
 
 

@@ -25,8 +25,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.futures import Future
 
-from .s3_io import ObjectStoreFileSystem
-from .storage import scheme_of
+from .storage import storage_for
 
 ALGORITHM = "xxh3_128"
 LEGACY_ALGORITHM = "sha256"  # commit.json files without an "algorithm" field
@@ -40,7 +39,7 @@ def new_hasher(algorithm: str = ALGORITHM):
 
 def file_digest(path: str, algorithm: str = ALGORITHM, opener=open) -> dict:
     """{"size": bytes, <algorithm>: hex digest} of a file, read in chunks. `opener(path)`: a binary read stream
-    (an object store's streaming read, storage.py)."""
+    (an object store's streaming read: the backend's open_read, ckpt/storage/)."""
     h, size = new_hasher(algorithm), 0
     with (open(path, "rb") if opener is open else opener(path)) as f:
         while chunk := f.read(_CHUNK):
@@ -60,7 +59,7 @@ class HashingFileSystem(FileSystem):
         self.inner = inner or FileSystem()
         self.digests: dict[str, dict] = {}
 
-    # everything but the write streams is the inner file system's: the local one, or s3_io's for s3://
+    # everything but the write streams is the inner file system's: the backend's (its writer_filesystem)
     def init_path(self, path):
         return self.inner.init_path(path)
 
@@ -114,11 +113,12 @@ class ChecksummingWriter(FileSystemWriter):
     process uploaded. The .metadata file is written before that, unchanged."""
 
     def __init__(self, path: str, inner_fs: FileSystem | None = None, **writer_options):
-        # An object store: an object is durable once its PUT (the stream's close) returns, so there is nothing
-        # to fsync (DCP would fall back to a machine-wide os.sync() per file).
-        self.remote = scheme_of(path) is not None
-        super().__init__(path, sync_files=not self.remote, **writer_options)
-        self.fs = HashingFileSystem(inner_fs or (ObjectStoreFileSystem() if self.remote else None))
+        # The backend says whether DCP must fsync each file: an object is durable once its PUT (the stream's
+        # close) returns, so there is nothing to fsync (DCP would fall back to a machine-wide os.sync() per file).
+        store = storage_for(path)
+        self.renames = store.atomic_rename  # picklable: the process-mode uploader gets this writer
+        super().__init__(path, sync_files=store.sync_files, **writer_options)
+        self.fs = HashingFileSystem(inner_fs or store.writer_filesystem())
         self.path = self.fs.init_path(path)
 
     def write_data(self, plan, planner) -> Future:
@@ -129,15 +129,15 @@ class ChecksummingWriter(FileSystemWriter):
         return done
 
     def finish(self, metadata, results) -> None:
-        if self.remote:
-            self._finish_without_rename(metadata, results)
-        else:
+        if self.renames:
             super().finish(metadata, results)
+        else:
+            self._finish_without_rename(metadata, results)
         metadata.file_digests = {name: d for r in results for name, d in getattr(r, "digests", {}).items()}
 
 
     def _finish_without_rename(self, metadata, results) -> None:
-        """FileSystemWriter.finish on an object store: .metadata in one PUT, never DCP's `.metadata.tmp` ->
+        """FileSystemWriter.finish on a store without an atomic rename (an object store): .metadata in one PUT, never DCP's `.metadata.tmp` ->
         `.metadata` rename (a copy plus a delete on S3). A PUT is atomic, and .metadata is trusted only
         through the digest the commit marker holds, so a crash can leave nothing a reader believes."""
         metadata.version = CURRENT_DCP_VERSION

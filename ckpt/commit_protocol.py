@@ -21,38 +21,18 @@ ckpt verify` checks every file, on `--jobs` threads.
 from __future__ import annotations
 
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .checksum import ALGORITHM, LEGACY_ALGORITHM, file_digest
 from .layout import COMMIT_FILE, step_of
-from .storage import join, scheme_of, storage_for
+from .storage import join, storage_for
 
 METADATA_FILE = ".metadata"
 
 
 class VerifyError(Exception):
     """A checkpoint failed verification; the message names the file and the problem."""
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    """tmp + fsync + rename + fsync(dir): readers see the old file or the whole new one, never half."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(path) or ".")
 
 
 def referenced_files(metadata) -> set[str]:
@@ -82,11 +62,8 @@ def commit_checkpoint(ckpt_path: str, world_size: int, digests: dict[str, dict],
     files = build_manifest(ckpt_path, digests, metadata, own_files)
     marker = {"step": step_of(ckpt_path), "world_size": world_size, "committed_at": time.time(),
               "algorithm": ALGORITHM, "files": files, **extra}
-    if scheme_of(ckpt_path) is None:
-        fsync_dir(ckpt_path)  # the data files' directory entries are durable before the marker can be
-        write_json_atomic(os.path.join(ckpt_path, COMMIT_FILE), marker)
-    else:  # one create-only PUT (If-None-Match: *): never a rename, never over another marker (FileExistsError)
-        storage_for(ckpt_path).create(join(ckpt_path, COMMIT_FILE), json.dumps(marker, indent=1, sort_keys=True).encode())
+    # seen whole or not at all: a folder's tmp + rename after its entries are durable; an object store's create-only PUT
+    storage_for(ckpt_path).publish(join(ckpt_path, COMMIT_FILE), json.dumps(marker, indent=1, sort_keys=True).encode())
     return marker
 
 
@@ -118,7 +95,8 @@ def check_manifest(ckpt_path: str) -> dict:
 
 def check_marker(ckpt_path: str) -> dict:
     """The marker is well formed and names .metadata. Returns it; raises VerifyError."""
-    if scheme_of(ckpt_path) is None and not os.path.isdir(ckpt_path):  # an object store has no folders
+    store = storage_for(ckpt_path)
+    if store.has_folders and not store.is_folder(ckpt_path):  # an object store has no folders
         raise VerifyError(f"{ckpt_path}: not a directory")
     marker = read_marker(ckpt_path)
     if METADATA_FILE not in marker["files"]:

@@ -14,7 +14,6 @@ resume would fail; 0 otherwise (a listing is 0 even when it shows bad checkpoint
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections import defaultdict
 
@@ -28,7 +27,7 @@ from .lora_base import describe_lora
 from .reading import dcp_metadata, read_items
 from .schema import schema_of
 from .state import DERIVED_SEED, restores_rng, rng_key, rng_world_size
-from .storage import scheme_of, storage_for
+from .storage import storage_for
 
 # ---------------------------------------------------------------- reading one checkpoint
 
@@ -237,10 +236,10 @@ def _print_remap(path: str, saved_world: int, world_size: int) -> None:
 def inspect_path(path: str, world_size: int | None = None, tensors: bool = False) -> int:
     """`python -m ckpt inspect`: a ckpt.dir lists its checkpoints (and dry-runs the newest resumable one);
     a checkpoint shows a summary of its contents (every tensor with `tensors`), or with world_size, the dry run."""
-    names = storage_for(path).listdir(path)
-    if not (names if scheme_of(path) else os.path.isdir(path)):
-        what = "nothing stored under this prefix" if scheme_of(path) else "not a directory"
-        print(f"error: {path}: {what}", file=sys.stderr)
+    store = storage_for(path)
+    names = store.listdir(path)
+    if not store.is_folder(path):
+        print(f"error: {path}: {store.missing}", file=sys.stderr)
         return 2  # bad input
     is_checkpoint = bool({".metadata", META_FILE, "commit.json"} & set(names))
     if is_checkpoint:

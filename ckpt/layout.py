@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 
-from .storage import join, scheme_of, storage_for
+from .storage import join, storage_for
+from .storage.local import TRASH_DIR, trash_dir, trash_slot  # noqa: F401 - names of the layout
+from .storage.lock import LOCK_FILE  # noqa: F401 - a name of the layout, kept by the lock protocols
 
 COMMIT_FILE = "commit.json"
 META_FILE = "meta.json"
 CONFIG_FILE = "config.yaml"
-LOCK_FILE = ".lock"
-TRASH_DIR = ".trash"
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -36,31 +35,11 @@ def step_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def trash_dir(ckpt_dir: str) -> str:
-    return os.path.join(ckpt_dir, TRASH_DIR)
-
-
-def trash_slot(path: str) -> str:
-    """A fresh place in its ckpt.dir's .trash for `path`: not a step-NNNNNN name, and not taken (a rename onto
-    an empty folder would replace it silently)."""
-    parent, name = os.path.split(os.path.normpath(path))
-    return os.path.join(trash_dir(parent), f"{name}.{os.getpid()}-{time.time_ns()}")
-
-
 def list_step_dirs(ckpt_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every step-NNNNNN folder, committed or not, oldest first (never what is in .trash). On an
     object store: every step-NNNNNN prefix (one listing; what belongs to a checkpoint is its marker's business)."""
-    if scheme_of(ckpt_dir) is not None:
-        names = storage_for(ckpt_dir).listdir(ckpt_dir)
-        return sorted((step_of(n), join(ckpt_dir, n)) for n in names if step_of(n) is not None)
-    if not os.path.isdir(ckpt_dir):
-        return []
-    found = []
-    for name in os.listdir(ckpt_dir):
-        step = step_of(name)
-        if step is not None and os.path.isdir(os.path.join(ckpt_dir, name)):
-            found.append((step, os.path.join(ckpt_dir, name)))
-    return sorted(found)
+    names = storage_for(ckpt_dir).list_folders(ckpt_dir)
+    return sorted((step_of(n), join(ckpt_dir, n)) for n in names if step_of(n) is not None)
 
 
 def is_marked_committed(path: str) -> bool:

@@ -18,8 +18,6 @@ rank at the original world size, re-derived from (seed, step, rank) at any other
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sys
 import time
 
@@ -40,7 +38,7 @@ from .describe import is_dim0_sharded, world_size_problem
 from .layout import (CONFIG_FILE, META_FILE, is_marked_committed, list_step_dirs, read_meta, read_saved_config, step_dir,
                      step_of)
 from .state import rng_world_size
-from .storage import join, scheme_of, storage_for
+from .storage import join, storage_for
 
 
 class ReshardError(RuntimeError):
@@ -68,21 +66,20 @@ def prepare_destination(src: str, dst: str, world_size: int) -> str:
     if _where(dst) == _where(src):
         raise ReshardError("destination is the source; write the resharded copy somewhere else")
     store = storage_for(dst)
-    if os.path.exists(dst) or store.listdir(dst):  # a folder, or objects under an s3:// prefix
+    if store.occupied(dst):  # a folder, or objects under an s3:// prefix
         if is_marked_committed(dst):
             raise ReshardError(f"{dst} already holds a committed checkpoint; remove it or pick another destination")
         if step_of(dst) is None and store.listdir(dst):
             raise ReshardError(f"{dst} exists and is not empty")
         # an uncommitted step folder: the leftover of a reshard that crashed
-        store.delete_prefix(dst) if scheme_of(dst) else shutil.rmtree(dst)
-    if scheme_of(dst) is None:
-        os.makedirs(dst)  # an object store has no folders
+        store.delete_tree(dst)
+    store.prepare_folder(dst)  # an object store has no folders
     return dst
 
 
 def _where(path: str) -> str:
     """`path` as one spelling: absolute for a folder, the URL without a trailing / for an object store."""
-    return path.rstrip("/") if scheme_of(path) else os.path.abspath(path)
+    return storage_for(path).spelling(path)
 
 
 def _set_nested(root: dict, path: tuple, value) -> None:

@@ -16,10 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from common.dist import first_problem, on_rank0_then_share
 from common.progress import phase
@@ -28,10 +26,9 @@ from .commit_protocol import VerifyError, check_files, check_listing, check_mark
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import list_step_dirs, read_meta, read_saved_config, step_of
 from .lora_base import check_same_base
-from .s3_io import ObjectStoreReader
 from .state import (DERIVED_SEED, ModelOptimizer, derived_seed, fit_to_checkpoint, reseed_all, restores_rng, rng_key,
                     rng_world_size)
-from .storage import scheme_of, storage_for
+from .storage import reader_with, storage_for
 
 
 def choose_checkpoint(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None],
@@ -102,14 +99,6 @@ class _VerifiedRead:
         return metadata
 
 
-class _VerifiedReader(_VerifiedRead, FileSystemReader):
-    pass
-
-
-class _VerifiedObjectStoreReader(_VerifiedRead, ObjectStoreReader):
-    """The same for an object store: this rank's items, as parallel ranged GETs."""
-
-
 def trust_metadata(path: str, metadata) -> None:
     """`metadata`, read from `path`'s .metadata after its checksum passed, is the one the next load of `path` uses
     (the memory tier verifies its own way, memory_tier/recover.py)."""
@@ -118,7 +107,7 @@ def trust_metadata(path: str, metadata) -> None:
 
 
 def _verified_reader(path: str):
-    return (_VerifiedReader if scheme_of(path) is None else _VerifiedObjectStoreReader)(path)
+    return reader_with(_VerifiedRead, path)  # on every backend: its own reader (S3: this rank's items, ranged GETs)
 
 
 def _saved_metadata(path: str):

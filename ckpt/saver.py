@@ -18,7 +18,6 @@ staging. `pg` is the manager's checkpoint group; which thread may use it: Checkp
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future
@@ -32,36 +31,23 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from .errors import SAVE_ERRORS, save_failure
 from .faults import fault_at
 from .retention import clear_stale
-from .storage import join, scheme_of, storage_for
+from .storage import join, storage_for
 from .uploader import save_planner, preemption_signals_blocked, CheckpointWriter
 
 
 def prepare_step_dir(ckpt_dir: str, path: str, files: dict[str, str], on_log: Callable[[str], None]) -> bool:
     """Rank 0: create `path` and write `files` (name -> text) into it. Returns whether a stale folder of the same
     step was moved to .trash first (then the caller sweeps it, so its bytes are freed before this save writes)."""
+    store = storage_for(path)
     try:
-        if scheme_of(path) is not None:  # an object store: no folder to make, objects only
-            return _prepare_remote(path, files, on_log)
         # a leftover of a crashed save of this same step, never committed data we keep
-        stale = os.path.lexists(path) and clear_stale(path, on_log)
-        os.makedirs(path)
+        stale = store.occupied(path) and clear_stale(path, on_log)
+        store.prepare_folder(path)  # an object store: no folder to make, objects only
         for name, text in files.items():
-            with open(os.path.join(path, name), "w") as f:
-                f.write(text)
+            store.create(join(path, name), text.encode())
     except OSError as e:
         raise save_failure(e, ckpt_dir, f"checkpoint {path}") from e
     return stale
-
-
-def _prepare_remote(path: str, files: dict[str, str], on_log: Callable[[str], None]) -> bool:
-    """prepare_step_dir on an object store: a leftover under `path` is deleted (marker first), then the files are
-    created. Returns False: nothing for a sweep."""
-    store = storage_for(path)
-    if store.listdir(path):
-        clear_stale(path, on_log)
-    for name, text in files.items():
-        store.create(join(path, name), text.encode())
-    return False
 
 
 def write_sync(state: dict, path: str, step: int, pg, ckpt_dir: str) -> Metadata:

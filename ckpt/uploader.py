@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .checksum import ChecksummingWriter
 from .faults import TornWriteFileSystem, fault_at, wants
-from .storage import scheme_of
+from .storage import storage_for
 from .writeback import WritebackFileSystem
 
 
@@ -40,10 +40,11 @@ class CheckpointWriter(ChecksummingWriter):
     def __init__(self, path: str, step: int, upload_nice: int = 0):
         """`upload_nice`: the niceness (0-19) the upload takes when it runs off the training thread (an async
         save's uploader thread or process): see lower_priority."""
-        # tests: files that tear early, on a local disk (an object store shows an object whole or not at all)
-        local = scheme_of(path) is None
-        torn = TornWriteFileSystem(step) if wants("partial_write") and local else None
-        super().__init__(path, torn or (self.local_filesystem() if local else None), per_thread_copy_ahead=0)
+        # tests: files that tear early, where a reader can see a partial write (an object store shows an object
+        # whole or not at all)
+        store = storage_for(path)
+        torn = TornWriteFileSystem(step) if wants("partial_write") and store.partial_writes else None
+        super().__init__(path, torn or store.writer_filesystem(self.local_filesystem), per_thread_copy_ahead=0)
         self.step, self.upload_nice = step, upload_nice
         self.created_on = (os.getpid(), threading.get_native_id())  # the training thread: never lowered
 

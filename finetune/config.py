@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import yaml
 
 from ckpt.policy import parse_interval
-from ckpt.storage import unsupported
+from ckpt.storage import is_url, unsupported
 from finetune.schedule import SCHEDULES
 
 
@@ -327,7 +327,7 @@ _LOCAL_ONLY = {
 
 def _nested(a: str, b: str) -> bool:
     """Local folders `a` and `b` are one, or one holds the other (an object store's URL holds no local folder)."""
-    if "://" in a or "://" in b:
+    if is_url(a) or is_url(b):
         return False
     a, b = os.path.realpath(a), os.path.realpath(b)
     return a == b or a.startswith(b.rstrip(os.sep) + os.sep) or b.startswith(a.rstrip(os.sep) + os.sep)

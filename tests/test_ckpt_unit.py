@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import ckpt.lock as lock_module
+import ckpt.storage.lock as lock_module
 from ckpt.checksum import ChecksummingWriter
 from ckpt.commit_protocol import VerifyError, check_files, commit_checkpoint, shares, verify_checkpoint
 from ckpt.layout import COMMIT_FILE, list_step_dirs, step_dir

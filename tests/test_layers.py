@@ -162,7 +162,7 @@ def test_no_private_name_imported_across_modules():
 
 
 # ckpt/'s own parts, top to bottom (ckpt/__init__.py): the handle and the CLI; the memory tier and HF interop, side
-# by side; the core (save, commit protocol, resume, lock, what they share).
+# by side; the core (save, commit protocol, resume, lock, what they share); the storage backends.
 CKPT_TOP = ("ckpt", "ckpt.__main__", "ckpt.loop")
 CKPT_SIDE = ("ckpt.memory_tier", "ckpt.hf")
 
@@ -170,9 +170,11 @@ CKPT_SIDE = ("ckpt.memory_tier", "ckpt.hf")
 def ckpt_part(module: str) -> tuple[int, str]:
     """(height, name) of a module of ckpt/: an import may go to the same part or to a lower height only."""
     if module in CKPT_TOP:
-        return 2, "top"
+        return 3, "top"
+    if module == "ckpt.storage" or module.startswith("ckpt.storage."):
+        return 0, "storage"
     side = next((p for p in CKPT_SIDE if module == p or module.startswith(p + ".")), None)
-    return (1, side) if side else (0, "core")
+    return (2, side) if side else (1, "core")
 
 
 def ckpt_part_violations(edges: list[Import], modules: set[str]) -> list[str]:
@@ -186,11 +188,18 @@ def ckpt_part_violations(edges: list[Import], modules: set[str]) -> list[str]:
 
 
 def test_ckpt_parts_import_only_downwards():
-    """The core never imports the memory tier, HF interop or the handle; the memory tier and HF interop never
-    import each other."""
+    """The storage backends import nothing else of ckpt/; the core never imports the memory tier, HF interop or the
+    handle; the memory tier and HF interop never import each other."""
     modules, edges = import_graph()
     bad = ckpt_part_violations(edges, modules)
     assert not bad, "ckpt/'s parts (ckpt/__init__.py):\n" + "\n".join(bad)
+
+
+def test_only_the_storage_package_asks_which_scheme_a_path_has():
+    """Everything that differs between storage backends is a method of the backend (ckpt/storage/base.py)."""
+    bad = [f"{os.path.relpath(p, ROOT)}:{n}" for m, p in module_files().items() if not m.startswith("ckpt.storage")
+           for n, line in enumerate(open(p), 1) if "scheme_of" in line]
+    assert not bad, "ask ckpt.storage.storage_for(path) instead:\n" + "\n".join(bad)
 
 
 def test_the_rules_catch_a_lower_layer_importing_a_higher_one_and_a_cycle():
@@ -199,8 +208,9 @@ def test_the_rules_catch_a_lower_layer_importing_a_higher_one_and_a_cycle():
     assert find_cycle({"ckpt.a", "finetune.b"}, edges) == ["ckpt.a", "finetune.b", "ckpt.a"]
     assert [e for e in edges if layer(e.src) == "ckpt" and layer(e.dst) == "finetune"]
     parts = [Import("ckpt.resume", "ckpt.hf.adapter", False, (), 1), Import("ckpt.hf.export", "ckpt.memory_tier.tier",
-                                                                           False, (), 2)]
-    assert len(ckpt_part_violations(parts, {"ckpt.hf.adapter", "ckpt.memory_tier.tier"})) == 2
+                                                                           False, (), 2),
+             Import("ckpt.storage.s3", "ckpt.errors", False, (), 3)]
+    assert len(ckpt_part_violations(parts, {"ckpt.hf.adapter", "ckpt.memory_tier.tier", "ckpt.errors"})) == 3
 
 
 # ---------------------------------------------------------------- sizes a reader takes in at once

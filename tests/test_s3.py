@@ -210,7 +210,7 @@ def test_two_ranks_save_to_s3_commit_once_and_load_at_one_rank(s3_env, tmp_path)
 # ---------------------------------------------------------------- the run lock on S3
 
 def test_s3_lock_refuses_a_second_job_and_takes_over_a_dead_one(s3_env, tmp_path, monkeypatch):
-    import ckpt.lock as lock_module
+    import ckpt.storage.lock as lock_module
     from ckpt.lock import LockError, ObjectLock, lock_for_job
 
     root = f"s3://{BUCKET}/lock-{tmp_path.name}"
@@ -230,12 +230,12 @@ def test_s3_lock_refuses_a_second_job_and_takes_over_a_dead_one(s3_env, tmp_path
     store.create(f"{root}/.lock", json.dumps(other).encode())
     with pytest.raises(LockError, match=r"pid 4242 on node-17, .*last heartbeat 70s ago\); a live job rewrites its "
                                         r"heartbeat every 60 s: if node-17 is down .*taken over 10 min after"):
-        ObjectLock(root).acquire()
+        ObjectLock(root, store).acquire()
     store.replace(f"{root}/.lock", json.dumps({**other, "heartbeat": time.time() - 700}).encode(),
                   store.etag(f"{root}/.lock"))
     warnings_seen = []
     monkeypatch.setattr(lock_module, "HEARTBEAT_S", 0.2)
-    taker = ObjectLock(root, warn=warnings_seen.append)
+    taker = ObjectLock(root, store, warn=warnings_seen.append)
     taker.acquire()
     assert "taking over" in warnings_seen[0] and "pid 4242 on node-17" in warnings_seen[0]
     beat = json.loads(store.read(f"{root}/.lock"))["heartbeat"]

@@ -15,10 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpt import s3_io, storage
+from ckpt.storage import s3 as s3_backend
+from ckpt.storage import s3_transfer
 from ckpt.layout import list_step_dirs
 from ckpt.commit_protocol import verify_checkpoint
-from ckpt.s3_io import PartUploadStream, part_size, read_ranges, s3_filesystem
+from ckpt.storage.s3_transfer import PartUploadStream, part_size, read_ranges, s3_filesystem
 from ckpt.storage import S3Storage
 from conftest import ROOT, events, losses, run_train
 from test_cli_errors import one_error
@@ -37,7 +38,7 @@ def test_part_sizes_stay_within_s3_limits():
     """S3: parts of 5 MiB to 5 GiB, at most 10,000 of them. The schedule keeps the first 2,000 parts at the base size
     (bounded upload buffers) and still fits objects far larger than a rank's share of a 70B checkpoint."""
     sizes = [part_size(n) for n in range(1, 10_001)]
-    assert sizes[0] == sizes[1999] == s3_io.PART_BYTES and sizes[2000] == 2 * s3_io.PART_BYTES
+    assert sizes[0] == sizes[1999] == s3_transfer.PART_BYTES and sizes[2000] == 2 * s3_transfer.PART_BYTES
     assert min(sizes) >= 5 << 20 and max(sizes) <= 5 << 30 and sum(sizes) >= 1 << 40
 
 
@@ -81,7 +82,7 @@ def test_deletes_go_in_batches(s3_proxy, monkeypatch):
     for p in paths:
         store.create(p, b"x")
     assert store.list_objects(f"s3://{BUCKET}/batches/step-000002") == paths
-    monkeypatch.setattr(storage, "DELETE_BATCH", 2)
+    monkeypatch.setattr(s3_backend, "DELETE_BATCH", 2)
     s3_proxy.requests.clear()
     store.delete_many(paths)
     assert [len(keys) for keys in s3_proxy.delete_requests()] == [2, 2, 1]

@@ -29,10 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.futures import Future
 
 from common.dist import on_rank0_then_share
 from common.dtypes import DTYPE_NAMES, DTYPES
@@ -41,9 +39,8 @@ from ..errors import SAVE_ERRORS, CheckpointError, save_failure
 from ..layout import step_of
 from ..lora_base import lora_info
 from ..reading import dcp_metadata, few, model_names, source_dirs, source_dtype
-from ..s3_io import ObjectStoreReader
 from ..schema import schema_of
-from ..storage import scheme_of, storage_for
+from ..storage import reader_with, storage_for
 from .adapter import export_lora
 from .files import (OutTensor, assign_files, create_files, file_names, parse_size, replace_dir, safetensors_header,
                     write_index, write_model_files)
@@ -96,7 +93,7 @@ class ChunkToFilePlanner(LoadPlanner):
         raise CheckpointError(f"{read_item.dest_index.fqn} is not a tensor in the checkpoint")
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        """Only a stock FileSystemReader asks: a buffer it copies the chunk into (SingleCopyReader does not)."""
+        """Only a stock FileSystemReader asks: a buffer it copies the chunk into (SingleCopyRead does not)."""
         saved = self.metadata.state_dict_metadata[read_item.dest_index.fqn].properties.dtype
         return torch.empty(read_item.lengths, dtype=saved)
 
@@ -119,35 +116,17 @@ def commit_whole_chunk(item: ReadItem, data, planner: LoadPlanner) -> None:
     planner.commit_tensor(item, torch.load(data, map_location="cpu", weights_only=True))
 
 
-class SingleCopyReader(FileSystemReader):
-    """FileSystemReader that hands each chunk to the planner as torch.load returns it. The stock reader
-    first copies it into the planner's resolve_tensor buffer, which doubles the export's peak memory.
-    Same file walk, transforms and torch.load as FileSystemReader.read_data (torch 2.13), minus that copy."""
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
-        per_file: dict[str, list[ReadItem]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for relative_path, items in per_file.items():
-            with self.fs.create_stream(self.fs.concat_path(self.path, relative_path), "rb") as stream:
-                for item in items:
-                    info = self.storage_data[item.storage_index]
-                    commit_whole_chunk(item, self.transforms.transform_load_stream(
-                        item, info.transform_descriptors or (), self._slice_file(stream, info)), planner)
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-
-class SingleCopyObjectStoreReader(ObjectStoreReader):
-    """The same on S3: this process's chunks as parallel ranged GETs (s3_io.py), each handed over uncopied."""
+class SingleCopyRead:
+    """A DCP reader (any backend's, ckpt.storage.reader_with) that hands each chunk to the planner as torch.load
+    returns it. The stock reader first copies it into the planner's resolve_tensor buffer, which doubles the
+    export's peak memory. Same file walk, transforms and torch.load (on S3: parallel ranged GETs), minus that copy."""
 
     def load_item(self, req, stream, planner) -> None:
         commit_whole_chunk(req, stream, planner)
 
 
 def chunk_reader(ckpt_path: str):
-    return (SingleCopyReader if scheme_of(ckpt_path) is None else SingleCopyObjectStoreReader)(ckpt_path)
+    return reader_with(SingleCopyRead, ckpt_path)
 
 
 def tensor_shares(files: list[list[OutTensor]], n: int) -> list[list[str]]:
@@ -271,7 +250,7 @@ def export_checkpoint(ckpt_path: str, out_dir: str, dtype: str = "auto", max_sha
     and no process group. The folder appears whole or not at all (built beside it, then renamed).
     A LoRA checkpoint is merged into its base (ckpt/hf/adapter.py); adapter=True writes the PEFT adapter alone.
     The checkpoint may be on S3, and so may `out_dir` (export_to_object_store)."""
-    if scheme_of(out_dir) is not None:
+    if not storage_for(out_dir).atomic_rename:  # an object store: built here, then uploaded
         return export_to_object_store(ckpt_path, out_dir, dtype, max_shard_size, overwrite, verify, jobs, adapter)
     check_export(ckpt_path, out_dir, overwrite, verify, jobs)
     if adapter or lora_info(ckpt_path) is not None:  # adapters only: that alone, or merged into the base
@@ -299,7 +278,7 @@ def export_to_object_store(ckpt_path: str, out_url: str, dtype: str, max_shard_s
     if store.listdir(out_url):
         if not overwrite:
             raise CheckpointError(f"{out_url} is not empty; choose a new prefix")
-        store.delete_prefix(out_url)
+        store.delete_tree(out_url)
     with tempfile.TemporaryDirectory(prefix="ckpt-export-") as tmp:
         info = export_checkpoint(ckpt_path, os.path.join(tmp, "hf"), dtype, max_shard_size, True, verify, jobs, adapter)
         try:

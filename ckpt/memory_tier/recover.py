@@ -23,7 +23,6 @@ The protocol (docs/memory-tier.md), every rank taking part:
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 

@@ -1,5 +1,5 @@
 """Moving checkpoint bytes to and from S3: multipart uploads with parallel parts, parallel ranged GETs, one retry
-policy. Below storage.py; s3fs is imported only when an s3:// path is used.
+policy. Below ckpt/storage/s3.py; s3fs is imported only when an s3:// path is used.
 
     python -m pytest tests/test_s3_transfer.py -q
 
@@ -10,8 +10,8 @@ holds at most (PARALLEL_PARTS + 1) parts of upload buffers. A file smaller than 
 to 62,000 x PART_BYTES (1.9 TiB) fits. A failed upload aborts its multipart upload: no object appears and no
 parts are left to bill.
 Reads (`read_ranges`): byte ranges, neighbours less than MAX_GAP apart merged, cut into pieces of at most
-PART_BYTES, fetched PARALLEL_PARTS at a time ahead of the consumer: `ObjectStoreReader` (DCP's load of this rank's
-items only) and `RangeStream` (one whole file front to back, for hashing).
+PART_BYTES, fetched PARALLEL_PARTS at a time ahead of the consumer: `S3Reader` (ckpt/storage/s3.py: DCP's load of
+this rank's items only) and `RangeStream` (one whole file front to back, for hashing).
 Retries: every request goes through botocore's standard retry mode, MAX_ATTEMPTS attempts per request (a part,
 not a file), exponential backoff with jitter (up to 20 s when S3 throttles with SlowDown), unless the standard
 AWS_MAX_ATTEMPTS / AWS_RETRY_MODE variables say otherwise; s3fs also retries a GET whose body is cut off. When the
@@ -26,18 +26,11 @@ import io
 import os
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
-import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.planner import LoadItemType
-from torch.futures import Future
 
 try:
     from botocore.exceptions import BotoCoreError, ClientError  # come with s3fs
-except ImportError:  # no s3fs: s3:// paths are refused (storage.unsupported), so nothing raises them
+except ImportError:  # no s3fs: s3:// paths are refused (ckpt.storage.unsupported), so nothing raises them
     BotoCoreError = ClientError = ()
 
 PART_BYTES = 32 << 20  # the first 2,000 parts of an object; S3: >= 5 MiB (but the last), <= 5 GiB
@@ -276,58 +269,3 @@ class RangeStream(io.RawIOBase):
     def close(self) -> None:
         self._chunks.close()
         super().close()
-
-
-# ---------------------------------------------------------------- DCP's storage layer on S3
-
-class ObjectStoreFileSystem(FsspecFileSystem):
-    """DCP's fsspec FileSystem on S3, writing through PartUploadStream. An exception while DCP writes a file aborts
-    its upload: no torn object is ever left (the stock one commits what was written, then deletes it)."""
-
-    def init_path(self, path, **kwargs):
-        self.fs = s3_filesystem()
-        return path
-
-    @contextmanager
-    def create_stream(self, path, mode: str):
-        if "w" not in mode:
-            with self.fs.open(str(path), mode) as stream:
-                yield stream
-            return
-        with PartUploadStream(self.fs, str(path)) as stream:
-            yield stream
-
-
-class ObjectStoreReader(FsspecReader):
-    """DCP's reader on S3: a rank reads only the byte ranges of the items its load plan names (its share, at any
-    world size), as parallel ranged GETs (read_ranges), not file by file with one request in flight."""
-
-    def __init__(self, path: str):
-        super().__init__(path, **s3_options())
-
-    def read_data(self, plan, planner) -> Future:
-        info = self.storage_data
-        items = sorted(plan.items, key=lambda r: (info[r.storage_index].relative_path, info[r.storage_index].offset))
-        ranges = [(self.fs.concat_path(self.path, info[r.storage_index].relative_path), info[r.storage_index].offset,
-                   info[r.storage_index].offset + info[r.storage_index].length) for r in items]
-        for req, data in zip(items, read_ranges(self.fs.fs, ranges)):
-            stream = self.transforms.transform_load_stream(req, info[req.storage_index].transform_descriptors or (),
-                                                           io.BytesIO(data))
-            self.load_item(req, stream, planner)
-        done: Future = Future()
-        done.set_result(None)
-        return done
-
-    def load_item(self, req, stream, planner) -> None:
-        """One item, as FileSystemReader.read_data hands it to the planner (torch 2.13)."""
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(stream.read()))
-            return
-        seekable = stream if stream.seekable() else io.BytesIO(stream.read())
-        tensor = torch.load(seekable, map_location="cpu", weights_only=True)
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
-        if target.size() != tensor.size():
-            raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
-        target.copy_(tensor)
-        planner.commit_tensor(req, target)

@@ -1,0 +1,81 @@
+"""Where checkpoint bytes go: a local folder or an object store (s3://bucket/prefix). The one place that knows URL
+schemes: `BACKENDS` maps a scheme to its backend class; every other module asks `storage_for(path)` and calls its
+methods (the contract they keep: base.py).
+
+    python -m pytest tests/test_storage_backends.py -q
+
+A new backend: one class (a subclass of base.Storage, in a module of this package), its entry in `BACKENDS` (and,
+if it needs an optional package, in `OPTIONAL_PACKAGE`), and its entry in tests/test_storage_backends.py.
+Only the schemes in BACKENDS are known; any other scheme, or one whose package is not installed, is refused by
+`unsupported`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import re
+
+from .base import Storage
+from .local import LocalStorage
+from .s3 import S3Storage
+
+BACKENDS: dict[str | None, type[Storage]] = {None: LocalStorage, "s3": S3Storage}
+OPTIONAL_PACKAGE = {"s3": "s3fs"}  # scheme -> the third-party package its backend needs (pinned in requirements.txt)
+_SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+
+
+def _scheme_of(path: str) -> str | None:
+    """The URL scheme of `path` ("s3" for s3://bucket/key), None for a local path. Private to this package: outside
+    it, what differs between backends is a method of the backend."""
+    m = _SCHEME.match(str(path))
+    return m.group(1).lower() if m else None
+
+
+def unsupported(path: str, what: str, local_only: str = "") -> str | None:
+    """Why `path` (named `what`, e.g. "config key 'ckpt.dir'") cannot be used, or None. `local_only`: this path
+    must be local, and why (run.dir, the data cache). A URL is never taken for a local folder named `s3:`."""
+    scheme = _scheme_of(path)
+    if scheme is None:
+        return None
+    if local_only:
+        return f"{what} must be a local path, got {path!r}: {local_only}"
+    if scheme not in BACKENDS:
+        return f"{what}: {scheme}:// is not supported, got {path!r} (object storage: s3://bucket/prefix)"
+    if not path[len(scheme) + 3:].strip("/"):
+        return f"{what}: {path!r} names no bucket ({scheme}://bucket/prefix)"
+    package = OPTIONAL_PACKAGE.get(scheme)
+    try:
+        if package:
+            importlib.import_module(package)  # optional third-party package, only for this scheme's paths
+    except ImportError:
+        return (f"{what}={path} needs the {package} package, which is not installed: pip install {package} "
+                "(pinned in requirements.txt)")
+    return None
+
+
+def is_url(path: str) -> bool:
+    """`path` names a place on a store by URL (scheme://...), not a local path: for config checks that must not
+    take a URL for a folder."""
+    return _scheme_of(path) is not None
+
+
+def storage_for(path: str) -> Storage:
+    """The backend holding `path`."""
+    return BACKENDS.get(_scheme_of(path), LocalStorage)()
+
+
+@functools.cache
+def _reader_with(mixin: type, reader: type) -> type:
+    return type(f"{mixin.__name__.lstrip('_')}{reader.__name__}", (mixin, reader), {})
+
+
+def reader_with(mixin: type, path: str):
+    """DCP's reader of `path`'s backend with `mixin` in front (it overrides `load_item` or `read_metadata`): a
+    reader variant written once for every backend (export's single copy, resume's verified metadata)."""
+    return _reader_with(mixin, storage_for(path).reader_class)(path)
+
+
+def join(path: str, *names: str) -> str:
+    """os.path.join for local paths; '/' for URLs, whatever the OS."""
+    return BACKENDS.get(_scheme_of(path), LocalStorage).join(path, *names)
