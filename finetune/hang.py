@@ -113,14 +113,14 @@ class HangWatchdog:
             waited = time.monotonic() - since
             if phase == "step" and limit is not None:
                 if waited > limit:
-                    return self._hang(phase, step, waited, limit)
+                    return self._hang(phase, step, since, limit)
                 continue
             limit = limit if limit is not None else AUTO_FLOOR_S
             periods = int(waited // limit)
             if periods >= 1 and checked != (since, periods):
                 checked = (since, periods)
                 if self._frozen_ranks():
-                    return self._hang(phase, step, waited, limit)
+                    return self._hang(phase, step, since, limit)
 
     def _key(self, rank: int) -> str:
         return f"finetune/progress/rank{rank}"
@@ -169,8 +169,9 @@ class HangWatchdog:
         elsewhere = [r for r, rec in self._last_records.items() if (rec["step"], rec["phase"]) != (my_step, "step")]
         return elsewhere or list(range(self.world_size))
 
-    def _hang(self, phase: str, step: int, waited: float, limit: float) -> None:
+    def _hang(self, phase: str, step: int, since: float, limit: float) -> None:
         frozen = self._frozen_ranks()
+        waited = time.monotonic() - since  # from the last progress to this verdict: what the hang cost
         stuck, records = self._stuck_ranks(frozen, step), self._last_records
         stacks = self._dump_stacks()
         alive = [r for r in range(self.world_size) if r not in stuck or r == self.rank]
