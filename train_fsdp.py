@@ -153,7 +153,8 @@ class Preemption:
 # ---------------------------------------------------------------- one optimizer step
 
 def train_step(model, optimizer, micro_batches, device, world_size: int, grad_clip: float,
-               reduce_every_micro_batch: bool = True, before_optimizer_step=None, collective_wait=contextlib.nullcontext):
+               reduce_every_micro_batch: bool = True, before_optimizer_step=None,
+               collective_wait=contextlib.nullcontext):
     """Forward/backward over this rank's micro batches of one global batch, then one optimizer step.
 
     Loss = sum of token losses over the *global* batch / global count of loss tokens, so it is the
@@ -241,8 +242,11 @@ def shared_samples(cfg: Config, tokenizer, model, eval_set: bool = False):
     return open_samples(cache, cfg.data, padding_free=flash)
 
 
-def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log) -> float:
-    """Eval loss on data.eval_path (see finetune/evaluate.py): one console line and one `eval` record."""
+def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log, watch=None) -> float:
+    """Eval loss on data.eval_path (see finetune/evaluate.py): one console line and one `eval` record.
+    `watch`: the training loop's HangWatchdog, told that an eval (which may last long) begins."""
+    if watch is not None:
+        watch.enter("eval", step)
     fault_point("eval", step)
     t0 = time.perf_counter()
     rows = eval_rows(len(eval_set), cfg.data.global_batch_size, cfg.train.eval_batches)
@@ -345,7 +349,7 @@ def watch_progress(cfg: Config, rank: int, world_size: int, device, log) -> tupl
     restart attempt) and the straggler monitor (finetune/stragglers.py)."""
     store = dist.distributed_c10d._get_default_store()  # the one store every rank reaches, on every node
     watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store)
-    return watchdog, StragglerMonitor(cfg.train.straggler_margin, rank, world_size, device, log)
+    return watchdog, StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
 
 
 def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainProgress, device, log) -> None:
@@ -378,15 +382,14 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
     preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
-    watchdog, stragglers = watch_progress(cfg, rank, world_size, device, log)
+    watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
     model.train()
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
                 rows = stream.global_rows()
-                watchdog.enter("step", progress.step + 1)
-                stragglers.step_started()
-                with checkpoints.step_in_progress(progress.step + 1):
+                watch.enter("step", progress.step + 1)
+                with stragglers.timed(progress.step + 1), checkpoints.step_in_progress(progress.step + 1):
                     micro = stream.next_global_batch()
                     loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
                                                     cfg.train.reduce_every_micro_batch,
@@ -397,14 +400,10 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     progress.tokens += split.global_batch * cfg.data.seq_len
                     progress.loss_tokens += n_tok
                 steps_log.step(progress, stream, rows, loss, lr, gnorm)
-                stragglers.step_finished()
-                if progress.step % cfg.run.log_interval == 0:
-                    stragglers.log_interval(progress.step)
                 if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
-                    watchdog.enter("eval", progress.step)
                     eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size,
-                                                        progress.step, log)
-                watchdog.enter("checkpoint", progress.step)
+                                                        progress.step, log, watch)
+                watch.enter("checkpoint", progress.step)
                 if checkpoints.after_step(progress.step, lambda: preempt.agreed(device)):
                     log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
                     log.event("preempted", step=progress.step)
@@ -412,7 +411,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     break
         finally:
             steps_log.close()
-            watchdog.enter("finish", progress.step)  # saves, eval, export: a hang only if a rank's heartbeat stops
+            watch.close()  # the final save and export have the checkpoint timeout; an error's save is no hang
 
     if not stream.has_next() and progress.step < cfg.train.max_steps:
         log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
@@ -422,7 +421,6 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     if exit_code == 0:
         after_training(cfg, model, tokenizer, checkpoints, progress, device, log)
     log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - steps_log.t_start:.1f}s")
-    watchdog.close()
     log.close()
     return exit_code
 

@@ -112,7 +112,7 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
-    hang_timeout: str = "auto"  # seconds a step may last before exit 76 naming the stuck rank; auto; 0: off (finetune/hang.py)
+    hang_timeout: str = "auto"  # s a step may last before exit 76 naming the stuck rank; auto; 0: off (finetune/hang.py)
     straggler_margin: float = 0.2  # log a rank computing this fraction over the mean 3 log intervals running (0: off)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
     reduce_every_micro_batch: bool = True  # false: one reduce-scatter per step, unsharded grads between (small models)

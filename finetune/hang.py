@@ -8,10 +8,11 @@ attribute write and an Event.set, no I/O on the training thread); the thread the
 publishes this rank's record (step, phase, a heartbeat counter, host, pid) under its own key in the process group's
 store (torchrun's store, whose keys init_distributed prefixes by the restart attempt), one `set`, and looks at its
 own phase only: O(1) per rank per step, nothing grows with the world size. A record is as fresh as the last
-publish: a rank frozen a few microseconds after entering a phase may still show the phase before. Why the store and not a file in run.dir: it is reachable from every node, run.dir may not be.
+publish: a rank frozen a few microseconds after entering a phase may still show the phase before. Why the store
+and not a file in run.dir: the store is reachable from every node, run.dir may not be.
 
 The rule, on each rank: a `step` phase (a training step and its log line) lasting longer than the timeout is a hang.
-Every other phase (startup and the first steps under `auto`, eval, checkpoint, finish) may legitimately take
+Every other phase (startup and the first steps under `auto`, eval, checkpoint) may legitimately take
 long: past the timeout (and every timeout after) the rank reads every rank's record twice, 3 x CHECK_S apart, and
 calls it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long eval is not a
 hang. Reading the W records happens only then, when something already looks wrong.
@@ -22,6 +23,8 @@ event (step, phase, ranks, waited_s, exit_code) in metrics.jsonl; frozen ranks o
 would otherwise wait 30 s after its SIGTERM, which a stopped process never handles); then os._exit(EXIT_HANG)
 from the watchdog thread, since the main thread is blocked in a collective. `torchrun --max-restarts` or a SLURM
 requeue restarts the job and ckpt.resume=auto continues from the newest checkpoint (the memory tier's when on).
+The watch ends with the loop: the final save and export wait ckpt.timeout_minutes like every checkpoint collective,
+and an error's emergency save must not be called a hang.
 """
 
 from __future__ import annotations
@@ -42,7 +45,6 @@ CHECK_S = 1.0  # how often each rank publishes its record and looks at its own p
 AUTO_FLOOR_S = 60.0  # auto: never less than this
 AUTO_STEPS = 10.0  # auto: this many times the median step time
 AUTO_AFTER = 3  # auto: steps timed before `step` phases are held to the timeout (first steps compile, warm up)
-SLOW_PHASES = ("startup", "eval", "checkpoint", "finish")  # may take long; a hang only when a heartbeat stopped
 
 
 def parse_hang_timeout(text: str) -> float | None:

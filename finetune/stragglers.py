@@ -24,11 +24,11 @@ _PACK = 1e6  # compute microseconds, packed with the rank into one float64 (exac
 
 
 class StragglerMonitor:
-    def __init__(self, margin: float, rank: int, world_size: int, device, log):
-        """`margin`: train.straggler_margin (0: off); `log`: the run's RankZeroLog."""
-        self.margin, self.rank, self.world_size, self.device, self.log = margin, rank, world_size, device, log
+    def __init__(self, margin: float, log_interval: int, rank: int, world_size: int, device, log):
+        """`margin`: train.straggler_margin (0: off); `log_interval`: run.log_interval; `log`: the run's RankZeroLog."""
+        self.margin, self.log_interval, self.rank, self.world_size, self.device, self.log = (
+            margin, log_interval, rank, world_size, device, log)
         self.compute_s = self.wait_s = 0.0  # this rank, since the last log interval
-        self.t_step = None
         self.streak = (None, 0)  # (slowest rank, intervals in a row over the margin)
         self.reported = None
 
@@ -36,13 +36,15 @@ class StragglerMonitor:
     def on(self) -> bool:
         return self.margin > 0 and self.world_size > 1
 
-    def step_started(self) -> None:
-        self.t_step = time.perf_counter()
-
-    def step_finished(self) -> None:
-        if self.t_step is not None:
-            self.compute_s += time.perf_counter() - self.t_step
-            self.t_step = None
+    @contextlib.contextmanager
+    def timed(self, step: int):
+        """Around training `step`: its time counts as computing, less what `waiting` takes out. At a log
+        interval, afterwards, the collective verdict (every rank reaches the same steps)."""
+        t0 = time.perf_counter()
+        yield
+        self.compute_s += time.perf_counter() - t0
+        if step % self.log_interval == 0:
+            self.compare(step)
 
     @contextlib.contextmanager
     def waiting(self):
@@ -53,7 +55,7 @@ class StragglerMonitor:
         self.compute_s -= waited
         self.wait_s += waited
 
-    def log_interval(self, step: int) -> None:
+    def compare(self, step: int) -> None:
         """Collective: every rank calls it at the same steps (each log interval)."""
         if not self.on:
             return
