@@ -98,7 +98,7 @@ class HangWatchdog:
             return self.fixed
         if len(self.step_times) < AUTO_AFTER:
             return None
-        return max(AUTO_FLOOR_S, AUTO_STEPS * statistics.median(self.step_times))
+        return max(AUTO_FLOOR_S, AUTO_STEPS * statistics.median(tuple(self.step_times)))  # a copy: the loop appends
 
     # ---- the watchdog thread
 
