@@ -7,12 +7,14 @@
 Reads in the order it runs: config -> process group -> model -> shard -> optimizer -> data -> resume
 -> loop -> final save. `ckpt/` decides how to checkpoint; this file only decides when.
 Exit codes: 0 done, 1 error, 2 bad config/input or a checkpoint error (lock, mismatch, failed save), 75 preempted
-(emergency checkpoint committed; requeue).
+(emergency checkpoint committed; requeue), 76 hung (a rank made no progress for train.hang_timeout: named in the log,
+stacks in <run.dir>/hang/; restart, e.g. torchrun --max-restarts, and ckpt.resume=auto continues).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import signal
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
+from ckpt.faults import fault_point
 from ckpt.hf.load import load_hf_weights
 from common.dist import free_port, rank0_builds_others_wait
 from common.progress import phase
@@ -34,6 +37,7 @@ from finetune.resume_rules import resume_changes
 from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path,
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
+from finetune.hang import HangWatchdog, parse_hang_timeout
 from finetune.inputs import check_inputs
 from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
@@ -44,8 +48,9 @@ from finetune.model import ModelError, build_mesh, build_sharded_model, init_ran
 from finetune.model_identity import content_change_since
 from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
 from finetune.schedule import lr_factor
+from finetune.stragglers import StragglerMonitor
 
-EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75
+EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # and EXIT_HANG, 76, from the watchdog thread (finetune/hang.py)
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
 
 
@@ -148,7 +153,8 @@ class Preemption:
 # ---------------------------------------------------------------- one optimizer step
 
 def train_step(model, optimizer, micro_batches, device, world_size: int, grad_clip: float,
-               reduce_every_micro_batch: bool = True, before_optimizer_step=None):
+               reduce_every_micro_batch: bool = True, before_optimizer_step=None,
+               collective_wait=contextlib.nullcontext):
     """Forward/backward over this rank's micro batches of one global batch, then one optimizer step.
 
     Loss = sum of token losses over the *global* batch / global count of loss tokens, so it is the
@@ -158,11 +164,13 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
     reduce_dtype in between (28 GB at 7B): fewer collectives, for small models only.
     `before_optimizer_step` runs after the last backward: the checkpoint's device-to-host copy of the
     parameters must finish before the optimizer changes them, and forward and backward have hidden it.
+    `collective_wait()` wraps the step's two all_reduces: time spent there is waiting for other ranks (stragglers).
     """
     n_local = sum(int((lab[:, 1:] != IGNORE).sum()) for _, lab, _ in micro_batches)
     n_global = torch.tensor([n_local], dtype=torch.float64, device=device)
-    dist.all_reduce(n_global)
-    n_global = max(n_global.item(), 1.0)
+    with collective_wait():  # a slower rank shows up here on the others, as waiting
+        dist.all_reduce(n_global)
+        n_global = max(n_global.item(), 1.0)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for i, (ids, labels, pos) in enumerate(micro_batches):
         model.set_requires_gradient_sync(reduce_every_micro_batch or i == len(micro_batches) - 1)
@@ -179,8 +187,10 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
         before_optimizer_step()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum)  # a sync point, once per step, for an exact logged loss
-    return loss_sum.item() / n_global, int(n_global), float(grad_norm)
+    with collective_wait():
+        dist.all_reduce(loss_sum)  # a sync point, once per step, for an exact logged loss
+        loss = loss_sum.item() / n_global
+    return loss, int(n_global), float(grad_norm)
 
 
 # ---------------------------------------------------------------- resume: the trainer's own rules (ckpt/ does the rest)
@@ -232,8 +242,12 @@ def shared_samples(cfg: Config, tokenizer, model, eval_set: bool = False):
     return open_samples(cache, cfg.data, padding_free=flash)
 
 
-def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log) -> float:
-    """Eval loss on data.eval_path (see finetune/evaluate.py): one console line and one `eval` record."""
+def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log, watch=None) -> float:
+    """Eval loss on data.eval_path (see finetune/evaluate.py): one console line and one `eval` record.
+    `watch`: the training loop's HangWatchdog, told that an eval (which may last long) begins."""
+    if watch is not None:
+        watch.enter("eval", step)
+    fault_point("eval", step)
     t0 = time.perf_counter()
     rows = eval_rows(len(eval_set), cfg.data.global_batch_size, cfg.train.eval_batches)
     loss, n_tok = evaluate(model, eval_set, rows, cfg.data.micro_batch_size, device, rank, world_size)
@@ -330,6 +344,14 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
     return split, samples, eval_set, stream
 
 
+def watch_progress(cfg: Config, rank: int, world_size: int, device, log) -> tuple[HangWatchdog, StragglerMonitor]:
+    """The hang watchdog (finetune/hang.py; its records go to the process group's store, torchrun's, keyed by the
+    restart attempt) and the straggler monitor (finetune/stragglers.py)."""
+    store = dist.distributed_c10d._get_default_store()  # the one store every rank reaches, on every node
+    watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store)
+    return watchdog, StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
+
+
 def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainProgress, device, log) -> None:
     """A completed run (exit 0): sample a few prompts, export the final checkpoint as a HF folder if asked."""
     if cfg.train.sample_at_end:
@@ -360,16 +382,18 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
     preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
+    watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
     model.train()
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
                 rows = stream.global_rows()
-                with checkpoints.step_in_progress(progress.step + 1):
+                watch.enter("step", progress.step + 1)
+                with stragglers.timed(progress.step + 1), checkpoints.step_in_progress(progress.step + 1):
                     micro = stream.next_global_batch()
                     loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
                                                     cfg.train.reduce_every_micro_batch,
-                                                    checkpoints.before_optimizer_step)
+                                                    checkpoints.before_optimizer_step, stragglers.waiting)
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
                     progress.step += 1
@@ -378,7 +402,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                 steps_log.step(progress, stream, rows, loss, lr, gnorm)
                 if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
                     eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size,
-                                                        progress.step, log)
+                                                        progress.step, log, watch)
+                watch.enter("checkpoint", progress.step)
                 if checkpoints.after_step(progress.step, lambda: preempt.agreed(device)):
                     log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
                     log.event("preempted", step=progress.step)
@@ -386,6 +411,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     break
         finally:
             steps_log.close()
+            watch.close()  # the final save and export have the checkpoint timeout; an error's save is no hang
 
     if not stream.has_next() and progress.step < cfg.train.max_steps:
         log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")

@@ -9,11 +9,13 @@ Format `<action>@<point>[:<step>][,rank=<r>][,attempt=<n>][,secs=<s>][,file=<pat
 --max-restarts recovers from must not fire again after the restart). Actions: `kill`
 (SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like
 a full disk), `sleep` (wait `secs`, to widen a window; with `file`, create it first, so a test knows the process
-got there) and `wait_for` (wait until `file` exists, at most
+got there), `stop` (SIGSTOP this process, like a frozen machine or a
+process stuck in the kernel; with `file`, create it first) and `wait_for` (wait until `file` exists, at most
 `secs`: e.g. an async save's commit marker, so a test does not depend on how loaded the machine is). Points, in the
 order a step and its save reach them:
   mid_step       a step begun (loop.py step_in_progress), its batch about to be taken, not finished
   after_step     step finished and logged (loop.py after_step)
+  eval           an evaluation of this step's model begins (train_fsdp.py run_eval)
   staged         state copied for an async save, upload not started (training process)
   write          storage writer starts writing this rank's shards (the upload: in process async mode
                  this runs in the uploader process, so `kill` kills only the uploader)
@@ -98,6 +100,10 @@ def fault_point(point: str, step: int | None = None) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         elif f["action"] == "oserror":
             raise OSError(errno.ENOSPC, f"No space left on device (injected by CKPT_FAULT at {point}, step {step})")
+        elif f["action"] == "stop":
+            if f["file"]:
+                open(f["file"], "a").close()
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif f["action"] == "sleep":
             if f["file"]:
                 open(f["file"], "a").close()

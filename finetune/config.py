@@ -26,6 +26,7 @@ import yaml
 
 from ckpt.policy import parse_interval
 from ckpt.storage import is_url, unsupported
+from finetune.hang import parse_hang_timeout
 from finetune.schedule import SCHEDULES
 
 
@@ -111,6 +112,8 @@ class TrainConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
+    hang_timeout: str = "auto"  # s a step may last before exit 76 naming the stuck rank; auto; 0: off (finetune/hang.py)
+    straggler_margin: float = 0.2  # log a rank computing this fraction over the mean 3 log intervals running (0: off)
     deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
     reduce_every_micro_batch: bool = True  # false: one reduce-scatter per step, unsharded grads between (small models)
     eval_interval: int = 0  # eval loss on data.eval_path every N optimizer steps and at the end (0 = off)
@@ -206,6 +209,7 @@ _RANGES = {
     "train.beta2": _between(0, 1, high_open=True),
     "train.grad_clip": _at_least(0),
     "train.collective_timeout_minutes": _above(0),
+    "train.straggler_margin": _at_least(0),
     "ckpt.interval_minutes": _at_least(0),
     "ckpt.mtbf_hours": _above(0),
     "ckpt.keep_last": _at_least(0),
@@ -350,6 +354,11 @@ def validate(cfg: Config) -> None:
     except ValueError:
         raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, "
                           f"got {cfg.ckpt.interval!r}") from None
+    try:
+        parse_hang_timeout(cfg.train.hang_timeout)
+    except ValueError:
+        raise ConfigError(f"config key 'train.hang_timeout' must be seconds >= 0 (0: off) or auto, "
+                          f"got {cfg.train.hang_timeout!r}") from None
     if cfg.ckpt.memory_dir and _nested(cfg.ckpt.memory_dir, cfg.ckpt.dir):
         raise ConfigError(f"config key 'ckpt.memory_dir={cfg.ckpt.memory_dir}' must be a folder apart from ckpt.dir "
                           f"({cfg.ckpt.dir}), neither inside it nor around it: the memory tier removes its step "

@@ -64,6 +64,18 @@ class RankZeroLog:
     def event(self, name: str, **fields) -> None:
         self.record(event=name, time=time.time(), **fields)
 
+    def event_from_any_rank(self, name: str, **fields) -> None:
+        """An event that another rank than 0 may have to record (rank 0 is the one that hung): appended to
+        metrics.jsonl as one line by whichever rank calls it."""
+        if self.rank == 0:
+            self.event(name, **fields)
+            return
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"event": name, "time": time.time(), **fields}) + "\n")
+        except OSError as e:
+            print(f"warning: could not record the {name} event in {self.path}: {e}", file=sys.stderr, flush=True)
+
     def close(self) -> None:
         if self._file is not None:
             try:

@@ -1,0 +1,214 @@
+"""Hang detection: a rank that stops making progress ends the job with EXIT_HANG (76) within train.hang_timeout,
+naming the rank, instead of the whole job waiting train.collective_timeout_minutes with no word of which rank.
+
+    python -m pytest tests/test_hang.py -q
+
+Each rank runs one watchdog thread. The training loop tells it the phase it enters (`enter("step", 8)`: an
+attribute write and an Event.set, no I/O on the training thread); the thread then, and at least every CHECK_S,
+publishes this rank's record (step, phase, a heartbeat counter, host, pid) under its own key in the process group's
+store (torchrun's store, whose keys init_distributed prefixes by the restart attempt), one `set`, and looks at its
+own phase only: O(1) per rank per step, nothing grows with the world size. A record is as fresh as the last
+publish: a rank frozen a few microseconds after entering a phase may still show the phase before. Why the store
+and not a file in run.dir: the store is reachable from every node, run.dir may not be.
+
+The rule, on each rank: a `step` phase (a training step and its log line) lasting longer than the timeout is a hang.
+Every other phase (startup and the first steps under `auto`, eval, checkpoint) may legitimately take
+long: past the timeout (and every timeout after) the rank reads every rank's record twice, 3 x CHECK_S apart, and
+calls it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long eval is not a
+hang. Reading the W records happens only then, when something already looks wrong.
+
+On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt; the
+lowest live rank prints one line naming the rank(s) that stopped, their step and phase, and records a `hang`
+event (step, phase, ranks, waited_s, exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
+would otherwise wait 30 s after its SIGTERM, which a stopped process never handles); then os._exit(EXIT_HANG)
+from the watchdog thread, since the main thread is blocked in a collective. `torchrun --max-restarts` or a SLURM
+requeue restarts the job and ckpt.resume=auto continues from the newest checkpoint (the memory tier's when on).
+The watch ends with the loop: the final save and export wait ckpt.timeout_minutes like every checkpoint collective,
+and an error's emergency save must not be called a hang.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+
+EXIT_HANG = 76  # beside 0 done, 1 error, 2 bad input, 75 preempted (train_fsdp.py)
+CHECK_S = 1.0  # how often each rank publishes its record and looks at its own phase
+AUTO_FLOOR_S = 60.0  # auto: never less than this
+AUTO_STEPS = 10.0  # auto: this many times the median step time
+AUTO_AFTER = 3  # auto: steps timed before `step` phases are held to the timeout (first steps compile, warm up)
+
+
+def parse_hang_timeout(text: str) -> float | None:
+    """train.hang_timeout: seconds (0: off) or auto (None). ValueError on anything else."""
+    if str(text).strip() == "auto":
+        return None
+    seconds = float(text)
+    if not (seconds >= 0 and seconds != float("inf")):
+        raise ValueError(text)
+    return seconds
+
+
+class HangWatchdog:
+    """One per rank; `enter(phase, step)` from the training loop, `close()` when the loop is over."""
+
+    def __init__(self, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store):
+        """`timeout`: seconds, None for auto; `log`: the run's RankZeroLog; `store`: a c10d Store all ranks share."""
+        self.fixed, self.rank, self.world_size, self.run_dir, self.log, self.store = (
+            timeout, rank, world_size, run_dir, log, store)
+        self.state = ("startup", 0, time.monotonic())  # (phase, step, since): one tuple, swapped atomically
+        self.step_times = deque(maxlen=50)  # recent `step` phases, for auto: bounded, O(1)
+        self.heartbeat = 0
+        self._last_records: dict[int, dict] = {}
+        self._stop, self._changed = False, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+
+    @classmethod
+    def start(cls, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store) -> "HangWatchdog":
+        dog = cls(timeout, rank, world_size, run_dir, log, store)
+        if timeout != 0:
+            dog._publish()  # every rank has a record before any rank could look for it
+            dog._thread.start()
+        return dog
+
+    def enter(self, phase: str, step: int) -> None:
+        """The main thread moved to `phase` of `step` (`step`: the step being trained, or the last finished)."""
+        now = time.monotonic()
+        old_phase, _, since = self.state
+        if old_phase == "step":
+            self.step_times.append(now - since)
+        self.state = (phase, step, now)
+        self._changed.set()  # publish it now, from the watchdog thread
+
+    def close(self) -> None:
+        self._stop = True
+        self._changed.set()
+
+    def timeout(self) -> float | None:
+        """The `step` phase's limit in seconds; None while auto has too few steps timed."""
+        if self.fixed is not None:
+            return self.fixed
+        if len(self.step_times) < AUTO_AFTER:
+            return None
+        return max(AUTO_FLOOR_S, AUTO_STEPS * statistics.median(tuple(self.step_times)))  # a copy: the loop appends
+
+    # ---- the watchdog thread
+
+    def _run(self) -> None:
+        checked = None  # (since, how many timeouts) of the slow phase last checked
+        while True:
+            self._changed.wait(CHECK_S)
+            self._changed.clear()
+            if self._stop:
+                return
+            self._beat()
+            phase, step, since = self.state
+            limit = self.timeout()
+            waited = time.monotonic() - since
+            if phase == "step" and limit is not None:
+                if waited > limit:
+                    return self._hang(phase, step, since, limit)
+                continue
+            limit = limit if limit is not None else AUTO_FLOOR_S
+            periods = int(waited // limit)
+            if periods >= 1 and checked != (since, periods):
+                checked = (since, periods)
+                if self._frozen_ranks():
+                    return self._hang(phase, step, since, limit)
+
+    def _key(self, rank: int) -> str:
+        return f"finetune/progress/rank{rank}"
+
+    def _beat(self) -> None:
+        self.heartbeat += 1
+        self._publish()
+
+    def _publish(self) -> None:
+        phase, step, _ = self.state
+        record = {"step": step, "phase": phase, "heartbeat": self.heartbeat, "host": socket.gethostname(),
+                  "pid": os.getpid()}
+        try:
+            self.store.set(self._key(self.rank), json.dumps(record))
+        except Exception:  # noqa: BLE001 - the store gone (agent stopping): nothing left to watch for
+            pass
+
+    def _records(self) -> dict[int, dict]:
+        """Every rank's record that can be read now: O(W), only when something already looks wrong."""
+        out = {}
+        for r in range(self.world_size):
+            try:
+                if self.store.check([self._key(r)]):
+                    out[r] = json.loads(self.store.get(self._key(r)))
+            except Exception:  # noqa: BLE001 - unreadable counts as not making progress
+                pass
+        return out
+
+    def _frozen_ranks(self) -> list[int]:
+        """Ranks whose heartbeat did not move in 3 x CHECK_S, this rank excluded; their records in _last_records."""
+        before = self._records()
+        for _ in range(3):  # beating on meanwhile: the other ranks may be checking this one right now
+            time.sleep(CHECK_S)
+            self._beat()
+        after = self._records()
+        frozen = [r for r in range(self.world_size) if r != self.rank and
+                  (r not in after or r not in before or after[r]["heartbeat"] == before[r]["heartbeat"])]
+        self._last_records = after
+        return frozen
+
+    def _stuck_ranks(self, frozen: list[int], my_step: int) -> list[int]:
+        """Ranks to name when a `step` phase overran: the frozen ones; else those not in this step's collectives
+        (another step or phase); else every rank (all wait on each other: a deadlock)."""
+        if frozen:
+            return frozen
+        elsewhere = [r for r, rec in self._last_records.items() if (rec["step"], rec["phase"]) != (my_step, "step")]
+        return elsewhere or list(range(self.world_size))
+
+    def _hang(self, phase: str, step: int, since: float, limit: float) -> None:
+        frozen = self._frozen_ranks()
+        waited = time.monotonic() - since  # from the last progress to this verdict: what the hang cost
+        stuck, records = self._stuck_ranks(frozen, step), self._last_records
+        stacks = self._dump_stacks()
+        alive = [r for r in range(self.world_size) if r not in stuck or r == self.rank]
+        if self.rank == min(alive):
+            where = "; ".join(f"rank {r}: step {records[r]['step']}, phase {records[r]['phase']}"
+                              if r in records else f"rank {r}: no record" for r in stuck)
+            print(f"error: hang: no progress for {waited:.0f}s (train.hang_timeout {limit:g}s) on rank {self.rank} "
+                  f"at step {step}, phase {phase}; stopped making progress: {where}; Python stacks in "
+                  f"{os.path.dirname(stacks)}; exiting with {EXIT_HANG} so that the launcher restarts the job",
+                  file=sys.stderr, flush=True)
+            first = records.get(stuck[0], {}) if stuck else {}
+            self.log.event_from_any_rank("hang", step=first.get("step", step), phase=first.get("phase", phase),
+                                         ranks=stuck, waited_s=round(waited, 3), exit_code=EXIT_HANG,
+                                         detected_by=self.rank)
+        self._kill_frozen_here(frozen, records)
+        sys.stdout.flush()
+        os._exit(EXIT_HANG)
+
+    def _dump_stacks(self) -> str:
+        folder = os.path.join(self.run_dir, "hang")
+        path = os.path.join(folder, f"rank{self.rank}-attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.txt")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(path, "w") as f:
+                faulthandler.dump_traceback(f, all_threads=True)
+        except OSError as e:
+            print(f"warning: could not write the Python stacks to {path}: {e}", file=sys.stderr, flush=True)
+        return path
+
+    def _kill_frozen_here(self, frozen: list[int], records: dict[int, dict]) -> None:
+        """A stopped process never handles torchrun's SIGTERM (it waits 30 s, then SIGKILLs): do it now."""
+        for r in frozen:
+            rec = records.get(r)
+            if r != self.rank and rec and rec["host"] == socket.gethostname() and rec["pid"] != os.getpid():
+                try:
+                    os.kill(rec["pid"], signal.SIGKILL)
+                except OSError:
+                    pass

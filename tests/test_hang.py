@@ -1,0 +1,77 @@
+"""Hang detection and stragglers (finetune/hang.py, finetune/stragglers.py): a frozen rank ends the job with exit 76
+naming it, torchrun restarts it, the memory tier resumes it bit for bit; a slow save or a long eval is no hang; a
+rank slowed on purpose is named as a straggler.
+
+    python -m pytest tests/test_hang.py -q
+
+Run A trains 10 steps at W=2 with a memory step every step. Run B is A with rank 1 frozen by SIGSTOP (CKPT_FAULT
+`stop`) inside step 6, after a second in it, under `torchrun --max-restarts 1` and train.hang_timeout=10.
+"""
+
+import os
+import time
+
+import pytest
+
+from conftest import events, losses, run_train
+from finetune.hang import AUTO_FLOOR_S, HangWatchdog, parse_hang_timeout
+
+RUN = ["train.max_steps=10", "ckpt.interval=0", "ckpt.memory_interval=1", "train.hang_timeout=10"]
+FROZEN_STEP = 6
+
+
+def with_memory(run_dir) -> list[str]:
+    return [*RUN, f"ckpt.memory_dir={run_dir}-mem"]
+
+
+def test_a_frozen_rank_is_named_and_the_restarted_job_ends_bit_for_bit(tmp_path):
+    run_train(tmp_path / "a", 2, with_memory(tmp_path / "a"))
+    b, frozen_at = tmp_path / "b", tmp_path / "frozen"
+    fault = (f"sleep@mid_step:{FROZEN_STEP},rank=1,attempt=0,secs=1,file={frozen_at};"  # frozen a second into the step
+             f"stop@mid_step:{FROZEN_STEP},rank=1,attempt=0")
+    proc = run_train(b, 2, with_memory(b), env={"CKPT_FAULT": fault}, restarts=1)
+    ended = time.time()
+    assert ended - os.path.getmtime(frozen_at) < 120, "the job took too long to get over the frozen rank"
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: hang:")]
+    assert len(said) == 1 and f"rank 1: step {FROZEN_STEP}, phase step" in said[0], proc.stderr[-3000:]
+    [hang] = events(b, "hang")
+    assert (hang["ranks"], hang["step"], hang["phase"], hang["exit_code"]) == ([1], FROZEN_STEP, "step", 76)
+    assert 10 <= hang["waited_s"] < 60
+    with open(b / "hang" / "rank0-attempt0.txt") as f:
+        assert "train_step" in f.read(), "rank 0's stacks show where its main thread waited"
+    assert [e["tier"] for e in events(b, "resume")] == ["memory"]
+    assert losses(b) == losses(tmp_path / "a") and sorted(losses(b)) == list(range(1, 11))
+
+
+def test_a_slow_save_and_a_long_eval_are_not_hangs(tmp_path):
+    saved, evaluated = tmp_path / "slow-save", tmp_path / "long-eval"
+    fault = f"sleep@write:3,rank=1,secs=15,file={saved};sleep@eval:4,rank=1,secs=15,file={evaluated}"
+    run = tmp_path / "run"
+    proc = run_train(run, 2, ["train.max_steps=5", "ckpt.interval=3", "ckpt.async_mode=off", "train.eval_interval=4",
+                              "train.hang_timeout=5"], env={"CKPT_FAULT": fault})
+    assert saved.exists() and evaluated.exists(), "the save and the eval should have been slowed"
+    assert events(run, "hang") == [] and "hang" not in proc.stderr
+    assert sorted(losses(run)) == [1, 2, 3, 4, 5]
+
+
+def test_a_slowed_rank_is_named_a_straggler(tmp_path):
+    run = tmp_path / "run"
+    proc = run_train(run, 2, ["train.max_steps=8", "train.straggler_margin=0.2"],
+                     env={"CKPT_FAULT": "sleep@mid_step,rank=1,secs=0.5"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("straggler:")]
+    assert lines and lines[0].startswith("straggler: rank 1 "), proc.stdout[-3000:]
+    ev = events(run, "straggler")
+    assert ev and ev[0]["rank"] == 1 and ev[0]["margin"] > 0.2 and ev[0]["compute_s"] > ev[0]["mean_compute_s"]
+
+
+def test_hang_timeout_values():
+    assert parse_hang_timeout("auto") is None and parse_hang_timeout("0") == 0 and parse_hang_timeout("12.5") == 12.5
+    for bad in ("-1", "soon", "inf"):
+        with pytest.raises(ValueError):
+            parse_hang_timeout(bad)
+    dog = HangWatchdog(None, 0, 1, "unused", None, None)
+    assert dog.timeout() is None, "auto waits for a few timed steps"
+    dog.step_times.extend([0.5, 0.5, 30.0])
+    assert dog.timeout() == AUTO_FLOOR_S, "short steps: the floor"
+    dog.step_times.extend([30.0, 30.0])
+    assert dog.timeout() == 300.0, "10 x the median step"
