@@ -34,6 +34,7 @@ from finetune.resume_rules import resume_changes
 from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path,
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
+from finetune.goodput import goodput_line, process_start_time
 from finetune.inputs import check_inputs
 from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
@@ -239,7 +240,7 @@ def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, s
     loss, n_tok = evaluate(model, eval_set, rows, cfg.data.micro_batch_size, device, rank, world_size)
     log.info(f"eval   {step:6d} | eval_loss {loss:.4f} | {n_tok:,} tokens in {rows} rows | "
              f"{time.perf_counter() - t0:.1f}s")
-    log.event("eval", step=step, eval_loss=loss, eval_tokens=n_tok, eval_rows=rows)
+    log.event("eval", step=step, eval_loss=loss, eval_tokens=n_tok, eval_rows=rows, eval_s=time.perf_counter() - t0)
     return loss
 
 
@@ -344,6 +345,8 @@ def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainPr
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
                                         lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
+    log.event("attempt_start", process_start=process_start_time(), world_size=world_size,
+              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))  # the goodput account's attempts
     tokenizer, model = build_model(cfg, device, world_size, log)
     optimizer, scheduler = build_optimizer(model, cfg)
     checkpoints.check_staging(model)
@@ -364,7 +367,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
-                rows = stream.global_rows()
+                rows, t_step = stream.global_rows(), time.perf_counter()
                 with checkpoints.step_in_progress(progress.step + 1):
                     micro = stream.next_global_batch()
                     loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
@@ -375,7 +378,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     progress.step += 1
                     progress.tokens += split.global_batch * cfg.data.seq_len
                     progress.loss_tokens += n_tok
-                steps_log.step(progress, stream, rows, loss, lr, gnorm)
+                steps_log.step(progress, stream, rows, loss, lr, gnorm, time.perf_counter() - t_step)
                 if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
                     eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size,
                                                         progress.step, log)
@@ -395,6 +398,9 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     if exit_code == 0:
         after_training(cfg, model, tokenizer, checkpoints, progress, device, log)
     log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - steps_log.t_start:.1f}s")
+    log.event("run_end", step=progress.step, exit_code=exit_code)
+    if rank == 0:  # one read of metrics.jsonl per run, on rank 0: nothing per step
+        log.info(goodput_line(cfg.run.dir))
     log.close()
     return exit_code
 
