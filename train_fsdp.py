@@ -280,6 +280,8 @@ def open_run(cfg: Config, rank: int) -> RankZeroLog:
     job on this ckpt.dir stops before it writes anything)."""
     os.makedirs(cfg.run.dir, exist_ok=True)
     log = RankZeroLog(rank, cfg.run.dir, open_loggers(cfg, rank))  # + TensorBoard / W&B when asked
+    log.event("attempt_start", process_start=process_start_time(),  # where the goodput account's attempts begin
+              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     if rank == 0:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
@@ -342,11 +344,18 @@ def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainPr
         checkpoints.export(progress.step, os.path.join(cfg.run.dir, "hf"), cfg.export.dtype)
 
 
+def close_run(cfg: Config, rank: int, log, progress: TrainProgress, exit_code: int, elapsed: float) -> None:
+    """The last lines: done, a `run_end` record (this attempt ended on purpose), the goodput of all attempts."""
+    log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {elapsed:.1f}s")
+    log.event("run_end", step=progress.step, exit_code=exit_code)
+    if rank == 0:  # one read of metrics.jsonl per run, on rank 0: nothing per step
+        log.info(goodput_line(cfg.run.dir))
+    log.close()
+
+
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
                                         lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
-    log.event("attempt_start", process_start=process_start_time(), world_size=world_size,
-              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))  # the goodput account's attempts
     tokenizer, model = build_model(cfg, device, world_size, log)
     optimizer, scheduler = build_optimizer(model, cfg)
     checkpoints.check_staging(model)
@@ -397,11 +406,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     checkpoints.finish(progress.step, preempted=exit_code == EXIT_PREEMPTED)
     if exit_code == 0:
         after_training(cfg, model, tokenizer, checkpoints, progress, device, log)
-    log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - steps_log.t_start:.1f}s")
-    log.event("run_end", step=progress.step, exit_code=exit_code)
-    if rank == 0:  # one read of metrics.jsonl per run, on rank 0: nothing per step
-        log.info(goodput_line(cfg.run.dir))
-    log.close()
+    close_run(cfg, rank, log, progress, exit_code, time.perf_counter() - steps_log.t_start)
     return exit_code
 
 

@@ -234,13 +234,18 @@ def loss_figure(path: str):
     return fig
 
 
+def parse_args(argv: list[str], prog: str, description: str, what: str, what_help: str, png: str):
+    """The two arguments of both commands: what to read, and the PNG to write (default: `png` beside it)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(what, help=what_help)
+    p.add_argument("out", nargs="?", default=None, help=f"PNG to write (default: {png} beside it)")
+    return p.parse_args(argv)
+
+
 def goodput_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m finetune.metrics goodput",
-                                description="Goodput of a run folder over all its attempts: wall time, time lost by "
-                                            "cause (finetune/goodput.py), and a timeline PNG.")
-    p.add_argument("run_dir", help="a run folder holding metrics.jsonl, e.g. runs/tiny")
-    p.add_argument("out", nargs="?", default=None, help="PNG to write (default: goodput.png in the run folder)")
-    args = p.parse_args(argv)
+    args = parse_args(argv, "python -m finetune.metrics goodput", "Goodput of a run folder over all its attempts: "
+                      "wall time, time lost by cause (finetune/goodput.py), and a timeline PNG.", "run_dir",
+                      "a run folder holding metrics.jsonl, e.g. runs/tiny", "goodput.png in the folder")
     try:
         g = run_account(args.run_dir)
         print("\n".join(g.lines()))
@@ -256,12 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["goodput"]:
         return goodput_main(argv[1:])
-    p = argparse.ArgumentParser(prog="python -m finetune.metrics",
-                                description="Draw the loss curve of a run's metrics.jsonl to a PNG, with checkpoints "
-                                            "(kept or deleted), resumes and world-size changes marked.")
-    p.add_argument("metrics", help="a run's metrics.jsonl, e.g. runs/tiny/metrics.jsonl")
-    p.add_argument("out", nargs="?", default=None, help="PNG to write (default: loss.png beside metrics.jsonl)")
-    args = p.parse_args(argv)
+    args = parse_args(argv, "python -m finetune.metrics", "Draw the loss curve of a run's metrics.jsonl to a PNG, "
+                      "with checkpoints (kept or deleted), resumes and world-size changes marked.", "metrics",
+                      "a run's metrics.jsonl, e.g. runs/tiny/metrics.jsonl", "loss.png")
     out = args.out or os.path.join(os.path.dirname(args.metrics), "loss.png")
     try:
         print(plot_metrics(args.metrics, out))
