@@ -89,7 +89,7 @@ def inject(agent: subprocess.Popen, plan: list, hang_s: float, t0: float) -> lis
 def one_run(name: str, args, plan: list, work: str, i: int) -> dict:
     run_dir, shm = os.path.join(work, f"{name}-{i}"), tempfile.mkdtemp(prefix="goodput-bench-", dir="/dev/shm")
     overrides = [f"run.dir={run_dir}", f"ckpt.dir={run_dir}/checkpoints", f"ckpt.memory_dir={shm}",
-                 f"ckpt.mtbf_hours={args.period / 3600}", f"train.max_steps={args.max_steps}", *CONFIGS[name]]
+                 f"ckpt.mtbf_hours={args.period / 3600}", f"train.max_steps={args.max_steps}", "data.epochs=1000", *CONFIGS[name]]  # steps, not data, end it
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            "--max-restarts", str(args.failures + 3), os.path.join(ROOT, "train_fsdp.py"), "--config",
            os.path.join(ROOT, "configs", "tiny.yaml"), *overrides]
