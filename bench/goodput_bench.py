@@ -1,7 +1,7 @@
 """Goodput under one injected failure schedule, three checkpoint configurations side by side (issue 40 point 4).
 
     python bench/goodput_bench.py                      # a rank SIGKILLed every 120 s, one SIGSTOPped; ~30 min
-    python bench/goodput_bench.py --failures 2 --stop-at 180 --max-steps 3000   # the run quoted in the docs
+    python bench/goodput_bench.py --failures 3 --stop-at 180 --max-steps 6000   # the run quoted in the docs
     python bench/goodput_bench.py --smoke --out /tmp/g # the mechanics in ~2 min (tests/test_bench.py)
 
 The same tiny training (configs/tiny.yaml, 2 ranks, `torchrun --max-restarts`) runs under the same failure
@@ -89,7 +89,8 @@ def inject(agent: subprocess.Popen, plan: list, hang_s: float, t0: float) -> lis
 def one_run(name: str, args, plan: list, work: str, i: int) -> dict:
     run_dir, shm = os.path.join(work, f"{name}-{i}"), tempfile.mkdtemp(prefix="goodput-bench-", dir="/dev/shm")
     overrides = [f"run.dir={run_dir}", f"ckpt.dir={run_dir}/checkpoints", f"ckpt.memory_dir={shm}",
-                 f"ckpt.mtbf_hours={args.period / 3600}", f"train.max_steps={args.max_steps}", "data.epochs=1000", *CONFIGS[name]]  # steps, not data, end it
+                 f"ckpt.mtbf_hours={args.period / 3600}", f"train.max_steps={args.max_steps}",
+                 "data.epochs=1000", *CONFIGS[name]]  # epochs: the steps, not the data, end each run
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
            "--max-restarts", str(args.failures + 3), os.path.join(ROOT, "train_fsdp.py"), "--config",
            os.path.join(ROOT, "configs", "tiny.yaml"), *overrides]
