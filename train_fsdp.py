@@ -37,6 +37,7 @@ from finetune.resume_rules import resume_changes
 from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path,
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
+from finetune.goodput import goodput_line, process_start_time
 from finetune.hang import HangWatchdog, parse_hang_timeout
 from finetune.inputs import check_inputs
 from finetune.launch import report_bad_input
@@ -253,7 +254,7 @@ def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, s
     loss, n_tok = evaluate(model, eval_set, rows, cfg.data.micro_batch_size, device, rank, world_size)
     log.info(f"eval   {step:6d} | eval_loss {loss:.4f} | {n_tok:,} tokens in {rows} rows | "
              f"{time.perf_counter() - t0:.1f}s")
-    log.event("eval", step=step, eval_loss=loss, eval_tokens=n_tok, eval_rows=rows)
+    log.event("eval", step=step, eval_loss=loss, eval_tokens=n_tok, eval_rows=rows, eval_s=time.perf_counter() - t0)
     return loss
 
 
@@ -293,6 +294,8 @@ def open_run(cfg: Config, rank: int) -> RankZeroLog:
     job on this ckpt.dir stops before it writes anything)."""
     os.makedirs(cfg.run.dir, exist_ok=True)
     log = RankZeroLog(rank, cfg.run.dir, open_loggers(cfg, rank))  # + TensorBoard / W&B when asked
+    log.event("attempt_start", process_start=process_start_time(),  # where the goodput account's attempts begin
+              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
     if rank == 0:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
@@ -363,6 +366,15 @@ def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainPr
         checkpoints.export(progress.step, os.path.join(cfg.run.dir, "hf"), cfg.export.dtype)
 
 
+def close_run(cfg: Config, rank: int, log, progress: TrainProgress, exit_code: int, elapsed: float) -> None:
+    """The last lines: done, a `run_end` record (this attempt ended on purpose), the goodput of all attempts."""
+    log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {elapsed:.1f}s")
+    log.event("run_end", step=progress.step, exit_code=exit_code)
+    if rank == 0:  # one read of metrics.jsonl per run, on rank 0: nothing per step
+        log.info(goodput_line(cfg.run.dir))
+    log.close()
+
+
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
                                         lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
@@ -387,7 +399,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
-                rows = stream.global_rows()
+                rows, t_step = stream.global_rows(), time.perf_counter()
                 watch.enter("step", progress.step + 1)
                 with stragglers.timed(progress.step + 1), checkpoints.step_in_progress(progress.step + 1):
                     micro = stream.next_global_batch()
@@ -399,7 +411,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     progress.step += 1
                     progress.tokens += split.global_batch * cfg.data.seq_len
                     progress.loss_tokens += n_tok
-                steps_log.step(progress, stream, rows, loss, lr, gnorm)
+                steps_log.step(progress, stream, rows, loss, lr, gnorm, time.perf_counter() - t_step)
                 if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
                     eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size,
                                                         progress.step, log, watch)
@@ -420,8 +432,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     checkpoints.finish(progress.step, preempted=exit_code == EXIT_PREEMPTED)
     if exit_code == 0:
         after_training(cfg, model, tokenizer, checkpoints, progress, device, log)
-    log.info(f"done: step {progress.step}, {progress.tokens:,} tokens, {time.perf_counter() - steps_log.t_start:.1f}s")
-    log.close()
+    close_run(cfg, rank, log, progress, exit_code, time.perf_counter() - steps_log.t_start)
     return exit_code
 
 

@@ -1,6 +1,7 @@
 """Rank-0 logging: one greppable line per log interval, metrics.jsonl per step, and a loss-curve PNG.
 
     python -m finetune.metrics runs/tiny/metrics.jsonl      # -> runs/tiny/loss.png
+    python -m finetune.metrics goodput runs/tiny            # goodput account -> runs/tiny/goodput.png
 
 metrics.jsonl holds one JSON object per optimizer step ({"step", "loss", "lr", "tokens", ...}) and
 event records ({"event": "checkpoint" | "resume" | "eval" | ...}; an eval record has "step" and "eval_loss"). A resumed run appends to the same file, so a
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 
+from finetune.goodput import plot_timeline, run_account
 from finetune.loggers import ScalarStream
 
 
@@ -114,11 +116,12 @@ class StepLog:
         self.bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, start_step)
         self.t_start = time.perf_counter()
 
-    def step(self, progress, stream, rows, loss: float, lr: float, gnorm: float) -> None:
+    def step(self, progress, stream, rows, loss: float, lr: float, gnorm: float, step_s: float) -> None:
+        """`step_s`: the step's own duration (batch to optimizer step), for the goodput account."""
         elapsed, max_steps = time.perf_counter() - self.t_start, self.cfg.train.max_steps
         self.log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
                         loss_tokens=progress.loss_tokens, samples=stream.position, world_size=self.world_size,
-                        time=time.time(), sample_ids=rows)
+                        time=time.time(), step_s=round(step_s, 6), sample_ids=rows)
         if progress.step % self.cfg.run.log_interval == 0 or progress.step == max_steps:
             tps = (progress.tokens - self.start_step * self.tokens_per_step) / max(elapsed, 1e-9)
             self.log.info(step_line(progress.step, max_steps, loss, lr, gnorm, tps, elapsed,
@@ -243,13 +246,36 @@ def loss_figure(path: str):
     return fig
 
 
+def parse_args(argv: list[str], prog: str, description: str, what: str, what_help: str, png: str):
+    """The two arguments of both commands: what to read, and the PNG to write (default: `png` beside it)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument(what, help=what_help)
+    p.add_argument("out", nargs="?", default=None, help=f"PNG to write (default: {png} beside it)")
+    return p.parse_args(argv)
+
+
+def goodput_main(argv: list[str]) -> int:
+    args = parse_args(argv, "python -m finetune.metrics goodput", "Goodput of a run folder over all its attempts: "
+                      "wall time, time lost by cause (finetune/goodput.py), and a timeline PNG.", "run_dir",
+                      "a run folder holding metrics.jsonl, e.g. runs/tiny", "goodput.png in the folder")
+    try:
+        g = run_account(args.run_dir)
+        print("\n".join(g.lines()))
+        print(plot_timeline(g, args.out or os.path.join(args.run_dir, "goodput.png"), os.path.basename(
+            os.path.abspath(args.run_dir))))
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: cannot account {args.run_dir}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m finetune.metrics",
-                                description="Draw the loss curve of a run's metrics.jsonl to a PNG, with checkpoints "
-                                            "(kept or deleted), resumes and world-size changes marked.")
-    p.add_argument("metrics", help="a run's metrics.jsonl, e.g. runs/tiny/metrics.jsonl")
-    p.add_argument("out", nargs="?", default=None, help="PNG to write (default: loss.png beside metrics.jsonl)")
-    args = p.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["goodput"]:
+        return goodput_main(argv[1:])
+    args = parse_args(argv, "python -m finetune.metrics", "Draw the loss curve of a run's metrics.jsonl to a PNG, "
+                      "with checkpoints (kept or deleted), resumes and world-size changes marked.", "metrics",
+                      "a run's metrics.jsonl, e.g. runs/tiny/metrics.jsonl", "loss.png")
     out = args.out or os.path.join(os.path.dirname(args.metrics), "loss.png")
     try:
         print(plot_metrics(args.metrics, out))

@@ -251,3 +251,21 @@ def test_gpu_bench_records_the_test_tier_even_when_it_was_cut_short(tmp_path):
     t = tier_outcome(str(tmp_path / "absent.xml"), str(log), 124)
     assert t["timed_out"] and (t["tests"], t["failures"], t["skipped"]) == (3, 1, 1)
     assert t["failed"] == ["tests/test_gpu.py::test_b[1gpu]"] and "log" in t["source"]
+
+
+def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_path):
+    """bench/goodput_bench.py --smoke: the three configurations ran under the same one-SIGKILL schedule, each
+    with a goodput account from its own metrics.jsonl; the memory tier's runs saved every step."""
+    args = ["--smoke", "--out", str(tmp_path)]
+    run("goodput_bench", args, 600)
+    r = check_provenance(tmp_path, "goodput_bench_smoke", args, script="goodput_bench")
+    assert set(r["configs"]) == {"disk", "auto", "memory"} and r["schedule"][0]["signal"] == "SIGKILL"
+    for name, c in r["configs"].items():
+        (one,) = c["runs"]
+        assert one["exit_code"] == 0 and one["last_step"] == 300, (name, one)
+        assert 0 < one["goodput"] < 1 and one["lost_s"]["startup"] > 0, (name, one)
+        assert one["attempts"] <= 1 + sum(s["signal"] == "SIGKILL" for s in one["signals"]), (name, one)
+    # a SIGKILL before a rank's first record leaves no attempt to account; at 14 s most land in training
+    assert any(c["runs"][0]["attempts"] == 2 and c["runs"][0]["lost_s"]["downtime"] > 0 for c in r["configs"].values())
+    assert r["configs"]["memory"]["runs"][0]["lost_s"]["ckpt"] > r["configs"]["disk"]["runs"][0]["lost_s"]["ckpt"]
+    assert (tmp_path / "goodput_bench_smoke.md").read_text().count("| memory |") == 1

@@ -35,6 +35,7 @@ DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
 RS, RS8, RST = "realsize_bench.json", "realsize_bench-8blocks.json", "realsize_bench-thread.json"
 MEM, MEMORY = "memory_bench.json", "docs/memory-tier.md"
 BEFORE_SPARE = "runs/memory_bench/2026-11-25T234616Z-f9daa0bdf.json"  # memory_bench before steps reused the spare's pages
+GOODPUT = "goodput_bench.json"
 MB = 1048576
 
 
@@ -281,13 +282,20 @@ FIGURES = [
     (PERF, "the streaming export peaked {} MiB above its baseline ({} of the model), against {} MiB ({}) for",
      [(EXPORT_FP32, "modes.stream.peak_above_baseline_MiB", ".0f"), (EXPORT_FP32, "modes.stream.peak_above_baseline_over_model", ".0%"),
       (EXPORT_FP32, "modes.naive.peak_above_baseline_MiB", ".0f"), (EXPORT_FP32, "modes.naive.peak_above_baseline_over_model", ".0%")]),
+    # goodput under one failure schedule: disk, auto interval, memory tier
+    (PERF, "The 1-min load average was {} before and {} after. The goals: the memory tier loses {}x less work",
+     [*each(GOODPUT, ".2f", "provenance.load_average_before.0", "provenance.load_average_after.0"),
+      (GOODPUT, "ratios.rollback_disk_over_memory", ".1f")]),
+    (PERF, "and keeps {} goodput (goal >= 90%: missed)", [(GOODPUT, "configs.memory.goodput_median", ".1%")]),
+    (PERF, "blocks the loop ({} s of {} s)", each(GOODPUT, ".1f", "configs.memory.lost_s_median.ckpt",
+                                                 "configs.memory.wall_s_median")),
 ]
 
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
 TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
           (DATA, "data_bench.md"), (PERF, "realsize_bench.md"),
           (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md"),
-          (PERF, "compile_bench.md")]
+          (PERF, "compile_bench.md"), (PERF, "goodput_bench.md")]
 
 
 def value_at(results: dict, path: str) -> float:

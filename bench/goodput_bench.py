@@ -1,0 +1,167 @@
+"""Goodput under one injected failure schedule, three checkpoint configurations side by side (issue 40 point 4).
+
+    python bench/goodput_bench.py                      # a rank SIGKILLed every 120 s, one SIGSTOPped; ~30 min
+    python bench/goodput_bench.py --failures 3 --stop-at 180 --max-steps 6000   # the run quoted in the docs
+    python bench/goodput_bench.py --smoke --out /tmp/g # the mechanics in ~2 min (tests/test_bench.py)
+
+The same tiny training (configs/tiny.yaml, 2 ranks, `torchrun --max-restarts`) runs under the same failure
+schedule in three configurations, interleaved round by round: `disk` (the preset's ckpt.interval), `auto`
+(ckpt.interval=auto, Young-Daly from ckpt.mtbf_hours = the injected failure period) and `memory` (the memory
+tier every step, disk at the preset's interval). The schedule, fixed by --seed: every --period seconds after the
+launch a random rank is SIGKILLed (as soon as workers exist, if the launcher is between attempts); once, at
+--stop-at seconds, a random rank is SIGSTOPped and, --hang-s seconds later, SIGKILLed: the stand-in for the hang
+detector of issue 40 points 1-2, which this script does not assume. Each run's goodput account comes from its
+own metrics.jsonl (finetune/goodput.py), not from the schedule. Writes bench/results/goodput_bench.{json,md}
+(runs kept under bench/results/runs/), with the load average before and after: a loaded machine slows start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import provenance  # bench/provenance.py, beside this script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from finetune.goodput import CAUSES, run_account  # noqa: E402  (the repo root is on the path only now)
+
+CONFIGS = {"disk": [], "auto": ["ckpt.interval=auto"], "memory": ["ckpt.memory_interval=1"]}
+
+
+def worker_pids(agent: int) -> dict[int, int]:
+    """local rank -> pid of each train_fsdp.py worker the torchrun agent `agent` started."""
+    ranks = {}
+    for stat in os.listdir("/proc"):
+        if not stat.isdigit():
+            continue
+        try:
+            with open(f"/proc/{stat}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid != agent:
+                continue
+            with open(f"/proc/{stat}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if b"LOCAL_RANK" in env:
+            ranks[int(env[b"LOCAL_RANK"])] = int(stat)
+    return ranks
+
+
+def schedule(args) -> list[tuple[float, str, int]]:
+    """(seconds after launch, signal name, local rank): the same for every configuration."""
+    rng = random.Random(args.seed)
+    kills = [(args.period * k, "SIGKILL", rng.randrange(args.nproc)) for k in range(1, args.failures + 1)]
+    stop = [(args.stop_at, "SIGSTOP", rng.randrange(args.nproc))] if args.stop_at else []
+    return sorted(kills + stop)
+
+
+def inject(agent: subprocess.Popen, plan: list, hang_s: float, t0: float) -> list[dict]:
+    """Deliver `plan` to the workers of `agent` until it exits; returns what was delivered, when."""
+    pending, done, stopped = list(plan), [], None
+    while agent.poll() is None:
+        now = time.monotonic() - t0
+        if stopped and now >= stopped[0]:
+            os.kill(stopped[1], signal.SIGKILL)  # the hang "detected": the stopped rank ends, torchrun restarts
+            done.append({"t": round(now, 2), "signal": "SIGKILL (stopped rank)", "pid": stopped[1]})
+            stopped = None
+        if pending and now >= pending[0][0]:
+            pid = worker_pids(agent.pid).get(pending[0][2])
+            if pid is not None:
+                _, name, rank = pending.pop(0)
+                os.kill(pid, getattr(signal, name))
+                done.append({"t": round(now, 2), "signal": name, "rank": rank, "pid": pid})
+                if name == "SIGSTOP":
+                    stopped = (now + hang_s, pid)
+        time.sleep(0.05)
+    return done
+
+
+def one_run(name: str, args, plan: list, work: str, i: int) -> dict:
+    run_dir, shm = os.path.join(work, f"{name}-{i}"), tempfile.mkdtemp(prefix="goodput-bench-", dir="/dev/shm")
+    overrides = [f"run.dir={run_dir}", f"ckpt.dir={run_dir}/checkpoints", f"ckpt.memory_dir={shm}",
+                 f"ckpt.mtbf_hours={args.period / 3600}", f"train.max_steps={args.max_steps}",
+                 "data.epochs=1000", *CONFIGS[name]]  # epochs: the steps, not the data, end each run
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
+           "--max-restarts", str(args.failures + 3), os.path.join(ROOT, "train_fsdp.py"), "--config",
+           os.path.join(ROOT, "configs", "tiny.yaml"), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    with open(os.path.join(work, f"{name}-{i}.log"), "w") as log:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        delivered = inject(agent, plan, args.hang_s, t0)
+    shutil.rmtree(shm, ignore_errors=True)
+    g = run_account(run_dir)
+    print(f"{name} round {i}: exit {agent.returncode}, {len(delivered)} signals; {g.summary()}", flush=True)
+    return {"exit_code": agent.returncode, "signals": delivered, "wall_s": round(g.wall, 2),
+            "goodput": round(g.goodput, 4), "lost_s": {c: round(g.lost[c], 2) for c in CAUSES},
+            "kept_steps_s": round(g.trained, 2), "other_s": round(g.other, 2), "attempts": len(g.attempts),
+            "steps_redone": g.steps_redone, "last_step": max((s[1] for a in g.attempts for s in a.steps), default=0)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    med = lambda key: statistics.median(r[key] for r in runs)  # noqa: E731
+    return {"goodput_median": med("goodput"), "rollback_s_median": statistics.median(r["lost_s"]["rollback"]
+                                                                                      for r in runs),
+            "lost_s_median": {c: statistics.median(r["lost_s"][c] for r in runs) for c in CAUSES},
+            "wall_s_median": med("wall_s"), "completed": sum(r["exit_code"] == 0 for r in runs), "runs": runs}
+
+
+def table(result: dict) -> list[str]:
+    lines = [provenance.markdown_line(result), "",
+             "| config | goodput (median) | wall s | " + " | ".join(f"{c} s" for c in CAUSES) + " | completed |",
+             "|---" * (len(CAUSES) + 4) + "|"]
+    for name, c in result["configs"].items():
+        lines.append(f"| {name} | {c['goodput_median']:.1%} | {c['wall_s_median']:.1f} | " +
+                     " | ".join(f"{c['lost_s_median'][k]:.1f}" for k in CAUSES) +
+                     f" | {c['completed']}/{len(c['runs'])} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--period", type=float, default=120.0, help="seconds between SIGKILLs of a random rank")
+    p.add_argument("--failures", type=int, default=4, help="SIGKILLs in the schedule")
+    p.add_argument("--stop-at", type=float, default=300.0, help="when one rank is SIGSTOPped (0: never)")
+    p.add_argument("--hang-s", type=float, default=30.0, help="how long a stopped rank stays stopped before SIGKILL")
+    p.add_argument("--max-steps", type=int, default=6000, help="steps of each run")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of the three configurations, interleaved")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="short: 300 steps, one SIGKILL at 14 s, no SIGSTOP")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    args = p.parse_args(argv)
+    started = provenance.start(argv)
+    if args.smoke:
+        args.period, args.failures, args.stop_at, args.max_steps = 14.0, 1, 0.0, 300
+    plan = schedule(args)
+    work = tempfile.mkdtemp(prefix="goodput-bench-")
+    runs = {name: [] for name in CONFIGS}
+    for i in range(args.rounds):
+        for name in CONFIGS:
+            runs[name].append(one_run(name, args, plan, work, i))
+    configs = {name: summarize(r) for name, r in runs.items()}
+    disk, mem = configs["disk"]["rollback_s_median"], configs["memory"]["rollback_s_median"]
+    result = {"schedule": [{"t": t, "signal": s, "rank": r} for t, s, r in plan], "hang_s": args.hang_s,
+              "max_steps": args.max_steps, "nproc": args.nproc, "smoke": args.smoke, "runs_dir": work,
+              "configs": configs,
+              "ratios": {"rollback_disk_over_memory": disk / mem if mem > 0 else None},
+              "goals": {"memory_goodput_at_least_90pct": configs["memory"]["goodput_median"] >= 0.9,
+                        "memory_rollback_3x_less_than_disk": mem * 3 <= disk and disk > 0}}
+    name = "goodput_bench_smoke" if args.smoke else "goodput_bench"
+    provenance.record(result, name, args.out, started)
+    provenance.write_markdown(args.out, name, table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
