@@ -66,7 +66,7 @@ class HangWatchdog:
             timeout, rank, world_size, run_dir, log, store)
         self.state = ("startup", 0, time.monotonic())  # (phase, step, since): one tuple, swapped atomically
         self.step_times = deque(maxlen=50)  # recent `step` phases, for auto: bounded, O(1)
-        self.heartbeat = 0
+        self.heartbeat, self.where = 0, {"host": socket.gethostname(), "pid": os.getpid()}
         self._last_records: dict[int, dict] = {}
         self._stop, self._changed = False, threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
@@ -133,8 +133,7 @@ class HangWatchdog:
 
     def _publish(self) -> None:
         phase, step, _ = self.state
-        record = {"step": step, "phase": phase, "heartbeat": self.heartbeat, "host": socket.gethostname(),
-                  "pid": os.getpid()}
+        record = {"step": step, "phase": phase, "heartbeat": self.heartbeat, **self.where}
         try:
             self.store.set(self._key(self.rank), json.dumps(record))
         except Exception:  # noqa: BLE001 - the store gone (agent stopping): nothing left to watch for

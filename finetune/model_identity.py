@@ -61,8 +61,10 @@ def folder_fingerprint(key: str, folder: str) -> str | None:
         return None
 
 
+@functools.lru_cache(maxsize=8)
 def folder_parts(key: str, folder: str) -> dict | None:
-    """{"config": config.json, "weights": the weights' fingerprint (name_or_path only)} of `folder` in the role of
+    """Once per process and folder, as folder_fingerprint (every save's meta.json records it, on every rank):
+    {"config": config.json, "weights": the weights' fingerprint (name_or_path only)} of `folder` in the role of
     config `key`; None for the tokenizer folder or a folder that cannot be read."""
     if key == "model.tokenizer_path" or not folder:
         return None

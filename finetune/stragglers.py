@@ -28,7 +28,7 @@ class StragglerMonitor:
         """`margin`: train.straggler_margin (0: off); `log_interval`: run.log_interval; `log`: the run's RankZeroLog."""
         self.margin, self.log_interval, self.rank, self.world_size, self.device, self.log = (
             margin, log_interval, rank, world_size, device, log)
-        self.compute_s = self.wait_s = 0.0  # this rank, since the last log interval
+        self.compute_s = 0.0  # this rank's compute seconds since the last log interval
         self.streak = (None, 0)  # (slowest rank, intervals in a row over the margin)
         self.reported = None
 
@@ -51,9 +51,7 @@ class StragglerMonitor:
         """Around a collective of the step and the read of its result: that time is waiting, not computing."""
         t0 = time.perf_counter()
         yield
-        waited = time.perf_counter() - t0
-        self.compute_s -= waited
-        self.wait_s += waited
+        self.compute_s -= time.perf_counter() - t0
 
     def compare(self, step: int) -> None:
         """Collective: every rank calls it at the same steps (each log interval)."""
@@ -64,8 +62,9 @@ class StragglerMonitor:
         total = torch.tensor([self.compute_s], dtype=torch.float64, device=self.device)
         dist.all_reduce(packed, op=dist.ReduceOp.MAX)
         dist.all_reduce(total)
-        self.compute_s = self.wait_s = 0.0
-        slowest, slowest_s = int(packed.item()) % self.world_size, (int(packed.item()) // self.world_size) / _PACK
+        self.compute_s = 0.0
+        slowest_packed = int(packed.item())
+        slowest, slowest_s = slowest_packed % self.world_size, (slowest_packed // self.world_size) / _PACK
         mean_s = total.item() / self.world_size
         over = slowest_s / mean_s - 1 if mean_s > 0 else 0.0
         self._judge(step, slowest, slowest_s, mean_s, over)
