@@ -238,7 +238,7 @@ def inspect_path(path: str, world_size: int | None = None, tensors: bool = False
     a checkpoint shows a summary of its contents (every tensor with `tensors`), or with world_size, the dry run."""
     store = storage_for(path)
     names = store.listdir(path)
-    if not store.is_folder(path):
+    if not (names or store.is_folder(path)):  # on an object store, is_folder is another listing
         print(f"error: {path}: {store.missing}", file=sys.stderr)
         return 2  # bad input
     is_checkpoint = bool({".metadata", META_FILE, "commit.json"} & set(names))

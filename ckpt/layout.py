@@ -17,7 +17,7 @@ import os
 import re
 
 from .storage import join, storage_for
-from .storage.local import TRASH_DIR, trash_dir, trash_slot  # noqa: F401 - names of the layout
+from .storage.local import trash_dir  # noqa: F401 - a name of the layout
 from .storage.lock import LOCK_FILE  # noqa: F401 - a name of the layout, kept by the lock protocols
 
 COMMIT_FILE = "commit.json"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from common.dist import on_rank0_then_share
 from .errors import CheckpointError
 from .storage import storage_for
-from .storage.lock import HEARTBEAT_S, STALE_S, DirLock, LockError, ObjectLock  # noqa: F401 - imported from here
+from .storage.lock import STALE_S, DirLock, LockError, ObjectLock  # noqa: F401 - imported from here
 
 
 def lock_for_job(ckpt_dir: str, group) -> DirLock | ObjectLock | None:

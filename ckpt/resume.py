@@ -110,8 +110,13 @@ def _verified_reader(path: str):
     return reader_with(_VerifiedRead, path)  # on every backend: its own reader (S3: this rank's items, ranged GETs)
 
 
-def _saved_metadata(path: str):
-    return _verified.get(os.path.normpath(path)) or storage_for(path).dcp_reader(path).read_metadata()
+def saved_metadata(path: str):
+    """The DCP Metadata of `path`, unpickled once per resume: the one verify() or trust_metadata() kept, else read
+    now and kept for the model check, the train-state fit and dcp.load alike (load() drops it)."""
+    key = os.path.normpath(path)
+    if _verified.get(key) is None:
+        _verified[key] = storage_for(path).dcp_reader(path).read_metadata()
+    return _verified[key]
 
 
 def load(path: str, state: dict, pg, model_state: dict | None = None, prefix: str = "") -> None:
@@ -136,7 +141,7 @@ def _few(names: list[str], shown: int = 3) -> str:
 def check_model_matches(path: str, model_state: dict, prefix: str) -> None:
     """Same tensor names in both directions, and the same shapes: a checkpoint of a deeper model must not
     load into a shallower one by leaving the extra layers behind."""
-    saved = _saved_metadata(path).state_dict_metadata
+    saved = saved_metadata(path).state_dict_metadata
     in_ckpt = {k[len(prefix):] for k in saved if k.startswith(prefix)}
     lacking = sorted(set(model_state) - in_ckpt)
     extra = sorted(in_ckpt - set(model_state))
@@ -181,7 +186,7 @@ def restore(mgr, path: str | None, tier: str, state: dict, seed: int, lora_base:
     meta = read_meta(path)
     step, saved_world, same_rng = meta.get("step", step_of(path)), meta["world_size"], restores_rng(meta, mgr.world_size)
     loaded = state if same_rng else {k: v for k, v in state.items() if k != rng_key(mgr.rank)}
-    loaded, filled = fit_to_checkpoint(loaded, _saved_metadata(path).state_dict_metadata, path)
+    loaded, filled = fit_to_checkpoint(loaded, saved_metadata(path).state_dict_metadata, path)
     for key, default in filled.items():
         log.info(f"resume: {path} has no {key} (added to the train state since): it starts at {default!r}")
     model_key = next((k for k, v in state.items() if isinstance(v, ModelOptimizer)), None)

@@ -27,7 +27,6 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -37,7 +36,7 @@ from ..checksum import new_hasher
 from ..commit_protocol import VerifyError, check_file, held_files, read_marker, shares
 from ..errors import CheckpointError
 from ..layout import list_step_dirs, step_dir
-from ..resume import check_model_matches, load, trust_metadata
+from ..resume import check_model_matches, load, saved_metadata, trust_metadata
 from .peers import NodeLayout, Transfer, exchange, rank_of_file
 from .replicate import SHARED, remove_step
 
@@ -273,7 +272,7 @@ class PeerLoad:
         self.recovery, self.cand = recovery, cand
 
     def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:
-        metadata = FileSystemReader(path).read_metadata()  # its checksum passed (verified, or checked on arrival)
+        metadata = saved_metadata(path)  # its checksum passed (verified, or checked on arrival); restore read it
         trust_metadata(path, metadata)  # read once: the model check and dcp.load take this one
         if model_state is not None:
             check_model_matches(path, model_state, prefix)

@@ -66,7 +66,6 @@ from torch.distributed.checkpoint.planner import LoadItemType
 class Storage:
     """The operations shared by every backend, in terms of the others; a backend overrides what differs."""
 
-    scheme: str | None = None  # the URL scheme it serves (None: a local path)
     compare_and_swap = False  # offers replace/etag
     sync_files = False  # DCP must fsync each file it writes
     atomic_rename = False  # a rename is atomic (a folder); on S3 it is a copy plus a delete

@@ -84,7 +84,6 @@ class S3Storage(Storage):
     """An S3 bucket through s3fs. `create` is a PUT with If-None-Match: * (the server refuses a second one with
     412 PreconditionFailed, raised here as FileExistsError); `replace` a PUT with If-Match: <etag>."""
 
-    scheme = "s3"
     compare_and_swap = True
     lock_class = ObjectLock
     reader_class = S3Reader  # DCP's reader on S3: this rank's items only, as parallel ranged GETs
