@@ -126,9 +126,8 @@ def meta_model(config) -> torch.nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
-def model_names(config) -> tuple[str, list[str], dict[str, str]]:
-    """(class name, state-dict names, tied aliases) of the HF model for `config`."""
-    model = meta_model(config)
+def model_names(model: torch.nn.Module) -> tuple[str, list[str], dict[str, str]]:
+    """(class name, state-dict names, tied aliases) of a HF model (meta_model's: no memory)."""
     return type(model).__name__, list(model.state_dict()), tied_aliases(model)
 
 

@@ -356,6 +356,7 @@ def test_a_layer_the_merge_has_no_rule_for_is_refused_by_name(tmp_path):
 
     from ckpt import CheckpointError
     from ckpt.hf.adapter import merge_rules
+    from ckpt.reading import meta_model
 
     config = AutoConfig.from_pretrained(os.path.join(ROOT, "assets", "tiny-llama"))
     base = random_base(tmp_path / "llama", config)
@@ -367,4 +368,4 @@ def test_a_layer_the_merge_has_no_rule_for_is_refused_by_name(tmp_path):
     adapters = {"model.embed_tokens": (torch.zeros(8, 101), torch.zeros(64, 8)),
                 "model.layers.0.self_attn.q_proj": (torch.zeros(8, 64), torch.zeros(64, 8))}
     with pytest.raises(CheckpointError, match=r"cannot merge LoRA into 'model\.embed_tokens \(Embedding\)': .*--adapt"):
-        merge_rules("ckpt", config, adapters)
+        merge_rules("ckpt", meta_model(config), adapters)

@@ -123,7 +123,8 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
 
     model_dir, tok_dir = base_dirs_checked(ckpt_path, lora)
     config = AutoConfig.from_pretrained(model_dir)
-    cls_name, names, aliases = model_names(config)
+    model = meta_model(config)  # built once: its names, and the layer types the merge rule follows
+    cls_name, names, aliases = model_names(model)
     names = [n for n in names if n not in aliases]
     headers = safetensors_headers(model_dir)
     missing = [n for n in names if n not in headers]
@@ -133,7 +134,7 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
     unknown = [m for m in adapters if m + ".weight" not in headers]
     if unknown:
         raise CheckpointError(f"{ckpt_path}: adapters for {unknown[:4]}, which base {model_dir} does not have")
-    transposed = merge_rules(ckpt_path, config, adapters)
+    transposed = merge_rules(ckpt_path, model, adapters)
     shapes = {n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
                                        torch.Size(headers[n]["shape"]), []) for n in names}
     out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else DTYPES[dtype]  # auto: the base's
@@ -156,10 +157,10 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
             "bytes": sum(t.nbytes for ts in files for t in ts), "dtype": DTYPE_NAMES[out_dtype]}
 
 
-def merge_rules(ckpt_path: str, config, adapters: dict) -> dict[str, bool]:
-    """{adapted module: delta transposed?} from the base architecture's layer types, as peft chose them when it
-    injected the adapters; a layer type with no rule is refused by name, never merged wrong."""
-    model = meta_model(config)
+def merge_rules(ckpt_path: str, model: nn.Module, adapters: dict) -> dict[str, bool]:
+    """{adapted module: delta transposed?} from the base architecture's layer types (`model`: meta_model of the
+    base's config), as peft chose them when it injected the adapters; a layer type with no rule is refused by name,
+    never merged wrong."""
     layers = {m: model.get_submodule(m) for m in adapters}
     bad = unmergeable(layers)
     if bad:

@@ -38,7 +38,7 @@ from ..commit_protocol import VerifyError, verify_checkpoint
 from ..errors import SAVE_ERRORS, CheckpointError, save_failure
 from ..layout import step_of
 from ..lora_base import lora_info
-from ..reading import dcp_metadata, few, model_names, source_dirs, source_dtype
+from ..reading import dcp_metadata, few, meta_model, model_names, source_dirs, source_dtype
 from ..schema import schema_of
 from ..storage import reader_with, storage_for
 from .adapter import export_lora
@@ -205,7 +205,7 @@ def prepare_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_
         raise CheckpointError(f"{os.path.normpath(out_dir)} exists and is not a folder; choose a new folder")
     model_dir, tok_dir = source_dirs(ckpt_path)
     config = AutoConfig.from_pretrained(model_dir)
-    cls_name, names, aliases = model_names(config)
+    cls_name, names, aliases = model_names(meta_model(config))
     saved = dcp_metadata(ckpt_path).state_dict_metadata
     names = [n for n in names if n not in aliases]  # save_pretrained writes the tied source only
     prefix = schema_of(ckpt_path).model_prefix
