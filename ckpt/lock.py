@@ -28,12 +28,13 @@ def lock_for_job(ckpt_dir: str, group, unchecked_store: bool = False) -> DirLock
         store = storage_for(ckpt_dir)
         lock = store.lock_class(ckpt_dir, store)
         try:
-            store.check_guarantees(ckpt_dir, unchecked_store, UNCHECKED_STORE, lock.warn)
+            try:
+                store.check_guarantees(ckpt_dir, unchecked_store, UNCHECKED_STORE, lock.warn)
+            except OSError as e:  # the probe's requests: the store unreachable, or refusing access
+                raise not_writable(ckpt_dir, e) from None
             lock.acquire()
         except (LockError, GuaranteeError) as e:
             raise CheckpointError(str(e)) from None
-        except OSError as e:  # the probe's requests: the store unreachable, or refusing access
-            raise CheckpointError(str(not_writable(ckpt_dir, e))) from None
         held.append(lock)
     on_rank0_then_share(take, group, CheckpointError)
     return held[0] if held else None
