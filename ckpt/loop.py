@@ -29,8 +29,7 @@ what a failure means, how to resume, and exports the final checkpoint.
 `options` is any object with the attributes dir, async_mode, keep_last, keep_best, resume, interval,
 interval_minutes, mtbf_hours, save_at_end, continue_on_save_error (the trainer's checkpoint config), and
 optionally upload_nice, unchecked_store, memory_interval, memory_dir, memory_keep, memory_replicas; nothing here
-imports it. `log`,
-the event sink: any object with info(line) and event(name, **fields).
+imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
 """
 
 from __future__ import annotations
