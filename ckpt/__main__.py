@@ -10,7 +10,10 @@
 
 Every path may be a local folder or s3://bucket/prefix (credentials and endpoint: the AWS_* variables, e.g.
 AWS_ENDPOINT_URL). Exit status 0 on success, 1 when a checkpoint is invalid or a command fails, 2 for bad input (a
-path that is no checkpoint, bad arguments, storage out of reach or refusing access); errors go to stderr.
+path that is no checkpoint, bad arguments, storage out of reach or refusing access, an object store that does not
+enforce create-only writes and compare-and-swap); errors go to stderr. `verify` and `reshard` prove those two
+guarantees on the store they verify or write a marker on, as a run does (`--unchecked-store`: go on at one's own
+risk, with one warning line); `inspect` and `export` write no marker and do not ask.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from .hf.export import export_cli
 from .layout import COMMIT_FILE, META_FILE, list_step_dirs
 from .reshard import reshard
 from .storage import storage_for, unsupported
+from .storage.base import GuaranteeError
+
+UNCHECKED_HELP = "go on (one warning line) on an object store that ignores create-only writes or compare-and-swap"
+
 
 def not_a_checkpoint(path: str, cmd: str = "verify") -> str | None:
     """Why `path` is no checkpoint folder at all (rather than a damaged or uncommitted one), or None."""
@@ -55,8 +62,20 @@ def no_checkpoint_error(path: str, cmd: str) -> bool:
     return problem is not None
 
 
+def unkept_guarantees(path: str, unchecked: bool) -> bool:
+    """Print one error line and say True when the store of `path`, whose marker a command trusts or writes, does not
+    enforce create-only writes and compare-and-swap (`unchecked`, --unchecked-store: one warning line, False)."""
+    try:
+        storage_for(path).check_guarantees(path, unchecked, "--unchecked-store",
+                                           lambda line: print(line, file=sys.stderr))
+    except GuaranteeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return True
+    return False
+
+
 def cmd_verify(args) -> int:
-    if no_checkpoint_error(args.path, "verify"):
+    if no_checkpoint_error(args.path, "verify") or unkept_guarantees(args.path, args.unchecked_store):
         return 2
     try:
         marker = verify_checkpoint(args.path, jobs=args.jobs)
@@ -76,6 +95,8 @@ def cmd_inspect(args) -> int:
 def cmd_reshard(args) -> int:
     if no_checkpoint_error(args.src, "reshard"):  # a missing source is bad input (2); a damaged one fails verification (1)
         return 2
+    if unkept_guarantees(args.dst, args.unchecked_store):  # the store the new marker goes to
+        return 2
     return reshard(args.src, args.dst, args.world_size)
 
 
@@ -89,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="check commit marker, manifest, sizes and checksums")
     v.add_argument("path", help="one checkpoint folder, e.g. runs/tiny/checkpoints/step-000200")
     v.add_argument("--jobs", type=int, default=1, help="threads hashing files in parallel")
+    v.add_argument("--unchecked-store", action="store_true", help=UNCHECKED_HELP)
     v.set_defaults(fn=cmd_verify)
     i = sub.add_parser("inspect", help="list checkpoints of a directory, or show one checkpoint")
     i.add_argument("path", help="a ckpt.dir (lists its checkpoints) or one step-NNNNNN checkpoint folder")
@@ -99,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("src", help="the checkpoint folder to read (step-NNNNNN)")
     r.add_argument("dst", help="the new checkpoint folder to write (must not exist)")
     r.add_argument("--world-size", type=int, required=True, help="the number of ranks the new checkpoint is saved as")
+    r.add_argument("--unchecked-store", action="store_true", help=UNCHECKED_HELP)
     r.set_defaults(fn=cmd_reshard)
     e = sub.add_parser("export", help="write a Hugging Face model folder from a checkpoint")
     e.add_argument("checkpoint", help="the checkpoint folder to export (step-NNNNNN)")

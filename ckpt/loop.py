@@ -28,8 +28,8 @@ what a failure means, how to resume, and exports the final checkpoint.
   tier; the memory folder goes when the run ends normally.
 `options` is any object with the attributes dir, async_mode, keep_last, keep_best, resume, interval,
 interval_minutes, mtbf_hours, save_at_end, continue_on_save_error (the trainer's checkpoint config), and
-optionally upload_nice, memory_interval, memory_dir, memory_keep, memory_replicas; nothing here imports it. `log`,
-the event sink: any object with info(line) and event(name, **fields).
+optionally upload_nice, unchecked_store, memory_interval, memory_dir, memory_keep, memory_replicas; nothing here
+imports it. `log`, the event sink: any object with info(line) and event(name, **fields).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def open_checkpoints(options, max_steps: int, timeout: timedelta | None, open_lo
     `open_log()`, the trainer's log (it writes into the run folder, which that second job must not touch),
     which becomes the handle's event sink. `timeout`: checkpoint collectives' (manager.py checkpoint_groups)."""
     groups = checkpoint_groups(timeout)
-    lock = lock_for_job(options.dir, groups[0])
+    lock = lock_for_job(options.dir, groups[0], getattr(options, "unchecked_store", False))
     log = open_log()
     mgr = CheckpointManager(options.dir, options.async_mode, options.keep_last, log.event, log.info,
                             keep_best=options.keep_best, groups=groups, lock=lock,

@@ -135,6 +135,7 @@ class CkptConfig:
     resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
     save_at_end: bool = True  # synchronous final save at max_steps / end of data / exception
     continue_on_save_error: bool = False  # log a failed periodic save and keep training
+    unchecked_store: bool = False  # run on an object store that ignores create-only/compare-and-swap, at your own risk
     timeout_minutes: float = 30.0  # checkpoint collectives (save, load) wait this long for a rank
     resume_config_check: str = "refuse"  # refuse | warn: resume with changed model/data/seed/batch (docs/resume-rules)
     memory_interval: int = 0  # also save to node-local memory every N steps (0: off; docs/memory-tier.md)

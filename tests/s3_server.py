@@ -70,9 +70,11 @@ def s3_client(env: dict):
 class S3Proxy:
     """An HTTP proxy in front of the test server, for what moto cannot do itself: refuse requests (`refuse(method,
     path) -> (status, code) or None`, e.g. 503 SlowDown, 403 AccessDenied), hold part uploads a while (`hold_parts_s`,
-    so parallel ones overlap for sure), and record every request: `requests` [(method, path, query, keys, range)] with
-    `keys` the keys a DeleteObjects request names and `range` a GET's Range header, `max_parallel_parts` the
-    most part uploads in flight at once."""
+    so parallel ones overlap for sure), ignore request headers (`strip`, lower-case names taken out before the request
+    goes on: {"if-none-match", "if-match"} makes a server that ignores conditional writes, as some S3-compatible stores
+    do), and record every request: `requests` [(method, path, query, keys, range)] with `keys` the keys a
+    DeleteObjects request names and `range` a GET's Range header, `max_parallel_parts` the most part uploads in
+    flight at once."""
 
     def __init__(self, target_endpoint: str):
         import http.client
@@ -83,7 +85,7 @@ class S3Proxy:
         target = urlsplit(target_endpoint)
         proxy = self
         self.refuse = lambda method, path: None
-        self.hold_parts_s, self.requests, self.refused = 0.0, [], 0
+        self.hold_parts_s, self.requests, self.refused, self.strip = 0.0, [], 0, set()
         self.max_parallel_parts, self._parts_now, self._lock = 0, 0, threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
@@ -136,7 +138,8 @@ class S3Proxy:
                     time.sleep(proxy.hold_parts_s)
                 try:
                     conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-                    headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                    headers = {k: v for k, v in self.headers.items()
+                               if k.lower() != "transfer-encoding" and k.lower() not in proxy.strip}
                     headers["Content-Length"] = str(len(body))
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()

@@ -235,7 +235,7 @@ def test_s3_bench_tiny(tmp_path):
     args = ["--hidden", "64", "--layers", "1", "--vocab", "256", "--rounds", "2", "--out", str(out)]
     run("s3_bench", args, 300)
     r = check_provenance(out, "s3_bench", args)
-    assert r["rounds_measured"] == 1 and r["world_size"] == 2 and r["server"].startswith("moto ")
+    assert r["rounds_measured"] == 1 and r["world_size"] == 2 and r["server"].startswith("moto ") and r["store"] == "s3"
     for method in ("local", "s3"):
         p = r["methods"][method]
         assert p["bytes"] > 0 and all(0 < p[k]["min"] <= p[k]["median"] <= p[k]["max"] for k in ("committed_s", "resume_s"))

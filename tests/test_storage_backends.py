@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from ckpt.checksum import ChecksummingWriter
 from ckpt.storage import BACKENDS as REGISTRY
+from ckpt.storage import base as storage_base
 from ckpt.storage import join, reader_with, storage_for
 from ckpt.storage.lock import LockError
 from s3_server import BUCKET, s3_env, s3_server  # noqa: F401 - fixtures
@@ -90,6 +91,15 @@ def test_compare_and_swap_refuses_a_stale_tag(root):
     with pytest.raises(FileExistsError):
         store.replace(path, b"3", first)
     assert store.read(path) == b"2" and store.etag(path) == second
+
+
+def test_the_guarantee_probe_passes_and_leaves_nothing(root, monkeypatch):
+    """Every backend's store keeps create-only writes and compare-and-swap, proven by the probe a run makes before
+    it takes the lock (Storage.check_guarantees); the probe object is gone afterwards."""
+    monkeypatch.setattr(storage_base, "_VERDICTS", {})  # probe afresh, whatever this process asked before
+    store = storage_for(root)
+    assert store.missing_guarantees(root) == []
+    assert store.listdir(root) == []
 
 
 def test_the_lock_refuses_a_second_holder_and_is_free_after_release(root):

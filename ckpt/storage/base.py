@@ -31,6 +31,10 @@ Operations:
   bytes of what was retired, spread over the ranks; `clear_stale(path, marker, on_log)` gets a leftover out of the
   way of a save.
 - The lock: `lock_class`, the class ckpt/lock.py instantiates for `<ckpt.dir>/.lock` (one job per folder).
+- The guarantees checked on the store (`check_guarantees`, written here once in terms of create/replace/etag/
+  delete, so every backend with compare_and_swap gets it): a probe object proves that a second create is refused
+  and that a swap with a stale tag is refused; `location(path)` names the store in its error line (the endpoint and
+  the bucket), and `create_words` / `swap_words` how the backend asks for the two conditions.
 - What atomic means: `create` and `publish` are; `atomic_rename` says whether a rename is too (a folder: yes; an
   object store: no, a rename there is a copy plus a delete), so DCP's `.metadata.tmp` -> `.metadata` rename is used
   only where it is (ckpt/checksum.py).
@@ -55,12 +59,36 @@ must keep:
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import socket
 from typing import Callable
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType
+
+
+class GuaranteeError(RuntimeError):
+    """The store does not enforce create-only writes or compare-and-swap (Storage.check_guarantees); the message
+    names the store, what it fails to enforce, and the key that runs at one's own risk."""
+
+
+_VERDICTS: dict[str, list[tuple[str, tuple]]] = {}  # Storage.location -> its probe's verdict; kept per process
+# what a missing guarantee costs, for the error and warning lines (the lock is created create-only, then swapped)
+_BOTH_RUN = "two jobs on one prefix may both run"
+_NO_CREATE_ONLY = ("a commit marker can be written twice", _BOTH_RUN)
+_NO_SWAP = (_BOTH_RUN,)
+
+
+def _accepted(write: Callable[[], object]) -> bool:
+    """True if the conditional write `write` went through, False if the store refused it (FileExistsError)."""
+    try:
+        write()
+    except FileExistsError:
+        return False
+    return True
 
 
 class Storage:
@@ -74,6 +102,8 @@ class Storage:
     lock_class: type  # set by each backend
     has_folders = False  # a folder exists apart from the files in it (an object store has prefixes only)
     missing = "nothing stored under this prefix"  # what a path that holds nothing is, for error lines
+    create_words = "a second create-only write"  # how `create` asks for create-only, for the probe's error line
+    swap_words = "a compare-and-swap with a stale tag"  # how `replace` asks for its condition, likewise
 
     @staticmethod
     def join(path: str, *names: str) -> str:
@@ -101,6 +131,62 @@ class Storage:
 
     def prepare_folder(self, path: str) -> None:
         """An object store has no folders: nothing to make."""
+
+    def location(self, path: str) -> str:
+        """The store holding `path`, as an error line names it (here scheme://bucket; a backend with an endpoint
+        adds it). The probe's verdict is kept per location."""
+        scheme, _, rest = path.partition("://")
+        return f"{scheme}://{rest.split('/')[0]}"
+
+    def missing_guarantees(self, path: str) -> list[tuple[str, tuple]]:
+        """What the store holding `path` fails to enforce of create-only writes and compare-and-swap, each as
+        (what the probe saw, what that costs); [] if both hold. Proven on a probe object under `path`, and kept for
+        the process: a run, or a `python -m ckpt` command, asks a store once. A backend without compare_and_swap (a
+        folder: the OS keeps O_EXCL and flock) is not probed."""
+        if not self.compare_and_swap:
+            return []
+        where = self.location(path)
+        if where not in _VERDICTS:
+            name = f".probe-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"  # no two probes share one
+            _VERDICTS[where] = self._probe(self.join(path, name))
+        return _VERDICTS[where]
+
+    def _probe(self, probe: str) -> list[tuple[str, tuple]]:
+        """Six requests on one small object, whatever the model size or world size: create, create again
+        (refused?), read its tag, swap with that tag (accepted?), swap with the now stale tag (refused?), delete. The
+        probe is deleted whatever happens; an unreachable store raises OSError, as any other request would."""
+        missing = []
+        try:
+            self.create(probe, b"1")
+            if _accepted(lambda: self.create(probe, b"2")):  # distinct bytes: an ETag may be the content's hash
+                missing.append((f"create-only writes are not enforced: {self.create_words} overwrote the object",
+                                _NO_CREATE_ONLY))
+            tag = self.etag(probe)
+            if not _accepted(lambda: self.replace(probe, b"3", tag)):
+                missing.append(("compare-and-swap does not work: a swap with the object's current tag was refused",
+                                _NO_SWAP))
+            elif _accepted(lambda: self.replace(probe, b"4", tag)):
+                missing.append((f"compare-and-swap is not enforced: {self.swap_words} overwrote the object", _NO_SWAP))
+        finally:
+            with contextlib.suppress(OSError):
+                self.delete(probe)
+        return missing
+
+    def check_guarantees(self, path: str, unchecked: bool, risk_key: str, warn: Callable[[str], None]) -> None:
+        """Raise GuaranteeError if the store holding `path` fails the probe (missing_guarantees), unless
+        `unchecked`: then `warn` one line saying what no longer holds. `risk_key`: how the user sets `unchecked`
+        (a config key, a flag), named in the error line."""
+        missing = self.missing_guarantees(path)
+        if not missing:
+            return
+        head = (f"the object store at {self.location(path)} does not keep the checkpoint guarantees: "
+                + "; ".join(seen for seen, _ in missing))
+        risk = " and ".join(dict.fromkeys(cost for _, costs in missing for cost in costs))
+        if unchecked:
+            warn(f"warning: {head}; running anyway ({risk_key}), so {risk}")
+            return
+        raise GuaranteeError(f"{head}. Use a store that enforces them, or set {risk_key} to run at your own risk: "
+                             f"{risk}")
 
     def retire(self, path: str, marker: str) -> None:
         """The marker goes (the objects follow in the sweep, every rank a share)."""

@@ -99,6 +99,11 @@ def refusal(path: str, record: dict, now: float, flock: bool) -> str:
             f"delete {path} and start again; else stop it or point ckpt.dir elsewhere{takeover}")
 
 
+def not_writable(ckpt_dir: str, reason) -> LockError:
+    """The refusal when <ckpt_dir> cannot be written at all (no lock taken, nothing probed)."""
+    return LockError(f"ckpt.dir {ckpt_dir} is not writable: {reason}")
+
+
 def _warn(line: str) -> None:
     print(line, file=sys.stderr, flush=True)  # the lock comes before the run's log exists
 
@@ -138,7 +143,7 @@ class DirLock:
             # read-write, created if missing, never truncated; not append mode, so each heartbeat rewrites in place
             f = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
         except OSError as e:
-            raise LockError(f"ckpt.dir {os.path.dirname(self.path)} is not writable: {e.strerror}") from None
+            raise not_writable(os.path.dirname(self.path), e.strerror) from None
         try:
             self._take(f)
         except BaseException:
@@ -215,7 +220,7 @@ class ObjectLock:
         except FileExistsError:  # another job created or took it over between our read and our write
             raise LockError(refusal(self.path, self._read()[0], time.time(), flock=False)) from None
         except OSError as e:
-            raise LockError(f"ckpt.dir {self.path.rsplit('/', 1)[0]} is not writable: {e}") from None
+            raise not_writable(self.path.rsplit('/', 1)[0], e) from None
         self._heart = _Heartbeat(self._heartbeat)
 
     def _read(self) -> tuple[dict, str | None]:

@@ -87,9 +87,16 @@ class S3Storage(Storage):
     compare_and_swap = True
     lock_class = ObjectLock
     reader_class = S3Reader  # DCP's reader on S3: this rank's items only, as parallel ranged GETs
+    create_words = "a second PUT with If-None-Match: *"
+    swap_words = "a PUT with If-Match on a stale ETag"
 
     def __init__(self):
         self.fs = s3_filesystem()  # no listing cache, the retry policy, the endpoint (s3_transfer.s3_options)
+
+    def location(self, path: str) -> str:
+        """The endpoint and the bucket, e.g. http://127.0.0.1:9000 (s3://bucket)."""
+        endpoint = s3_options().get("endpoint_url") or "the default AWS S3 endpoint"
+        return f"{endpoint} ({super().location(path)})"
 
     def _put(self, path: str, data: bytes, condition: dict) -> str:
         bucket, key, _ = self.fs.split_path(path)
