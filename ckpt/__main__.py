@@ -62,20 +62,27 @@ def no_checkpoint_error(path: str, cmd: str) -> bool:
     return problem is not None
 
 
-def unkept_guarantees(path: str, unchecked: bool) -> bool:
+def unkept_guarantees(path: str, unchecked: bool, reads_only: bool = False) -> bool:
     """Print one error line and say True when the store of `path`, whose marker a command trusts or writes, does not
-    enforce create-only writes and compare-and-swap (`unchecked`, --unchecked-store: one warning line, False)."""
+    enforce create-only writes and compare-and-swap (`unchecked`, --unchecked-store: one warning line, False).
+    `reads_only` (verify): credentials that may only read cannot write the probe; that is one warning line, not a
+    refusal, since verifying writes nothing."""
     try:
         storage_for(path).check_guarantees(path, unchecked, "--unchecked-store",
                                            lambda line: print(line, file=sys.stderr))
     except GuaranteeError as e:
         print(f"error: {e}", file=sys.stderr)
         return True
+    except PermissionError as e:
+        if not reads_only:
+            raise
+        print(f"warning: could not check the store's create-only writes and compare-and-swap at {path} (no write "
+              f"access: {e}); verifying the checkpoint's bytes only", file=sys.stderr)
     return False
 
 
 def cmd_verify(args) -> int:
-    if no_checkpoint_error(args.path, "verify") or unkept_guarantees(args.path, args.unchecked_store):
+    if no_checkpoint_error(args.path, "verify") or unkept_guarantees(args.path, args.unchecked_store, reads_only=True):
         return 2
     try:
         marker = verify_checkpoint(args.path, jobs=args.jobs)

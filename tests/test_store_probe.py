@@ -114,3 +114,20 @@ def test_verify_and_reshard_on_a_store_that_ignores_the_conditions_say_so(s3_env
     assert risky.returncode == 0 and risky.stdout.startswith(f"OK: {url}: step 5"), risky.stderr
     assert [line[:9] for line in risky.stderr.strip().splitlines()] == ["warning: "]
     assert _ckpt_cli("verify", url, env=s3_env).returncode == 0  # the server itself enforces both: no line
+
+
+def test_verify_with_read_only_credentials_warns_that_it_could_not_probe_and_verifies(s3_env, s3_proxy, tmp_path):
+    """An auditor's read-only credentials cannot write the probe: verify says so in one warning and checks the bytes;
+    reshard, which writes, stops (exit 2)."""
+    from test_ckpt_unit import fake_checkpoint
+
+    url = f"s3://{BUCKET}/{tmp_path.name}/ckpt/step-000005"
+    S3Storage().put_folder(fake_checkpoint(tmp_path / "local", 5), url)
+    s3_proxy.refuse = lambda method, path: (403, "AccessDenied") if method in ("PUT", "POST", "DELETE") else None
+    env = {**s3_env, "AWS_ENDPOINT_URL": s3_proxy.endpoint}
+    proc = _ckpt_cli("verify", url, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {url}: step 5"), proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: could not check the store's create-only writes"), lines
+    resharded = _ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
+    assert resharded.returncode == 2 and resharded.stderr.startswith("error: "), resharded.stderr
