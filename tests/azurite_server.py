@@ -61,9 +61,9 @@ def start_server(port: int | None = None, location: str | None = None):
 
 
 def stop_server(server) -> None:
-    server.terminate()
+    server.terminate()  # Azurite then waits for open keep-alive connections (this process's clients hold some)
     try:
-        server.wait(timeout=20)
+        server.wait(timeout=3)
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait()

@@ -14,8 +14,9 @@ in batch requests of DELETE_BATCH); reads as on S3 (s3_transfer.read_ranges: par
 
 Credentials the standard way, from the environment (never the training config): AZURE_STORAGE_CONNECTION_STRING
 (Azurite's too), or AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, the
-variables adlfs and the az CLI read. Retries: MAX_ATTEMPTS attempts per request, backoff 2-17 s; the SDK's own
-default (15 s, then 18 s, then 24 s) would hold an unreachable endpoint's error line for a minute per request.
+variables adlfs and the az CLI read. Retries: MAX_ATTEMPTS attempts per request (4 for a refused connection),
+about 3, 5 and 9 s apart (an unreachable endpoint is reported after about 20 s); the SDK's own default (waits
+from 15 s, growing by powers of 3) would hold that error line for about a minute per request.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import functools
 import io
 import os
+import re
 import uuid
 from contextlib import contextmanager
 
@@ -80,7 +82,8 @@ def _oserror(e: Exception, what: str, endpoint: str) -> OSError:
     condition refused), PermissionError, ConnectionError naming the endpoint."""
     line = str(getattr(e, "message", None) or e).splitlines()[0]
     if isinstance(e, (ServiceRequestError, ServiceResponseError)):  # no connection, or one cut off
-        return ConnectionError(f"Could not connect to the endpoint URL {endpoint} ({line.rsplit(': ', 1)[-1]})")
+        reason = re.search(r"\[Errno -?\d+\][^\"')]*", line)
+        return ConnectionError(f"Could not connect to the endpoint URL {endpoint} ({reason[0] if reason else line})")
     if isinstance(e, ResourceNotFoundError):
         return FileNotFoundError(f"{what}: {line}")
     if isinstance(e, (ResourceExistsError, ResourceModifiedError)):
