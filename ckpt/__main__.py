@@ -8,9 +8,10 @@
     python -m ckpt export  <checkpoint> <out_dir> [--dtype auto|fp32|bf16|fp16] [--jobs 4]
     python -m ckpt export  <checkpoint> <out_dir> --adapter            # LoRA: PEFT adapter folder (default: merged)
 
-Every path may be a local folder or s3://bucket/prefix (credentials and endpoint: the AWS_* variables, e.g.
-AWS_ENDPOINT_URL). Exit status 0 on success, 1 when a checkpoint is invalid or a command fails, 2 for bad input (a
-path that is no checkpoint, bad arguments, storage out of reach or refusing access); errors go to stderr.
+Every path may be a local folder, s3://bucket/prefix (credentials and endpoint: the AWS_* variables, e.g.
+AWS_ENDPOINT_URL) or az://container/prefix (AZURE_STORAGE_CONNECTION_STRING). Exit status 0 on success, 1 when
+a checkpoint is invalid or a command fails, 2 for bad input (a path that is no checkpoint, bad arguments, storage
+out of reach or refusing access); errors go to stderr.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     named = {name: getattr(args, name) for name in ("path", "src", "dst", "checkpoint", "out_dir") if hasattr(args, name)}
     paths = list(named.values())
     problems = [unsupported_versions()] + [unsupported(path, name.replace("_", "-")) for name, path in named.items()]
-    for problem in problems:  # the torch/transformers releases, then each path: local, or s3://bucket/prefix
+    for problem in problems:  # the torch/transformers releases, then each path: local or a store's URL
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2

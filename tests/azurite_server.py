@@ -51,7 +51,8 @@ def start_server(port: int | None = None, location: str | None = None):
         except OSError:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
-                raise RuntimeError(f"azurite-blob did not start on port {port}: {server.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"azurite-blob did not start on port {port}: "
+                                   f"{server.stderr.read().decode()[-2000:]}")
             time.sleep(0.2)
     env = {"AZURE_STORAGE_CONNECTION_STRING": connection_string(port)}
     container = blob_client(env).get_container_client(CONTAINER)

@@ -301,8 +301,8 @@ class AzureStorage(Storage):
             answers = self._container(paths[i]).delete_blobs(*names, raise_on_any_failure=False)
             for name, answer in zip(names, answers):
                 if answer.status_code >= 300 and answer.status_code != 404:
-                    raise OSError(f"az://{self.split_path(paths[i])[0]}/{name}: not deleted (HTTP {answer.status_code}: "
-                                  f"{answer.reason})")
+                    raise OSError(f"az://{self.split_path(paths[i])[0]}/{name}: not deleted "
+                                  f"(HTTP {answer.status_code}: {answer.reason})")
 
     def delete_tree(self, path: str) -> None:
         """Every blob under `path`/ (nothing there is fine)."""
