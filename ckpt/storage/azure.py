@@ -14,9 +14,9 @@ in batch requests of DELETE_BATCH); reads as on S3 (s3_transfer.read_ranges: par
 
 Credentials the standard way, from the environment (never the training config): AZURE_STORAGE_CONNECTION_STRING
 (Azurite's too), or AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, the
-variables adlfs and the az CLI read. Retries: MAX_ATTEMPTS attempts per request (4 for a refused connection),
-about 3, 5 and 9 s apart (an unreachable endpoint is reported after about 20 s); the SDK's own default (waits
-from 15 s, growing by powers of 3) would hold that error line for about a minute per request.
+variables adlfs (fsspec's Azure file system) reads. Retries: MAX_ATTEMPTS attempts per request (4 for a refused
+connection), about 3, 5 and 9 s apart (an unreachable endpoint is reported after about 20 s); the SDK's own
+default (waits from 15 s, growing by powers of 3) would hold that error line for about a minute per request.
 """
 
 from __future__ import annotations
