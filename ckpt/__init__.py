@@ -12,8 +12,8 @@ Owns how to checkpoint, and every failure rule. Its parts, top to bottom:
   protocol (commit_protocol.py: when a checkpoint counts as complete; committer.py runs it, retention.py
   after it), the resume path (resume.py, state.py), the job lock (lock.py), and what they share (layout.py,
   checksum.py, errors.py, faults.py, schema.py, reading.py, lora_base.py).
-- storage/ (base.py's contract, local.py, s3.py, the job lock's classes): a local folder or an object store, one
-  class per store behind the operations the protocol needs; it imports nothing else of ckpt/.
+- storage/ (base.py's contract, local.py, s3.py, azure.py, the job lock's classes): a local folder or an object
+  store, one class per store behind the operations the protocol needs; it imports nothing else of ckpt/.
 Nothing here imports the training config: the trainer hands over plain objects, its options, an event sink, and
 a CheckpointSchema (schema.py) naming what its checkpoints hold.
 May import: common/, torch, the standard library, and third-party packages (safetensors, yaml; transformers

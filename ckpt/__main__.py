@@ -8,12 +8,13 @@
     python -m ckpt export  <checkpoint> <out_dir> [--dtype auto|fp32|bf16|fp16] [--jobs 4]
     python -m ckpt export  <checkpoint> <out_dir> --adapter            # LoRA: PEFT adapter folder (default: merged)
 
-Every path may be a local folder or s3://bucket/prefix (credentials and endpoint: the AWS_* variables, e.g.
-AWS_ENDPOINT_URL). Exit status 0 on success, 1 when a checkpoint is invalid or a command fails, 2 for bad input (a
-path that is no checkpoint, bad arguments, storage out of reach or refusing access, an object store that does not
-enforce create-only writes and compare-and-swap); errors go to stderr. `verify` and `reshard` prove those two
-guarantees on the store they verify or write a marker on, as a run does (`--unchecked-store`: go on at one's own
-risk, with one warning line); `inspect` and `export` write no marker and do not ask.
+Every path may be a local folder, s3://bucket/prefix (credentials and endpoint: the AWS_* variables, e.g.
+AWS_ENDPOINT_URL) or az://container/prefix (AZURE_STORAGE_CONNECTION_STRING). Exit status 0 on success, 1 when
+a checkpoint is invalid or a command fails, 2 for bad input (a path that is no checkpoint, bad arguments, storage
+out of reach or refusing access, an object store that does not enforce create-only writes and compare-and-swap);
+errors go to stderr. `verify` and `reshard` prove those two guarantees on the store they verify or write a marker
+on, as a run does (`--unchecked-store`: go on at one's own risk, with one warning line); `inspect` and `export`
+write no marker and do not ask.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     named = {name: getattr(args, name) for name in ("path", "src", "dst", "checkpoint", "out_dir") if hasattr(args, name)}
     paths = list(named.values())
     problems = [unsupported_versions()] + [unsupported(path, name.replace("_", "-")) for name, path in named.items()]
-    for problem in problems:  # the torch/transformers releases, then each path: local, or s3://bucket/prefix
+    for problem in problems:  # the torch/transformers releases, then each path: local or a store's URL
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2

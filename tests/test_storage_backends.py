@@ -1,6 +1,7 @@
 """Every storage backend against the contract in ckpt/storage/base.py: create-only writes, reads and listings,
 compare-and-swap, deletion and the retention sweep, the lock, DCP's write-stream rules, and a DCP save and load
-through the backend's own writer file system and reader. S3 runs on the moto test server (tests/s3_server.py).
+through the backend's own writer file system and reader. S3 runs on the moto test server (tests/s3_server.py), Azure
+Blob Storage on Azurite (tests/azurite_server.py).
 
     python -m pytest tests/test_storage_backends.py -q
 
@@ -19,6 +20,7 @@ from ckpt.storage import BACKENDS as REGISTRY
 from ckpt.storage import base as storage_base
 from ckpt.storage import join, reader_with, storage_for
 from ckpt.storage.lock import LockError
+from azurite_server import CONTAINER, azure_env, azurite_server  # noqa: F401 - fixtures
 from s3_server import BUCKET, s3_env, s3_server  # noqa: F401 - fixtures
 
 
@@ -31,7 +33,12 @@ def _s3_root(request, tmp_path) -> str:
     return f"s3://{BUCKET}/backends-{tmp_path.name}"
 
 
-BACKENDS = {None: _local_root, "s3": _s3_root}  # scheme -> root for a test; keyed as ckpt.storage.BACKENDS
+def _az_root(request, tmp_path) -> str:
+    request.getfixturevalue("azure_env")
+    return f"az://{CONTAINER}/backends-{tmp_path.name}"
+
+
+BACKENDS = {None: _local_root, "s3": _s3_root, "az": _az_root}  # scheme -> root for a test; keyed as ckpt.storage.BACKENDS
 
 
 @pytest.fixture(params=sorted(BACKENDS, key=str), ids=lambda s: s or "local")

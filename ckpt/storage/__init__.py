@@ -1,6 +1,6 @@
-"""Where checkpoint bytes go: a local folder or an object store (s3://bucket/prefix). The one place that knows URL
-schemes: `BACKENDS` maps a scheme to its backend class; every other module asks `storage_for(path)` and calls its
-methods (the contract they keep: base.py).
+"""Where checkpoint bytes go: a local folder or an object store (s3://bucket/prefix, az://container/prefix). The
+one place that knows URL schemes: `BACKENDS` maps a scheme to its backend class; every other module asks
+`storage_for(path)` and calls its methods (the contract they keep: base.py).
 
     python -m pytest tests/test_storage_backends.py -q
 
@@ -16,12 +16,14 @@ import functools
 import importlib
 import re
 
+from .azure import AzureStorage
 from .base import Storage
 from .local import LocalStorage
 from .s3 import S3Storage
 
-BACKENDS: dict[str | None, type[Storage]] = {None: LocalStorage, "s3": S3Storage}
-OPTIONAL_PACKAGE = {"s3": "s3fs"}  # scheme -> the third-party package its backend needs (pinned in requirements.txt)
+BACKENDS: dict[str | None, type[Storage]] = {None: LocalStorage, "s3": S3Storage, "az": AzureStorage}
+# scheme -> the third-party package its backend needs (pinned in requirements.txt)
+OPTIONAL_PACKAGE = {"s3": "s3fs", "az": "azure.storage.blob"}
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
@@ -41,7 +43,8 @@ def unsupported(path: str, what: str, local_only: str = "") -> str | None:
     if local_only:
         return f"{what} must be a local path, got {path!r}: {local_only}"
     if scheme not in BACKENDS:
-        return f"{what}: {scheme}:// is not supported, got {path!r} (object storage: s3://bucket/prefix)"
+        return (f"{what}: {scheme}:// is not supported, got {path!r} (object storage: s3://bucket/prefix, "
+                "az://container/prefix)")
     if not path[len(scheme) + 3:].strip("/"):
         return f"{what}: {path!r} names no bucket ({scheme}://bucket/prefix)"
     package = OPTIONAL_PACKAGE.get(scheme)

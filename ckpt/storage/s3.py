@@ -193,16 +193,19 @@ class S3Storage(Storage):
         if self.listdir(path):  # nothing there is fine (ls raises FileNotFoundError for an empty prefix)
             self.fs.rm(path, recursive=True)
 
+    def upload_stream(self, path: str) -> PartUploadStream:
+        return PartUploadStream(self.fs, path)
+
     def put_folder(self, local: str, url: str) -> None:
-        """Upload every file under the folder `local` to `url`/ (each in parallel parts, s3_transfer.PartUploadStream),
-        config.json last; on failure delete what went up, then raise."""
+        """Upload every file under the folder `local` to `url`/ (each in parallel parts: `upload_stream`), config.json
+        last; on failure delete what went up, then raise."""
         names = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
         names.sort(key=lambda n: n == "config.json")
         sent: list[str] = []
         try:
             for name in names:
                 target = self.join(url, *name.split(os.sep))
-                with open(os.path.join(local, name), "rb") as src, PartUploadStream(self.fs, target) as out:
+                with open(os.path.join(local, name), "rb") as src, self.upload_stream(target) as out:
                     shutil.copyfileobj(src, out, 8 << 20)
                 sent.append(target)
         except BaseException:

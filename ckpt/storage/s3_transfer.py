@@ -133,10 +133,9 @@ class PartUploadStream:
         return False
 
     def _send_part(self) -> None:
-        if self._upload_id is None:
-            self._upload_id = call_once(self.fs, "create_multipart_upload", self.path, Bucket=self.bucket,
-                                        Key=self.key)["UploadId"]
-            self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="ckpt-s3-part")
+        if self._pool is None:
+            self._begin()
+            self._pool = ThreadPoolExecutor(self.parallel, thread_name_prefix="ckpt-upload-part")
         while len(self._inflight) >= self.parallel:  # bounded memory: wait for the oldest part in flight
             self._inflight.popleft().result()
         body, self._buf = self._buf, bytearray()
@@ -145,23 +144,38 @@ class PartUploadStream:
         self._parts.append(future)
         self._inflight.append(future)
 
+    # The five requests of an upload; a store with another protocol (Azure's blocks: azure.py) overrides them.
+    def _begin(self) -> None:
+        self._upload_id = call_once(self.fs, "create_multipart_upload", self.path, Bucket=self.bucket,
+                                    Key=self.key)["UploadId"]
+
     def _upload_part(self, number: int, body: bytearray) -> str:
         return call_once(self.fs, "upload_part", f"{self.path} part {number}", Bucket=self.bucket, Key=self.key,
                          PartNumber=number, UploadId=self._upload_id, Body=body)["ETag"]
+
+    def _put_whole(self, body: bytes) -> None:
+        call_once(self.fs, "put_object", self.path, Bucket=self.bucket, Key=self.key, Body=body)
+
+    def _complete(self, tags: list[str]) -> None:
+        parts = [{"PartNumber": i + 1, "ETag": tag} for i, tag in enumerate(tags)]
+        call_once(self.fs, "complete_multipart_upload", self.path, Bucket=self.bucket, Key=self.key,
+                  UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+
+    def _cancel(self) -> None:
+        call_once(self.fs, "abort_multipart_upload", self.path, Bucket=self.bucket, Key=self.key,
+                  UploadId=self._upload_id)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._upload_id is None:  # smaller than one part (or empty): one PUT
-            call_once(self.fs, "put_object", self.path, Bucket=self.bucket, Key=self.key, Body=bytes(self._buf))
+        if self._pool is None:  # smaller than one part (or empty): one PUT
+            self._put_whole(bytes(self._buf))
             return
         try:
             if self._buf:
                 self._send_part()  # the last part may be smaller than 5 MiB
-            parts = [{"PartNumber": i + 1, "ETag": f.result()} for i, f in enumerate(self._parts)]
-            call_once(self.fs, "complete_multipart_upload", self.path, Bucket=self.bucket, Key=self.key,
-                      UploadId=self._upload_id, MultipartUpload={"Parts": parts})
+            self._complete([f.result() for f in self._parts])
         except BaseException:
             self._closed = False
             self.abort()
@@ -176,10 +190,8 @@ class PartUploadStream:
         self._closed = True
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        if self._upload_id is not None:
             try:
-                call_once(self.fs, "abort_multipart_upload", self.path, Bucket=self.bucket, Key=self.key,
-                          UploadId=self._upload_id)
+                self._cancel()
             except OSError:
                 pass  # the save's own error is the one to report
 
