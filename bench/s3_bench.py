@@ -4,14 +4,15 @@ size), methods interleaved over rounds.
 
     python bench/s3_bench.py                                   # ~190M params, 2 ranks, moto's S3 server on 127.0.0.1
     python bench/s3_bench.py --hidden 256 --layers 2 --vocab 1000 --rounds 3 --out /tmp/s3b   # a smoke test
+    python bench/s3_bench.py --store az                        # Azure Blob: Azurite on 127.0.0.1 (npm azurite)
     AWS_ENDPOINT_URL=... python bench/s3_bench.py --bucket my-bucket --prefix bench   # a real S3-compatible store
 
 Without --bucket it starts the store's test emulator (STORES: the tests' own, e.g. tests/s3_server.py's moto) in
-this process on 127.0.0.1 and launches itself under torchrun (2 ranks, gloo): each round saves with
+127.0.0.1 (moto in this process, Azurite as its own) and launches itself under torchrun (2 ranks, gloo): each round saves with
 CheckpointManager (sync, so committed_s is the whole save) to a local folder and to the store, in alternating
 order, then resumes each (verify, every rank its share, then dcp.load through the backend's reader). Per method:
 median and min-max over the rounds after the first (warm-up), and the ratios store / local. On one machine the
-store's figures are the emulator's own cost (moto parses and stores every request in Python, in this process)
+store's figures are the emulator's own cost (moto parses and stores every request in Python, in this process; Azurite in Node.js)
 plus loopback HTTP, never a network: relative figures that bound the client side's overhead, not what a real
 bucket would do (docs/performance.md has that arithmetic, per store).
 Writes <out>/<store>_bench.{json,md}, keeps the run under <out>/runs/<store>_bench/ (bench/provenance.py).
@@ -39,9 +40,14 @@ from common.dist import free_port  # noqa: E402 - after the path insert
 import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 # --store -> how to name it, and its test emulator: a module in tests/ whose start_server() returns (server, env)
-# with the emulator running on 127.0.0.1 and holding the bucket (container) BUCKET; `server` names the emulator.
-# Another object-store backend plugs in here with its emulator module.
-STORES = {"s3": {"name": "S3", "emulator": "s3_server", "server": lambda: f"moto {importlib.metadata.version('moto')}"}}
+# with the emulator running on 127.0.0.1 and holding the bucket (container) BUCKET, and stop_server(server);
+# `server` names the emulator. Another object-store backend plugs in here with its emulator module.
+STORES = {
+    "s3": {"name": "S3", "emulator": "s3_server", "server": lambda: f"moto {importlib.metadata.version('moto')}, in the benchmark's process"},
+    "az": {"name": "Azure Blob", "emulator": "azurite_server",
+           "server": lambda: "Azurite " + subprocess.run(["azurite-blob", "--version"], capture_output=True,
+                                                         text=True).stdout.strip() + ", a separate process"},
+}
 
 
 def parse_args(argv=None):
@@ -121,10 +127,10 @@ def worker(args) -> None:
 # ---------------------------------------------------------------- driver side
 
 def start_emulator(store: str):
-    """(server, env, bucket): the store's test emulator on 127.0.0.1, in this process (STORES)."""
+    """(stop, env, bucket): the store's test emulator on 127.0.0.1 (STORES), and what stops it."""
     emulator = importlib.import_module(STORES[store]["emulator"])
     server, env = emulator.start_server()
-    return server, env, emulator.BUCKET
+    return (lambda: emulator.stop_server(server)), env, emulator.BUCKET
 
 
 def real_store(store: str, bucket: str) -> str:
@@ -185,16 +191,16 @@ def main(argv=None):
         return worker(args)
     started = provenance.start(argv)
     work = args.work_dir or tempfile.mkdtemp(prefix="s3-bench-")
-    server, env, emulated = (None, {}, None) if args.bucket else start_emulator(args.store)
+    stop, env, emulated = (None, {}, None) if args.bucket else start_emulator(args.store)
     args.bucket = args.bucket or emulated
     try:
         raw = launch(args, work, env)
     finally:
-        if server is not None:
-            server.stop()
+        if stop is not None:
+            stop()
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    what = f"{STORES[args.store]['server']()} on 127.0.0.1, in the benchmark's process" if server else \
+    what = f"{STORES[args.store]['server']()}, on 127.0.0.1" if stop else \
         real_store(args.store, args.bucket)
     name = f"{args.store}_bench"
     result = provenance.record(summarize(raw, args.store, what), name, args.out, started)

@@ -22,6 +22,7 @@ import pytest
 from conftest import free_port
 
 CONTAINER = "ckpt-test"
+BUCKET = CONTAINER  # the name bench/s3_bench.py asks every store's emulator for
 # Azurite's well-known development account (published in its README; it guards nothing)
 ACCOUNT = "devstoreaccount1"
 KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="

@@ -43,6 +43,10 @@ def start_server(port: int | None = None):
     return server, env
 
 
+def stop_server(server) -> None:
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     server, env = start_server()
