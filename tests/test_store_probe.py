@@ -16,8 +16,11 @@ import pytest
 from ckpt.commit_protocol import verify_checkpoint
 from ckpt.layout import list_step_dirs
 from ckpt.storage import LocalStorage, S3Storage
+from ckpt.storage.azure import AzureStorage
+from ckpt.storage import base as storage_base
 from ckpt.storage.base import GuaranteeError
 from conftest import ROOT, losses, run_train
+from azurite_server import CONTAINER, azure_env, azurite_server  # noqa: F401 - fixtures
 from s3_server import BUCKET, s3_env, s3_proxy, s3_server  # noqa: F401 - fixtures
 from test_launch import TORCHRUN_EXIT, assert_one_error
 
@@ -131,3 +134,18 @@ def test_verify_with_read_only_credentials_warns_that_it_could_not_probe_and_ver
     assert len(lines) == 1 and lines[0].startswith("warning: could not check the store's create-only writes"), lines
     resharded = _ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
     assert resharded.returncode == 2 and resharded.stderr.startswith("error: "), resharded.stderr
+
+
+def test_on_azure_a_store_that_overwrites_is_named_by_its_endpoint_and_container(azure_env, tmp_path, monkeypatch):
+    """Azurite enforces both conditions (the shared backend suite's probe test), so a store that ignores
+    If-None-Match is stood in for by a create that overwrites; the line names the account's endpoint."""
+    monkeypatch.setattr(AzureStorage, "create", AzureStorage.put)
+    monkeypatch.setattr(storage_base, "_VERDICTS", {})  # this process may have probed Azurite before: afresh
+    root = f"az://{CONTAINER}/probe-{tmp_path.name}"
+    with pytest.raises(GuaranteeError) as e:
+        AzureStorage().check_guarantees(root, False, "ckpt.unchecked_store=true", pytest.fail)
+    endpoint = azure_env["AZURE_STORAGE_CONNECTION_STRING"].split("BlobEndpoint=")[1].rstrip(";/")
+    assert str(e.value).startswith(f"the object store at {endpoint} (az://{CONTAINER}) does not keep the checkpoint "
+                                   "guarantees: create-only writes are not enforced: a second Put Blob with "
+                                   "If-None-Match: * overwrote the object"), e.value
+    assert AzureStorage().list_objects(root) == []

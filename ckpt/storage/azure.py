@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemRe
 
 from .base import ItemLoader, Storage
 from .lock import ObjectLock
-from .s3 import S3Reader, S3Storage
+from .s3 import S3Reader
 from .s3_transfer import MAX_ATTEMPTS, PARALLEL_PARTS, PartUploadStream, RangeStream
 
 try:  # the SDK comes with azure-storage-blob; without it az:// paths are refused (ckpt.storage.unsupported)
@@ -183,10 +183,16 @@ class AzureStorage(Storage):
     compare_and_swap = True
     lock_class = ObjectLock
     reader_class = AzureReader
+    create_words = "a second Put Blob with If-None-Match: *"
+    swap_words = "a Put Blob with If-Match on a stale ETag"
 
     @property
     def endpoint(self) -> str:
         return blob_service().url
+
+    def location(self, path: str) -> str:
+        """The account's endpoint and the container, e.g. http://127.0.0.1:10000/devstoreaccount1 (az://ckpt)."""
+        return f"{self.endpoint.rstrip('/')} ({super().location(path)})"
 
     @staticmethod
     def split_path(path: str) -> tuple[str, str, None]:
@@ -308,4 +314,3 @@ class AzureStorage(Storage):
         """Every blob under `path`/ (nothing there is fine)."""
         self.delete_many(self.list_objects(path))
 
-    put_folder = S3Storage.put_folder  # the same upload, config.json last, each file through upload_stream

@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import socket
 from typing import Callable
 
@@ -187,6 +188,23 @@ class Storage:
             return
         raise GuaranteeError(f"{head}. Use a store that enforces them, or set {risk_key} to run at your own risk: "
                              f"{risk}")
+
+    def put_folder(self, local: str, url: str) -> None:
+        """Upload every file under the folder `local` to `url`/ (each through the backend's `upload_stream`, in
+        parallel parts), config.json last; on failure delete what went up, then raise."""
+        names = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
+        names.sort(key=lambda n: n == "config.json")
+        sent: list[str] = []
+        try:
+            for name in names:
+                target = self.join(url, *name.split(os.sep))
+                with open(os.path.join(local, name), "rb") as src, self.upload_stream(target) as out:
+                    shutil.copyfileobj(src, out, 8 << 20)
+                sent.append(target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                self.delete_many(sent)
+            raise
 
     def retire(self, path: str, marker: str) -> None:
         """The marker goes (the objects follow in the sweep, every rank a share)."""

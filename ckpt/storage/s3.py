@@ -18,10 +18,8 @@ AWS_ENDPOINT_URL for an S3-compatible store; never the training config.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
-import shutil
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
@@ -195,20 +193,3 @@ class S3Storage(Storage):
 
     def upload_stream(self, path: str) -> PartUploadStream:
         return PartUploadStream(self.fs, path)
-
-    def put_folder(self, local: str, url: str) -> None:
-        """Upload every file under the folder `local` to `url`/ (each in parallel parts: `upload_stream`), config.json
-        last; on failure delete what went up, then raise."""
-        names = sorted(os.path.relpath(os.path.join(d, f), local) for d, _, fs in os.walk(local) for f in fs)
-        names.sort(key=lambda n: n == "config.json")
-        sent: list[str] = []
-        try:
-            for name in names:
-                target = self.join(url, *name.split(os.sep))
-                with open(os.path.join(local, name), "rb") as src, self.upload_stream(target) as out:
-                    shutil.copyfileobj(src, out, 8 << 20)
-                sent.append(target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                self.delete_many(sent)
-            raise
