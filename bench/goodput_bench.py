@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = {name: summarize(r) for name, r in runs.items()}
     disk, mem = configs["disk"]["rollback_s_median"], configs["memory"]["rollback_s_median"]
     result = {"schedule": [{"t": t, "signal": s, "rank": r} for t, s, r in plan], "hang_timeout": args.hang_timeout,
-              "max_steps": args.max_steps, "global_batch_size": args.batch, "nproc": args.nproc, "smoke": args.smoke, "runs_dir": work,
+              "max_steps": args.max_steps, "global_batch_size": args.batch, "nproc": args.nproc, "smoke": args.smoke,
+              "runs_dir": work,
               "configs": configs,
               "ratios": {"rollback_disk_over_memory": disk / mem if mem > 0 else None},
               "goals": {"memory_goodput_at_least_90pct": configs["memory"]["goodput_median"] >= 0.9,

@@ -5,9 +5,9 @@
     python -m pytest tests/test_faults.py -q                            # the suite that uses it
 
 Format `<action>@<point>[:<step>][,rank=<r>][,attempt=<n>][,secs=<s>][,file=<path>]`, several joined by `;`
-(`attempt`: only in torchrun's n-th restart of the workers, 0 the first run: a kill that torchrun's
---max-restarts recovers from must not fire again after the restart). Actions: `kill`
-(SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like
+(`attempt`: only in the n-th start of the workers, 0 the first run, counting torchrun's restarts and SLURM's
+requeues: a kill that torchrun's --max-restarts or a requeue recovers from must not fire again after it).
+Actions: `kill` (SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like
 a full disk), `sleep` (wait `secs`, to widen a window; with `file`, create it first, so a test knows the process
 got there), `stop` (SIGSTOP this process, like a frozen machine or a
 process stuck in the kernel; with `file`, create it first) and `wait_for` (wait until `file` exists, at most
@@ -85,6 +85,11 @@ def fault_at(point: str, after: bool = False):
     return decorate
 
 
+def _attempt() -> int:
+    """Which start of the workers this is: torchrun's restarts plus SLURM's requeues of the job."""
+    return sum(int(os.environ.get(k) or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+
+
 def fault_point(point: str, step: int | None = None) -> None:
     spec = os.environ.get("CKPT_FAULT")
     if not spec:
@@ -94,7 +99,7 @@ def fault_point(point: str, step: int | None = None) -> None:
             continue
         if f["rank"] is not None and f["rank"] != int(os.environ.get("RANK", "0")):
             continue
-        if f["attempt"] is not None and f["attempt"] != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        if f["attempt"] is not None and f["attempt"] != _attempt():
             continue
         if f["action"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
