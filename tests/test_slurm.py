@@ -78,8 +78,8 @@ class Job:
         asserts it completed after one requeue; returns its output."""
         def ended() -> bool:
             info = self.slurm.job(self.id)
-            return info["JobState"] in FINAL_STATES and (info["Restarts"] != "0" or
-                                                        "requeueing" not in self.out.read_text())
+            return info["JobState"] in FINAL_STATES and (info["Restarts"] != "0" or  # not "not requeueing"
+                                                        ": requeueing" not in self.out.read_text())
         wait_for("the job to be requeued and to end", ended, timeout, self.explain)
         info = self.slurm.job(self.id)
         assert (info["JobState"], info["Restarts"], info["ExitCode"]) == ("COMPLETED", "1", "0:0"), self.explain()
