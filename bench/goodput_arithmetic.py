@@ -49,6 +49,8 @@ from realsize_extrapolate import row  # noqa: E402 - beside this script
 SIZES = [("configs/llama3-8b-sft.yaml", 8, 8), ("configs/llama3-70b-multinode.yaml", 64, 8)]
 # failures per GPU-hour, public figures
 RATES = {"Llama 3": 419 / (54 * 24 * 16384), "Meta RSC": 1 / (7.9 * 1024)}
+COLUMNS = ["model", "GPUs", "failures as", "job MTBF (h)", "config", "interval (s)", "blocking",
+           "rollback per failure (s)", "goodput"]
 
 
 def read(results: str, name: str) -> dict:
@@ -120,14 +122,11 @@ def to_markdown(res: dict) -> list[str]:
             f"docstring). Step {a['step_s']:g} s and restart R {a['restart_s']:g} s assumed; detection D "
             f"{a['detection_s']:g} s (the hang watchdog's auto timeout); disk rates from realsize_extrapolate.json, "
             f"memory-tier rates from memory_bench.json. " + provenance.markdown_line(res))
-    lines = [head, "", "| model | GPUs | failures as | job MTBF (h) | config | interval (s) | blocking | "
-             "rollback per failure (s) | goodput |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        for name, c in r["configs"].items():
-            lines.append(f"| {os.path.basename(r['preset'])} | {r['world']} | {r['failures_from']} | "
-                         f"{r['mtbf_h']:.1f} | {name} | {c['interval_s']:.0f} | {c['blocking_share']:.3%} | "
-                         f"{c['rollback_s']:.0f} | {c['goodput']:.2%} |")
-    return lines
+    cells = [[os.path.basename(r["preset"]), r["world"], r["failures_from"], f"{r['mtbf_h']:.1f}", name,
+              f"{c['interval_s']:.0f}", f"{c['blocking_share']:.3%}", f"{c['rollback_s']:.0f}", f"{c['goodput']:.2%}"]
+             for r in res["rows"] for name, c in r["configs"].items()]
+    table = ["| " + " | ".join(map(str, line)) + " |" for line in [COLUMNS, *cells]]
+    return [head, "", table[0], "|---" * len(COLUMNS) + "|", *table[1:]]
 
 
 def main(argv=None) -> None:
