@@ -17,9 +17,10 @@ long: past the timeout (and every timeout after) the rank reads every rank's rec
 calls it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long eval is not a
 hang. Reading the W records happens only then, when something already looks wrong.
 
-On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt; the
-lowest live rank prints one line naming the rank(s) that stopped, their step and phase, and records a `hang`
-event (step, phase, ranks, waited_s, exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
+On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
+torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt); the lowest live rank prints one line
+naming the rank(s) that stopped, their step and phase, and records a `hang` event (step, phase, ranks, waited_s,
+exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
 would otherwise wait 30 s after its SIGTERM, which a stopped process never handles); then os._exit(EXIT_HANG)
 from the watchdog thread, since the main thread is blocked in a collective. `torchrun --max-restarts` or a SLURM
 requeue restarts the job and ckpt.resume=auto continues from the newest checkpoint (the memory tier's when on).
@@ -42,6 +43,8 @@ import sys
 import threading
 import time
 from collections import deque
+
+from common.dist import worker_attempt
 
 EXIT_HANG = 76  # beside 0 done, 1 error, 2 bad input, 75 preempted (train_fsdp.py)
 HANG_FILE_ENV = "FINETUNE_HANG_FILE"  # a path: on a hang, the error line is written there too
@@ -211,7 +214,7 @@ class HangWatchdog:
 
     def _dump_stacks(self) -> str:
         folder = os.path.join(self.run_dir, "hang")
-        path = os.path.join(folder, f"rank{self.rank}-attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.txt")
+        path = os.path.join(folder, f"rank{self.rank}-attempt{worker_attempt()}.txt")
         try:
             os.makedirs(folder, exist_ok=True)
             with open(path, "w") as f:
