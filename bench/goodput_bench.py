@@ -16,10 +16,11 @@ own metrics.jsonl (finetune/goodput.py), not from the schedule. Writes bench/res
 (runs kept under bench/results/runs/), with the load average before and after: a loaded machine slows start-up.
 
 The shape: --batch 1024 samples of 32 tokens a step (the preset's is 32), a step of about half a second on
-these 2 cores. A fine-tuning step on GPUs takes seconds, and what a memory save every step costs is its
-share of the step: at the preset's 40 ms step a save's fixed cost (a few collectives, Python, a thread's
-copies on the same 2 cores) was a third of the run (bench/results/runs/goodput_bench/, the first run), a
-ratio no real run has. The model, and so every save's bytes, is the preset's; --smoke keeps the preset's batch.
+these 2 cores when idle. A fine-tuning step on GPUs takes seconds, and what a memory save every step costs is
+its share of the step: at the preset's step of tens of milliseconds, a save's fixed cost (a few collectives,
+Python, copies on the same 2 cores) blocked the loop for a fifth of the run and slowed the steps between
+(bench/results/runs/goodput_bench/, the first run), a ratio no real run has. The model, and so every save's
+bytes, is the preset's; --smoke keeps the preset's batch.
 """
 
 from __future__ import annotations
