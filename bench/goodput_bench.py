@@ -1,7 +1,7 @@
 """Goodput under one injected failure schedule, three checkpoint configurations side by side (issue 40 point 4).
 
-    python bench/goodput_bench.py                      # a rank SIGKILLed every 120 s, one SIGSTOPped; ~40 min
-    python bench/goodput_bench.py --failures 3 --stop-at 180 --rounds 2   # the run quoted in the docs
+    python bench/goodput_bench.py                      # a rank SIGKILLed every 120 s, one SIGSTOPped
+    python bench/goodput_bench.py --failures 3 --stop-at 180 --rounds 2   # the docs' run: 54 min on 2 cores
     python bench/goodput_bench.py --smoke --out /tmp/g # the mechanics in ~2 min (tests/test_bench.py)
 
 The same tiny training (configs/tiny.yaml, 2 ranks, `torchrun --max-restarts`) runs under the same failure
