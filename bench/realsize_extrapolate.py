@@ -45,19 +45,21 @@ def measured_rates(r: dict) -> dict:
             "upload_overlap_ratio": main["overlap"]["ratio"], "ranks": r["nproc"], "params": r["params"]}
 
 
+def row(rates: dict, preset: str, nodes: int, per_node: int) -> dict:
+    """`preset` on `nodes` x `per_node` ranks: its checkpoint's bytes (exact) and times (at `rates`)."""
+    shapes = model_shapes(load_config(os.path.join(ROOT, preset), []).model)
+    world = nodes * per_node
+    total, rank = checkpoint_bytes(shapes, world)
+    node = rank * per_node
+    return {"preset": preset, "params": shapes.trainable, "nodes": nodes, "world": world,
+            "checkpoint_GB": total / 1e9, "rank_GB": rank / 1e9, "node_GB": node / 1e9,
+            "async_blocking_s": rank / 1e9 / rates["staging_GBps_per_rank"],
+            "sync_save_s": node / 1e9 / rates["write_GBps_per_node"],
+            "load_s": node / 1e9 / rates["load_GBps_per_node"], "how": "extrapolated"}
+
+
 def rows(rates: dict) -> list[dict]:
-    out = []
-    for preset, nodes, per_node in PRESETS:
-        shapes = model_shapes(load_config(os.path.join(ROOT, preset), []).model)
-        world = nodes * per_node
-        total, rank = checkpoint_bytes(shapes, world)
-        node = rank * per_node
-        out.append({"preset": preset, "params": shapes.trainable, "nodes": nodes, "world": world,
-                    "checkpoint_GB": total / 1e9, "rank_GB": rank / 1e9, "node_GB": node / 1e9,
-                    "async_blocking_s": rank / 1e9 / rates["staging_GBps_per_rank"],
-                    "sync_save_s": node / 1e9 / rates["write_GBps_per_node"],
-                    "load_s": node / 1e9 / rates["load_GBps_per_node"], "how": "extrapolated"})
-    return out
+    return [row(rates, preset, nodes, per_node) for preset, nodes, per_node in PRESETS]
 
 
 def to_markdown(res: dict) -> list[str]:

@@ -5,10 +5,10 @@
     python -m pytest tests/test_faults.py -q                            # the suite that uses it
 
 Format `<action>@<point>[:<step>][,rank=<r>][,attempt=<n>][,secs=<s>][,file=<path>]`, several joined by `;`
-(`attempt`: only in torchrun's n-th restart of the workers, 0 the first run: a kill that torchrun's
---max-restarts recovers from must not fire again after the restart). Actions: `kill`
-(SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise OSError(ENOSPC), like
-a full disk), `sleep` (wait `secs`, to widen a window; with `file`, create it first, so a test knows the process
+(`attempt`: only in the n-th start of the workers, 0 the first run, counting torchrun's restarts and SLURM's
+requeues: a kill that torchrun's --max-restarts or a requeue recovers from must not fire again after it).
+Actions: `kill` (SIGKILL this process, no cleanup, like an OOM kill or a lost node), `oserror` (raise
+OSError(ENOSPC), like a full disk), `sleep` (wait `secs`, to widen a window; with `file`, create it first, so a test knows the process
 got there), `stop` (SIGSTOP this process, like a frozen machine or a
 process stuck in the kernel; with `file`, create it first) and `wait_for` (wait until `file` exists, at most
 `secs`: e.g. an async save's commit marker, so a test does not depend on how loaded the machine is). Points, in the
@@ -43,6 +43,8 @@ import time
 from contextlib import contextmanager
 
 from torch.distributed.checkpoint.filesystem import FileSystem
+
+from common.dist import worker_attempt
 
 
 def _parse(spec: str) -> list[dict]:
@@ -94,7 +96,7 @@ def fault_point(point: str, step: int | None = None) -> None:
             continue
         if f["rank"] is not None and f["rank"] != int(os.environ.get("RANK", "0")):
             continue
-        if f["attempt"] is not None and f["attempt"] != int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        if f["attempt"] is not None and f["attempt"] != worker_attempt():
             continue
         if f["action"] == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,7 +1,7 @@
 """Rank-0 helpers shared by data loading and ckpt/: rank-0 work that other ranks wait for through the filesystem
 (no collective deadline), rank-0 work whose result or error every rank receives, the first problem any rank
 found (every rank learns it), a small integer all-reduce,
-a free local port for a one-process group, and the world-size divisibility rule.
+a free local port for a one-process group, the world-size divisibility rule, and which start of the workers this is.
 
     python -m pytest tests/test_data.py -q -k wait
 
@@ -114,6 +114,12 @@ def first_problem(problem: str | None, group) -> str | None:
     problems = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     return next(p for p in problems if p is not None)
+
+
+def worker_attempt() -> int:
+    """Which start of this job's workers this is, 0 the first: torchrun's restarts plus SLURM's requeues (a requeued
+    job's torchrun counts from 0 again)."""
+    return sum(int(os.environ.get(k) or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
 
 
 def free_port() -> int:

@@ -17,12 +17,16 @@ long: past the timeout (and every timeout after) the rank reads every rank's rec
 calls it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long eval is not a
 hang. Reading the W records happens only then, when something already looks wrong.
 
-On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt; the
-lowest live rank prints one line naming the rank(s) that stopped, their step and phase, and records a `hang`
-event (step, phase, ranks, waited_s, exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
+On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
+torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt); the lowest live rank prints one line
+naming the rank(s) that stopped, their step and phase, and records a `hang` event (step, phase, ranks, waited_s,
+exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
 would otherwise wait 30 s after its SIGTERM, which a stopped process never handles); then os._exit(EXIT_HANG)
 from the watchdog thread, since the main thread is blocked in a collective. `torchrun --max-restarts` or a SLURM
 requeue restarts the job and ckpt.resume=auto continues from the newest checkpoint (the memory tier's when on).
+A launcher that cannot see the 76 (torchrun without --max-restarts reports any failed worker as 1) sets
+HANG_FILE_ENV to a path of its own for this attempt: the rank that prints the line writes it there too
+(slurm/train.sbatch requeues on it).
 The watch ends with the loop: the final save and export wait ckpt.timeout_minutes like every checkpoint collective,
 and an error's emergency save must not be called a hang.
 """
@@ -40,7 +44,10 @@ import threading
 import time
 from collections import deque
 
+from common.dist import worker_attempt
+
 EXIT_HANG = 76  # beside 0 done, 1 error, 2 bad input, 75 preempted (train_fsdp.py)
+HANG_FILE_ENV = "FINETUNE_HANG_FILE"  # a path: on a hang, the error line is written there too
 CHECK_S = 1.0  # how often each rank publishes its record and looks at its own phase
 AUTO_FLOOR_S = 60.0  # auto: never less than this
 AUTO_STEPS = 10.0  # auto: this many times the median step time
@@ -55,6 +62,19 @@ def parse_hang_timeout(text: str) -> float | None:
     if not (seconds >= 0 and seconds != float("inf")):
         raise ValueError(text)
     return seconds
+
+
+def tell_launcher(line: str) -> None:
+    """Write the hang's line to $FINETUNE_HANG_FILE, if the launcher set it: its sign that this attempt hung."""
+    path = os.environ.get(HANG_FILE_ENV)
+    if not path:
+        return
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            f.write(line + "\n")
+    except OSError as e:
+        print(f"warning: could not write the hang to {path} ({HANG_FILE_ENV}): {e}", file=sys.stderr, flush=True)
 
 
 class HangWatchdog:
@@ -179,10 +199,11 @@ class HangWatchdog:
         if self.rank == min(alive):
             where = "; ".join(f"rank {r}: step {records[r]['step']}, phase {records[r]['phase']}"
                               if r in records else f"rank {r}: no record" for r in stuck)
-            print(f"error: hang: no progress for {waited:.0f}s (train.hang_timeout {limit:g}s) on rank {self.rank} "
-                  f"at step {step}, phase {phase}; stopped making progress: {where}; Python stacks in "
-                  f"{os.path.dirname(stacks)}; exiting with {EXIT_HANG} so that the launcher restarts the job",
-                  file=sys.stderr, flush=True)
+            line = (f"error: hang: no progress for {waited:.0f}s (train.hang_timeout {limit:g}s) on rank {self.rank} "
+                    f"at step {step}, phase {phase}; stopped making progress: {where}; Python stacks in "
+                    f"{os.path.dirname(stacks)}; exiting with {EXIT_HANG} so that the launcher restarts the job")
+            print(line, file=sys.stderr, flush=True)
+            tell_launcher(line)
             first = records.get(stuck[0], {}) if stuck else {}
             self.log.event_from_any_rank("hang", step=first.get("step", step), phase=first.get("phase", phase),
                                          ranks=stuck, waited_s=round(waited, 3), exit_code=EXIT_HANG,
@@ -193,7 +214,7 @@ class HangWatchdog:
 
     def _dump_stacks(self) -> str:
         folder = os.path.join(self.run_dir, "hang")
-        path = os.path.join(folder, f"rank{self.rank}-attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.txt")
+        path = os.path.join(folder, f"rank{self.rank}-attempt{worker_attempt()}.txt")
         try:
             os.makedirs(folder, exist_ok=True)
             with open(path, "w") as f:

@@ -35,7 +35,8 @@ DATA_20K = "runs/data_bench/2026-11-25T083322Z-a2fee93f3.json"
 RS, RS8, RST = "realsize_bench.json", "realsize_bench-8blocks.json", "realsize_bench-thread.json"
 MEM, MEMORY = "memory_bench.json", "docs/memory-tier.md"
 BEFORE_SPARE = "runs/memory_bench/2026-11-25T234616Z-f9daa0bdf.json"  # memory_bench before steps reused the spare's pages
-GOODPUT = "goodput_bench.json"
+GOODPUT, GOODPUT_ARITH = "goodput_bench.json", "goodput_arithmetic.json"
+GOODPUT_BEFORE = "runs/goodput_bench/2026-11-26T205412Z-1cd4c7ab6.json"  # the preset's batch, no watchdog
 MB = 1048576
 
 
@@ -287,15 +288,30 @@ FIGURES = [
      [*each(GOODPUT, ".2f", "provenance.load_average_before.0", "provenance.load_average_after.0"),
       (GOODPUT, "ratios.rollback_disk_over_memory", ".1f")]),
     (PERF, "and keeps {} goodput (goal >= 90%: missed)", [(GOODPUT, "configs.memory.goodput_median", ".1%")]),
-    (PERF, "blocks the loop ({} s of {} s)", each(GOODPUT, ".1f", "configs.memory.lost_s_median.ckpt",
-                                                 "configs.memory.wall_s_median")),
+    (PERF, "in the memory configuration's medians over {} s of wall time", each(GOODPUT, ".1f",
+                                                                                "configs.memory.wall_s_median")),
+    *[(PERF, f"{what}: {{}} s.", each(GOODPUT, ".1f", f"configs.memory.lost_s_median.{cause}"))
+      for what, cause in (("of each attempt", "startup"), ("a memory save every step", "ckpt"),
+                          ("the watchdog's wait", "hang"), ("torchrun's restart", "downtime"), ("rollback", "rollback"))],
+    (PERF, "({} s of rollback)", each(GOODPUT, ".1f", "configs.disk.rollback_s_median")),
+    (PERF, "little to rollbacks ({} s)", each(GOODPUT, ".1f", "configs.auto.lost_s_median.rollback")),
+    # the run before: the preset's batch, the stopped rank SIGKILLed by the script
+    (PERF, "kept {} goodput with the memory tier", [(GOODPUT_BEFORE, "configs.memory.goodput_median", ".1%")]),
+    (PERF, "blocked the loop ({} s of {} s)", each(GOODPUT_BEFORE, ".1f", "configs.memory.lost_s_median.ckpt",
+                                                   "configs.memory.wall_s_median")),
+    # goodput at 8B/64 and 70B/512, arithmetic on results files
+    (PERF, "Here the step is {} s, R {} s and D {} s", each(GOODPUT_ARITH, ".0f", "assumptions.step_s",
+                                                            "assumptions.restart_s", "assumptions.detection_s")),
+    (PERF, "a job MTBF of {} h to {} h", each(GOODPUT_ARITH, ".1f", "rows.3.mtbf_h", "rows.0.mtbf_h")),
+    (PERF, "At {} to {} GB per rank", each(GOODPUT_ARITH, ".2f", "rows.0.rank_GB", "rows.2.rank_GB")),
 ]
 
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
 TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
           (DATA, "data_bench.md"), (PERF, "realsize_bench.md"),
           (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md"),
-          (PERF, "compile_bench.md"), (PERF, "goodput_bench.md")]
+          (PERF, "compile_bench.md"), (PERF, "goodput_bench.md"),
+          (PERF, "goodput_arithmetic.md")]
 
 
 def value_at(results: dict, path: str) -> float:
