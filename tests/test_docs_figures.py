@@ -163,8 +163,9 @@ FIGURES = [
       ("runs/memory_bench/2026-11-25T225315Z-dc4c8062a.json", "ratios.restart_disk_over_memory", ".2f")]),
     (MEMORY, "against the {} of the run after it", [(BEFORE_SPARE, "ratios.throughput_memory_every_step_over_none", ".1%")]),
     (MEMORY, "the process start and build ({} s, `startup_s`)", [(MEM, "startup_s", ".1f")]),
-    (PERF, "A save to the local server took {}x the local folder's time and a resume {}x",
-     each("s3_bench.json", ".2f", "s3_over_local.committed_s", "s3_over_local.resume_s")),
+    (PERF, "A save to the local S3 server took {}x the local folder's time and a resume {}x; to Azurite {}x and {}x",
+     [*each("s3_bench.json", ".2f", "s3_over_local.committed_s", "s3_over_local.resume_s"),
+      *each("az_bench.json", ".2f", "az_over_local.committed_s", "az_over_local.resume_s")]),
     (PERF, "compiled blocks give {}x eager's tokens/s, after {} s of compiling that {} steps",
      [("compile_bench.json", "ratios.compiled_over_eager_tokens_per_s", ".2f"), ("compile_bench.json", "compile_s", ".1f"),
       ("compile_bench.json", "breakeven_steps", ".0f")]),
@@ -309,7 +310,7 @@ FIGURES = [
 # results tables quoted whole: every table row of the .md a run wrote is in the doc
 TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY, "checksum_bench.md"),
           (DATA, "data_bench.md"), (PERF, "realsize_bench.md"),
-          (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md"),
+          (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md"), (PERF, "az_bench.md"),
           (PERF, "compile_bench.md"), (PERF, "goodput_bench.md"),
           (PERF, "goodput_arithmetic.md")]
 
