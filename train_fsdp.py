@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
 from ckpt.faults import fault_point
 from ckpt.hf.load import load_hf_weights
-from common.dist import free_port, rank0_builds_others_wait
+from common.dist import free_port, rank0_builds_others_wait, torchrun_restart
 from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
@@ -117,8 +117,7 @@ def attempt_store(timeout: timedelta) -> dict:
     attempt. Under --max-restarts the agent's store keeps the last attempt's keys (the gloo addresses of groups
     "1", "2", ...), and a restarted rank that reads one connects to a dead peer."""
     store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {"store": dist.PrefixStore(f"attempt-{attempt}/", store), "rank": rank, "world_size": world_size}
+    return {"store": dist.PrefixStore(f"attempt-{torchrun_restart()}/", store), "rank": rank, "world_size": world_size}
 
 
 # ---------------------------------------------------------------- optimizer, schedule, preemption
@@ -295,7 +294,7 @@ def open_run(cfg: Config, rank: int) -> RankZeroLog:
     os.makedirs(cfg.run.dir, exist_ok=True)
     log = RankZeroLog(rank, cfg.run.dir, open_loggers(cfg, rank))  # + TensorBoard / W&B when asked
     log.event("attempt_start", process_start=process_start_time(),  # where the goodput account's attempts begin
-              restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+              restart=torchrun_restart())
     if rank == 0:
         with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))

@@ -116,10 +116,16 @@ def first_problem(problem: str | None, group) -> str | None:
     return next(p for p in problems if p is not None)
 
 
+def torchrun_restart() -> int:
+    """Which start of the workers under this torchrun this is, 0 the first (--max-restarts); the launcher's store
+    outlives a restart, so keys written per attempt carry it."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 def worker_attempt() -> int:
     """Which start of this job's workers this is, 0 the first: torchrun's restarts plus SLURM's requeues (a requeued
     job's torchrun counts from 0 again)."""
-    return sum(int(os.environ.get(k) or 0) for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return torchrun_restart() + int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 
 def free_port() -> int:

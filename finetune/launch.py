@@ -29,6 +29,8 @@ from datetime import timedelta
 
 from torch.distributed import TCPStore
 
+from common.dist import torchrun_restart
+
 BAD_INPUT_WAIT_S = 30.0  # how long a silent rank waits for torchrun to stop it after rank 0's error
 
 
@@ -73,7 +75,7 @@ def _launcher_store() -> TCPStore | None:
 
 def _bad_input_key() -> str:
     """One counter per launch attempt: the agent's store outlives a restart (--max-restarts)."""
-    return f"finetune/bad_input/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"finetune/bad_input/{torchrun_restart()}"
 
 
 def _count_in(store: TCPStore | None) -> int:
