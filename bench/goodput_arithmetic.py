@@ -24,9 +24,10 @@ restart (the scheduler, the processes, the process group); L: the resume's load.
   memory_bench's throughput with a save every step is the share they took), and disk saves run beside it at
   the preset's interval;
 - Young-Daly: ckpt/policy.py young_daly_s(b, M), at least c (a save waits for the one in flight);
-- failures per GPU-hour: Llama 3 (419 unexpected interruptions in 54 days on 16,384 GPUs) and Meta RSC (job
-  MTTF 7.9 h at 1,024 GPUs), both from /work/shared/reviews/frontier-2026-11.md, scaled linearly with GPUs;
-- R: 130 s (JobSet's job restart at 5,000 nodes before in-place restart, same review), --restart-s;
+- failures per GPU-hour: Llama 3 (419 unexpected interruptions in 54 days on 16,384 GPUs, arXiv 2407.21783) and
+  Meta RSC (job MTTF 7.9 h at 1,024 GPUs, arXiv 2410.21680), scaled linearly with GPUs;
+- R: 130 s (JobSet's job restart at 5,000 nodes before its in-place restart, 2 min 10 s, as DaoCloud's JobSet
+  in-place restart write-up reports it), --restart-s;
 - the step time: 10 s (an assumption, --step-s; docs/reliability.md's arithmetic takes the same).
 """
 

@@ -129,7 +129,10 @@ def worker(args) -> None:
 def start_emulator(store: str):
     """(stop, env, bucket): the store's test emulator on 127.0.0.1 (STORES), and what stops it."""
     emulator = importlib.import_module(STORES[store]["emulator"])
-    server, env = emulator.start_server()
+    try:
+        server, env = emulator.start_server()
+    except RuntimeError as e:  # not installed, or it did not start
+        sys.exit(f"error: {e}")
     return (lambda: emulator.stop_server(server)), env, emulator.BUCKET
 
 

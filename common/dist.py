@@ -124,7 +124,8 @@ def torchrun_restart() -> int:
 
 def worker_attempt() -> int:
     """Which start of this job's workers this is, 0 the first: torchrun's restarts plus SLURM's requeues (a requeued
-    job's torchrun counts from 0 again)."""
+    job's torchrun counts from 0 again). Unique as long as only one of the two counts moves, as under
+    slurm/train.sbatch (torchrun without --max-restarts) and under torchrun alone."""
     return torchrun_restart() + int(os.environ.get("SLURM_RESTART_COUNT") or 0)
 
 

@@ -149,7 +149,7 @@ def test_azure_upload_in_blocks_appears_only_at_close(azure_env, tmp_path):
     ("s3://bucket/prefix", None),
     ("s3://", "names no bucket"),
     ("az://container/prefix", None),
-    ("az://", "names no bucket"),
+    ("az://", "names no container"),
     ("gs://bucket/prefix", "gs:// is not supported"),
 ])
 def test_which_paths_are_refused(path, expected):

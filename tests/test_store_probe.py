@@ -25,6 +25,12 @@ from s3_server import BUCKET, s3_env, s3_proxy, s3_server  # noqa: F401 - fixtur
 from test_launch import TORCHRUN_EXIT, assert_one_error
 
 CONDITIONS = {"if-none-match", "if-match"}
+
+
+@pytest.fixture(autouse=True)
+def fresh_verdicts(monkeypatch):
+    """Each test probes afresh: verdicts are kept per process and store, and a proxy's port may come back."""
+    monkeypatch.setattr(storage_base, "_VERDICTS", {})
 CREATE_ONLY = "create-only writes are not enforced: a second PUT with If-None-Match: * overwrote the object"
 SWAP = "compare-and-swap is not enforced: a PUT with If-Match on a stale ETag overwrote the object"
 
@@ -140,7 +146,6 @@ def test_on_azure_a_store_that_overwrites_is_named_by_its_endpoint_and_container
     """Azurite enforces both conditions (the shared backend suite's probe test), so a store that ignores
     If-None-Match is stood in for by a create that overwrites; the line names the account's endpoint."""
     monkeypatch.setattr(AzureStorage, "create", AzureStorage.put)
-    monkeypatch.setattr(storage_base, "_VERDICTS", {})  # this process may have probed Azurite before: afresh
     root = f"az://{CONTAINER}/probe-{tmp_path.name}"
     with pytest.raises(GuaranteeError) as e:
         AzureStorage().check_guarantees(root, False, "ckpt.unchecked_store=true", pytest.fail)
@@ -149,3 +154,27 @@ def test_on_azure_a_store_that_overwrites_is_named_by_its_endpoint_and_container
                                    "guarantees: create-only writes are not enforced: a second Put Blob with "
                                    "If-None-Match: * overwrote the object"), e.value
     assert AzureStorage().list_objects(root) == []
+
+
+def test_azure_verify_with_a_read_only_sas_warns_verifies_and_never_prints_the_token(azure_env, tmp_path):
+    """A read-only SAS (the service answers the probe's write 403) is the same one warning as on S3, and the SAS,
+    a secret, appears in no line: the endpoint is named without its query."""
+    import datetime
+
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+    from azurite_server import ACCOUNT, KEY
+    from test_ckpt_unit import fake_checkpoint
+
+    url = f"az://{CONTAINER}/{tmp_path.name}/ckpt/step-000005"
+    AzureStorage().put_folder(fake_checkpoint(tmp_path / "local", 5), url)
+    sas = generate_container_sas(ACCOUNT, CONTAINER, account_key=KEY, permission=ContainerSasPermissions(
+        read=True, list=True), expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1))
+    endpoint = azure_env["AZURE_STORAGE_CONNECTION_STRING"].split("BlobEndpoint=")[1].rstrip(";")
+    env = {"AZURE_STORAGE_CONNECTION_STRING": f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"}
+    proc = _ckpt_cli("verify", url, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {url}: step 5"), proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: could not check the store's create-only writes"), lines
+    resharded = _ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
+    assert resharded.returncode == 2 and resharded.stderr.startswith("error: "), resharded.stderr
+    assert "sig=" not in proc.stderr + resharded.stderr and sas.split("sig=")[1][:8] not in resharded.stderr

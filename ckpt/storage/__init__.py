@@ -46,7 +46,8 @@ def unsupported(path: str, what: str, local_only: str = "") -> str | None:
         return (f"{what}: {scheme}:// is not supported, got {path!r} (object storage: s3://bucket/prefix, "
                 "az://container/prefix)")
     if not path[len(scheme) + 3:].strip("/"):
-        return f"{what}: {path!r} names no bucket ({scheme}://bucket/prefix)"
+        word = BACKENDS[scheme].bucket_word
+        return f"{what}: {path!r} names no {word} ({scheme}://{word}/prefix)"
     package = OPTIONAL_PACKAGE.get(scheme)
     try:
         if package:

@@ -25,6 +25,7 @@ import functools
 import io
 import os
 import re
+import urllib.parse
 import uuid
 from contextlib import contextmanager
 
@@ -88,7 +89,7 @@ def _oserror(e: Exception, what: str, endpoint: str) -> OSError:
         return FileNotFoundError(f"{what}: {line}")
     if isinstance(e, (ResourceExistsError, ResourceModifiedError)):
         return FileExistsError(f"{what}: changed or created by someone else (conditional write refused)")
-    if isinstance(e, ClientAuthenticationError):
+    if isinstance(e, ClientAuthenticationError) or getattr(e, "status_code", None) == 403:  # 403: e.g. read-only SAS
         return PermissionError(f"{what}: {line} (credentials: {CREDENTIALS})")
     return OSError(f"{what}: {line}")
 
@@ -183,12 +184,14 @@ class AzureStorage(Storage):
     compare_and_swap = True
     lock_class = ObjectLock
     reader_class = AzureReader
+    bucket_word = "container"
     create_words = "a second Put Blob with If-None-Match: *"
     swap_words = "a Put Blob with If-Match on a stale ETag"
 
     @property
     def endpoint(self) -> str:
-        return blob_service().url
+        """The account's URL for error lines, without its query: the SDK's url carries a SAS token (a secret)."""
+        return urllib.parse.urlsplit(blob_service().url)._replace(query="").geturl()
 
     def location(self, path: str) -> str:
         """The account's endpoint and the container, e.g. http://127.0.0.1:10000/devstoreaccount1 (az://ckpt)."""

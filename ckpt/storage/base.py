@@ -21,7 +21,8 @@ Operations:
 - `delete(path)`, `delete_many(paths)` (files already gone are fine), `delete_tree(path)` (everything under it;
   nothing there is fine); `list_objects(path)` (every file under it, full paths: the default sweep's list).
 - `put_folder(local, url)`: where there is no atomic rename, a folder built locally goes up whole, config.json
-  last (export's HF folder, ckpt/export.py).
+  last (export's HF folder, ckpt/hf/export.py); written here once, through `upload_stream(path)`, the backend's
+  write-only stream into one object (the bytes visible at close, none after a failed write).
 - `occupied(path)`: anything stands there; `prepare_folder(path)`: make the folder a step's files go into (a store
   of objects has none to make).
 - Retention (ckpt/retention.py says when): `retire(path, marker)` takes a checkpoint out of the listing at once
@@ -92,6 +93,28 @@ def _accepted(write: Callable[[], object]) -> bool:
     return True
 
 
+def _probe(store: "Storage", probe: str) -> list[tuple[str, tuple]]:
+    """Six requests on one small object, whatever the model size or world size: create, create again
+    (refused?), read its tag, swap with that tag (accepted?), swap with the now stale tag (refused?), delete. The
+    probe is deleted whatever happens; an unreachable store raises OSError, as any other request would."""
+    missing = []
+    try:
+        store.create(probe, b"1")
+        if _accepted(lambda: store.create(probe, b"2")):  # distinct bytes: an ETag may be the content's hash
+            missing.append((f"create-only writes are not enforced: {store.create_words} overwrote the object",
+                            _NO_CREATE_ONLY))
+        tag = store.etag(probe)
+        if not _accepted(lambda: store.replace(probe, b"3", tag)):
+            missing.append(("compare-and-swap does not work: a swap with the object's current tag was refused",
+                            _NO_SWAP))
+        elif _accepted(lambda: store.replace(probe, b"4", tag)):
+            missing.append((f"compare-and-swap is not enforced: {store.swap_words} overwrote the object", _NO_SWAP))
+    finally:
+        with contextlib.suppress(OSError):
+            store.delete(probe)
+    return missing
+
+
 class Storage:
     """The operations shared by every backend, in terms of the others; a backend overrides what differs."""
 
@@ -103,6 +126,7 @@ class Storage:
     lock_class: type  # set by each backend
     has_folders = False  # a folder exists apart from the files in it (an object store has prefixes only)
     missing = "nothing stored under this prefix"  # what a path that holds nothing is, for error lines
+    bucket_word = "bucket"  # what the store calls the first part of its URLs (Azure: container), for error lines
     create_words = "a second create-only write"  # how `create` asks for create-only, for the probe's error line
     swap_words = "a compare-and-swap with a stale tag"  # how `replace` asks for its condition, likewise
 
@@ -149,29 +173,8 @@ class Storage:
         where = self.location(path)
         if where not in _VERDICTS:
             name = f".probe-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"  # no two probes share one
-            _VERDICTS[where] = self._probe(self.join(path, name))
+            _VERDICTS[where] = _probe(self, self.join(path, name))
         return _VERDICTS[where]
-
-    def _probe(self, probe: str) -> list[tuple[str, tuple]]:
-        """Six requests on one small object, whatever the model size or world size: create, create again
-        (refused?), read its tag, swap with that tag (accepted?), swap with the now stale tag (refused?), delete. The
-        probe is deleted whatever happens; an unreachable store raises OSError, as any other request would."""
-        missing = []
-        try:
-            self.create(probe, b"1")
-            if _accepted(lambda: self.create(probe, b"2")):  # distinct bytes: an ETag may be the content's hash
-                missing.append((f"create-only writes are not enforced: {self.create_words} overwrote the object",
-                                _NO_CREATE_ONLY))
-            tag = self.etag(probe)
-            if not _accepted(lambda: self.replace(probe, b"3", tag)):
-                missing.append(("compare-and-swap does not work: a swap with the object's current tag was refused",
-                                _NO_SWAP))
-            elif _accepted(lambda: self.replace(probe, b"4", tag)):
-                missing.append((f"compare-and-swap is not enforced: {self.swap_words} overwrote the object", _NO_SWAP))
-        finally:
-            with contextlib.suppress(OSError):
-                self.delete(probe)
-        return missing
 
     def check_guarantees(self, path: str, unchecked: bool, risk_key: str, warn: Callable[[str], None]) -> None:
         """Raise GuaranteeError if the store holding `path` fails the probe (missing_guarantees), unless
@@ -188,6 +191,10 @@ class Storage:
             return
         raise GuaranteeError(f"{head}. Use a store that enforces them, or set {risk_key} to run at your own risk: "
                              f"{risk}")
+
+    def upload_stream(self, path: str):
+        """A write-only stream into the object `path` (an object store's backend supplies it; put_folder uses it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no upload_stream")
 
     def put_folder(self, local: str, url: str) -> None:
         """Upload every file under the folder `local` to `url`/ (each through the backend's `upload_stream`, in

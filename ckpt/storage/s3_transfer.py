@@ -1,5 +1,6 @@
-"""Moving checkpoint bytes to and from S3: multipart uploads with parallel parts, parallel ranged GETs, one retry
-policy. Below ckpt/storage/s3.py; s3fs is imported only when an s3:// path is used.
+"""Moving checkpoint bytes to and from an object store: S3's multipart uploads with parallel parts (Azure's block
+uploads reuse the buffering: ckpt/storage/azure.py), parallel ranged GETs (both stores), S3's retry policy. Below
+ckpt/storage/s3.py and azure.py; s3fs is imported only when an s3:// path is used.
 
     python -m pytest tests/test_s3_transfer.py -q
 
@@ -94,7 +95,7 @@ def part_size(number: int, base: int = PART_BYTES) -> int:
 
 
 class PartUploadStream:
-    """A write-only stream into one S3 object. `tell()` counts the bytes written (DCP records offsets with it).
+    """A write-only stream into one S3 object (a subclass: one Azure block blob). `tell()` counts the bytes written (DCP records offsets with it).
     close() completes the upload; abort() (or an exception inside `with`) cancels it, leaving no object."""
 
     def __init__(self, fs, path: str, part_bytes: int = 0, parallel: int = 0):
@@ -231,7 +232,7 @@ def _get(fs, path: str, start: int, end: int) -> bytes:
 def fetch_in_order(fs, pieces: list[tuple[str, int, int]], parallel: int = PARALLEL_PARTS):
     """The bytes of each (path, start, end) of `pieces`, in order, `parallel` ranged GETs in flight ahead."""
     todo = iter(pieces)
-    with ThreadPoolExecutor(parallel, thread_name_prefix="ckpt-s3-get") as pool:
+    with ThreadPoolExecutor(parallel, thread_name_prefix="ckpt-get") as pool:
         inflight = deque(pool.submit(_get, fs, *p) for _, p in zip(range(parallel), todo))
         while inflight:
             data = inflight.popleft().result()
