@@ -125,6 +125,18 @@ def test_verify_and_reshard_on_a_store_that_ignores_the_conditions_say_so(s3_env
     assert _ckpt_cli("verify", url, env=s3_env).returncode == 0  # the server itself enforces both: no line
 
 
+def _read_only_verify_warns_and_reshard_stops(url: str, env: dict) -> str:
+    """With credentials that may only read: verify says in one warning that it could not probe and verifies step 5;
+    reshard, which writes, stops (exit 2). Returns both commands' stderr."""
+    proc = _ckpt_cli("verify", url, env=env)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {url}: step 5"), proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: could not check the store's create-only writes"), lines
+    resharded = _ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
+    assert resharded.returncode == 2 and resharded.stderr.startswith("error: "), resharded.stderr
+    return proc.stderr + resharded.stderr
+
+
 def test_verify_with_read_only_credentials_warns_that_it_could_not_probe_and_verifies(s3_env, s3_proxy, tmp_path):
     """An auditor's read-only credentials cannot write the probe: verify says so in one warning and checks the bytes;
     reshard, which writes, stops (exit 2)."""
@@ -134,12 +146,7 @@ def test_verify_with_read_only_credentials_warns_that_it_could_not_probe_and_ver
     S3Storage().put_folder(fake_checkpoint(tmp_path / "local", 5), url)
     s3_proxy.refuse = lambda method, path: (403, "AccessDenied") if method in ("PUT", "POST", "DELETE") else None
     env = {**s3_env, "AWS_ENDPOINT_URL": s3_proxy.endpoint}
-    proc = _ckpt_cli("verify", url, env=env)
-    assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {url}: step 5"), proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("warning: could not check the store's create-only writes"), lines
-    resharded = _ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
-    assert resharded.returncode == 2 and resharded.stderr.startswith("error: "), resharded.stderr
+    _read_only_verify_warns_and_reshard_stops(url, env)
 
 
 def test_on_azure_a_store_that_overwrites_is_named_by_its_endpoint_and_container(azure_env, tmp_path, monkeypatch):
@@ -171,10 +178,5 @@ def test_azure_verify_with_a_read_only_sas_warns_verifies_and_never_prints_the_t
         read=True, list=True), expiry=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1))
     endpoint = azure_env["AZURE_STORAGE_CONNECTION_STRING"].split("BlobEndpoint=")[1].rstrip(";")
     env = {"AZURE_STORAGE_CONNECTION_STRING": f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"}
-    proc = _ckpt_cli("verify", url, env=env)
-    assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {url}: step 5"), proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("warning: could not check the store's create-only writes"), lines
-    resharded = _ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
-    assert resharded.returncode == 2 and resharded.stderr.startswith("error: "), resharded.stderr
-    assert "sig=" not in proc.stderr + resharded.stderr and sas.split("sig=")[1][:8] not in resharded.stderr
+    said = _read_only_verify_warns_and_reshard_stops(url, env)
+    assert "sig=" not in said and sas.split("sig=")[1][:8] not in said
