@@ -13,6 +13,7 @@ whether it did, and what changed when it did not).
 
 from __future__ import annotations
 
+import argparse
 import os
 import typing
 from dataclasses import dataclass
@@ -96,5 +97,14 @@ def rules_table() -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m finetune.resume_rules",
+                            description="Print the table of what a resume does with each changed config key "
+                                        "(docs/resume-rules.md), from the declarations in finetune/config.py."
+                            ).parse_args(argv)
     print(rules_table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
