@@ -23,7 +23,7 @@ import yaml
 from finetune.config import Config, ConfigError, declarations, flatten, identity_keys, to_dict
 from finetune.config_keys import TAKES_EFFECT, Resume, refused
 
-RULES: dict[str, Resume] = {k: d["resume"] for k, d in declarations().items() if d["resume"]}
+RULES: dict[str, Resume] = {k: d["resume"] for k, d in declarations().items() if d.get("resume")}
 # A key whose declaration leaves its rule out (tests/test_config.py names it) is refused rather than applied.
 _UNDECLARED = refused("its resume rule is not declared (finetune/config.py key(resume=...))")
 RESUME_REFUSED = {k: rule.why for k, rule in RULES.items() if rule.verdict == "refused"}

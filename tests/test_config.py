@@ -103,7 +103,7 @@ def test_every_numeric_field_has_a_range():
             elif hints[f.name] in (int, float):
                 keys.add(prefix + f.name)
         return keys
-    assert sorted(k for k in numeric(Config) if not declarations()[k]["range"]) == []
+    assert sorted(k for k in numeric(Config) if not declarations()[k].get("range")) == []
 
 
 # ---------------------------------------------------------------- one declaration per key (issue 45)
@@ -154,7 +154,7 @@ def _keys(cfg_data) -> tuple[str, str]:
 
 
 def _another_value(name: str, f, value):
-    if f.metadata["choices"]:
+    if f.metadata.get("choices"):
         return next(c for c in f.metadata["choices"] if c != value)
     if isinstance(value, bool):
         return not value
@@ -168,7 +168,7 @@ def test_the_token_cache_key_changes_exactly_with_the_data_keys_declared_to_ente
     for f in dataclasses.fields(DataConfig):
         before = DataConfig()
         after = dataclasses.replace(before, **{f.name: _another_value(f.name, f, getattr(before, f.name))})
-        assert (_keys(before) != _keys(after)) == bool(f.metadata["cache"]), f"data.{f.name}"
+        assert (_keys(before) != _keys(after)) == bool(f.metadata.get("cache")), f"data.{f.name}"
 
 
 def test_a_declared_new_data_field_enters_the_cache_key_so_no_stale_cache_is_reused():

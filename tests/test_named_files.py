@@ -1,5 +1,5 @@
-"""Every repository file a docstring or comment names exists: a reader sent to ckpt/export.py after it moved to
-ckpt/hf/export.py loses minutes (newcomer study 2026-11-28).
+"""Every repository file a docstring or comment names exists: ckpt/storage/base.py sent readers to the exporter's
+old path after it moved to ckpt/hf/export.py (newcomer study 2026-11-28).
 
     python -m pytest tests/test_named_files.py -q
 
