@@ -27,6 +27,7 @@ import yaml
 from ckpt.policy import parse_interval
 from ckpt.storage import is_url, unsupported
 from finetune.hang import parse_hang_timeout
+from finetune.optim import OPTIMIZERS
 from finetune.schedule import SCHEDULES
 
 
@@ -107,9 +108,10 @@ class TrainConfig:
     min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
     warmup_steps: int = 10  # linear warmup from 0
     decay_fraction: float = 0.2  # wsd: the last fraction of max_steps that decays linearly to lr * min_lr_ratio
-    weight_decay: float = 0.01  # AdamW decoupled weight decay
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.95  # AdamW second-moment decay
+    optimizer: str = "adamw"  # adamw | sgd (with momentum beta1; half AdamW's state): finetune/optim.py
+    weight_decay: float = 0.01  # weight decay: decoupled (adamw), L2 in the gradient (sgd)
+    beta1: float = 0.9  # adamw's first-moment decay; sgd's momentum
+    beta2: float = 0.95  # adamw's second-moment decay (sgd: unused)
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
     collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
     hang_timeout: str = "auto"  # s a step may last before exit 76 naming the stuck rank; auto; 0: off (finetune/hang.py)
@@ -167,6 +169,7 @@ _CHOICES = {
     "data.format": ("auto", "text", "chat"),
     "ckpt.async_mode": ("off", "thread", "process"),
     "train.lr_schedule": SCHEDULES,
+    "train.optimizer": tuple(OPTIMIZERS),
     "export.dtype": ("auto", "fp32", "bf16", "fp16"),
     "ckpt.resume_config_check": ("refuse", "warn"),
     "run.wandb": ("off", "offline", "online"),

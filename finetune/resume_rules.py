@@ -40,6 +40,7 @@ RESUME_REFUSED = {
     "data.seq_len": "the saved data position counts other samples",
     "data.global_batch_size": "steps, the schedule and the data position count other batches",
     "train.seed": "the saved data position is only meaningful in the order made with its seed",
+    "train.optimizer": "the saved optimizer state is another optimizer's (finetune/optim.py)",
 }
 _MOVABLE = ("model.name_or_path", "model.config_path", "model.tokenizer_path")  # compared by content if moved
 _RESUME_EFFECT = {  # what applying a change means, where it is more than "takes effect"
