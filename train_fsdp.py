@@ -367,7 +367,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
              f"{plural(world_size, 'rank')} x {split.accum_steps} accum x {split.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
-    preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
+    preempt, exit_code = Preemption(), 0
+    steps_log = StepLog(cfg, log, rank, world_size, split, progress.step, device)  # + each rank's peak memory
     watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
     model.train()
     with checkpoints.emergency_save_on_error(lambda: progress.step):

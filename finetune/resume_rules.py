@@ -55,6 +55,7 @@ _RESUME_EFFECT = {  # what applying a change means, where it is more than "takes
     "train.beta2": "set in the restored optimizer",
     "train.seed": "the data order continues with the checkpoint's seed",
     "model.init_std": "no effect: the weights come from the checkpoint",
+    "train.optimizer": "the load fails: the checkpoint holds no state of the new optimizer",
 }
 
 

@@ -18,6 +18,7 @@ from conftest import ROOT, run_train
 
 import train_fsdp
 from finetune.config import load_config
+from finetune.optim import optimizer_kind
 from finetune.plan import GIB, checkpoint_bytes, model_shapes, shard_numel
 
 PRESETS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")) if not p.endswith("tiny.yaml"))
@@ -112,7 +113,7 @@ def test_planned_checkpoint_size_is_what_a_run_saves(tmp_path):
     saved = sum(m.properties.dtype.itemsize * m.size.numel() for m in md.values()
                 if isinstance(m, TensorStorageMetadata) and len(m.size))  # not AdamW's 0-dim step counters
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [])
-    planned, per_rank = checkpoint_bytes(model_shapes(cfg.model), 2)
+    planned, per_rank = checkpoint_bytes(model_shapes(cfg.model), 2, optimizer_kind(cfg.train).state_bytes)
     assert saved == planned and planned < 2 * per_rank < planned * 1.1
     assert planned < GIB
 
