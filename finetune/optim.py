@@ -51,7 +51,7 @@ OPTIMIZERS = {
     "adamw": OptimizerKind(make=lambda params: torch.optim.AdamW(params, fused=True),
                            hyperparameters=lambda t: {"betas": (t.beta1, t.beta2), "weight_decay": t.weight_decay},
                            state_bytes=8, state_tensors=3),  # exp_avg, exp_avg_sq, step
-    "sgd": OptimizerKind(make=lambda params: torch.optim.SGD(params, momentum=0.9),  # momentum > 0: a buffer
+    "sgd": OptimizerKind(make=lambda params: torch.optim.SGD(params),  # SGD reads its momentum at every step
                          hyperparameters=lambda t: {"momentum": t.beta1, "weight_decay": t.weight_decay},
                          state_bytes=4, state_tensors=1),  # momentum_buffer
 }
