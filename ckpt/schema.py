@@ -7,7 +7,8 @@ world size must divide, and where the model came from. Recorded in meta.json, so
 The trainer builds one (finetune/checkpoint_contents.py `checkpoint_schema`, from the same keys as its
 `checkpoint_state`) and writes `schema.to_meta()` into every meta.json; every field is the trainer's to
 give, none has a default here. `schema_of(path)` reads it back. A checkpoint written before meta.json carried a schema gets
-`schema_of_checkpoint_without_schema`: the one place that knows the old trainer's layout.
+`schema_of_checkpoint_without_schema`: the one place that knows the old trainer's layout; one written before
+the schema named its optimizer gets OLDER_OPTIMIZER (AdamW was the only one then).
 """
 
 from __future__ import annotations
