@@ -34,6 +34,7 @@ from common.dtypes import DTYPES
 from finetune.config_keys import TAKES_EFFECT, above, applies, at_least, between, key, parsed_by, refused
 from finetune.data.sources import FORMATS
 from finetune.hang import parse_hang_timeout
+from finetune.optim import OPTIMIZERS
 from finetune.schedule import SCHEDULES
 
 
@@ -164,9 +165,15 @@ class TrainConfig:
     warmup_steps: int = key(10, "linear warmup from 0", range=at_least(0), resume=_NEW_SCHEDULE)
     decay_fraction: float = key(0.2, "wsd: the last fraction of max_steps that decays linearly to lr * "
                                 "min_lr_ratio", range=between(0, 1), resume=_NEW_SCHEDULE)
-    weight_decay: float = key(0.01, "AdamW decoupled weight decay", range=at_least(0), resume=_IN_OPTIMIZER)
-    beta1: float = key(0.9, "AdamW first-moment decay", range=between(0, 1, True), resume=_IN_OPTIMIZER)
-    beta2: float = key(0.95, "AdamW second-moment decay", range=between(0, 1, True), resume=_IN_OPTIMIZER)
+    optimizer: str = key("adamw", "sgd: momentum beta1, half AdamW's state; finetune/optim.py", choices=OPTIMIZERS,
+                         resume=refused("the saved optimizer state is another optimizer's (finetune/optim.py)",
+                                        then="the load fails: the checkpoint holds no state of the new optimizer"))
+    weight_decay: float = key(0.01, "weight decay: decoupled (adamw), L2 in the gradient (sgd)", range=at_least(0),
+                              resume=_IN_OPTIMIZER)
+    beta1: float = key(0.9, "adamw's first-moment decay; sgd's momentum", range=between(0, 1, True),
+                       resume=_IN_OPTIMIZER)
+    beta2: float = key(0.95, "adamw's second-moment decay (sgd: unused)", range=between(0, 1, True),
+                       resume=_IN_OPTIMIZER)
     grad_clip: float = key(1.0, "max global grad norm; 0 disables clipping", range=at_least(0), resume=TAKES_EFFECT)
     collective_timeout_minutes: float = key(10.0, "a training collective waiting longer ends the job (a rank "
                                             "stuck or dead)", range=above(0), resume=TAKES_EFFECT)
