@@ -56,11 +56,11 @@ def closed(schema):
         return [closed(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: closed(v) for k, v in schema.items()}
-    if "properties" in schema:
-        out["properties"] = {name: closed(s) for name, s in schema["properties"].items()}
-        if "additionalProperties" not in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
-            out["additionalProperties"] = False
+    out = {k: ({name: closed(s) for name, s in v.items()} if k == "properties" else closed(v))
+           for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
     return out
 
 
