@@ -33,7 +33,7 @@ import time
 import pytest
 import yaml
 
-from conftest import FAST, ROOT, events, run_train, token_cache
+from conftest import FAST, ROOT, events, free_port, run_train, token_cache
 from finetune.metrics import read_metrics
 from test_preemption import metrics_so_far
 
@@ -219,10 +219,23 @@ def test_bad_manifest_parameters_are_one_line_and_exit_2(env, args, words):
     assert words in out.stderr, out.stderr
 
 
-def test_a_world_size_the_preset_cannot_take_is_exit_2_not_torchruns_1():
+def test_a_hung_rank_is_exit_76_with_its_line(tmp_path):
+    """Rank 1 SIGSTOPped inside step 3: the watchdog ends the attempt (the workers' 76, torchrun's 1); the hang
+    file turns it into the container's 76, which the failure rules restart."""
+    once = "mid_step:3,rank=1,attempt=0"
+    out = entrypoint({**JOBSET_ALONE, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
+                      "CKPT_FAULT": f"sleep@{once},secs=1;stop@{once}"},
+                     *FAST, f"run.dir={tmp_path}", f"data.cache_dir={token_cache()}", "train.max_steps=6",
+                     "train.hang_timeout=10", timeout=240)
+    assert out.returncode == 76, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "hung (torchrun exit 1): error: hang:" in out.stdout and "exit 76: restarted" in out.stdout, out.stdout
+
+
+def test_a_world_size_the_preset_cannot_take_is_exit_2_not_torchruns_1(tmp_path):
     """N x G = 3 ranks for tiny.yaml's global batch of 32: the workers' one error line, their exit 2 through
     torchrun's error file (torchrun itself exits 1), and the entrypoint's line saying it will not restart."""
-    out = entrypoint({**JOBSET_ALONE, "NPROC_PER_NODE": "3"}, "run.dir=/tmp/k8s-bad-world")
+    out = entrypoint({**JOBSET_ALONE, "NPROC_PER_NODE": "3", "MASTER_PORT": str(free_port())},
+                     f"run.dir={tmp_path}")
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "not divisible by world size 3" in errors[0], out.stderr[-3000:]
