@@ -14,6 +14,8 @@
 # checkpoint); 76 a rank hung (finetune/hang.py); 2 bad input (this script's checks below, or the workers' own:
 # torchrun reports their exit 2 as 1, and its error file, TORCHELASTIC_ERROR_FILE, keeps the 2); else torchrun's.
 # 75 and 76 restart the pods, 2 never does (the manifests' podFailurePolicy and restartPolicyRules).
+# The lines and codes follow slurm/train.sbatch, which cannot source a shared file (slurmd runs a copy of a batch
+# script from its spool folder); what differs is who restarts: SLURM's requeue there, the failure rules here.
 
 set -uo pipefail  # no -e: this script must see torchrun's exit code and act on it
 CONFIG=${1:?usage: k8s/entrypoint.sh <config.yaml> [key=value ...]}
