@@ -192,6 +192,36 @@ def test_the_failure_rules_restart_on_75_and_76_and_never_on_2(overlay):
         assert job["spec"]["parallelism"] == job["spec"]["completions"] == int(params["NNODES"])
 
 
+def gib(quantity: str) -> float:
+    assert quantity.endswith("Gi"), quantity
+    return float(quantity[:-2])
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=os.path.basename)
+def test_the_pods_command_is_a_valid_config_and_params_cover_its_plan(overlay, capsys, monkeypatch):
+    """The container's args, $(VAR) expanded from the ConfigMap, are a config train_fsdp.py --plan accepts for
+    NNODES x NPROC_PER_NODE; the memory-tier and /dev/shm emptyDirs, the pod's memory and the grace period in
+    params.env cover what the plan says they must hold."""
+    from train_fsdp import main
+    docs = {d["kind"]: d for d in render(overlay)}
+    params = docs["ConfigMap"]["data"]
+    (job,) = job_templates(docs.get("JobSet") or docs["TrainingRuntime"])
+    (node,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "node"]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: params[m.group(1)], a) for a in node["args"]]
+    monkeypatch.chdir(ROOT)
+    assert main(["--config", *args, "--plan", "--nodes", params["NNODES"], "--gpus-per-node",
+                 params["NPROC_PER_NODE"]]) == 0
+    plan = capsys.readouterr().out
+    tier, tier_staging = map(float, re.search(r"memory tier \(ckpt.memory_interval=\d+\): ([\d.]+) GiB per node in "
+                                              r"/mnt/memory-tier .*, and ([\d.]+) GiB of RAM", plan).groups())
+    shm = float(re.search(r"host per node: ([\d.]+) GiB of /dev/shm", plan).group(1))
+    lead = float(re.search(r"preemption lead time >= ~([\d.]+) s", plan).group(1))
+    assert tier <= gib(params["MEMORY_TIER_SIZE"]) and shm <= gib(params["SHM_SIZE"]), plan
+    assert gib(params["POD_MEMORY"]) >= gib(params["MEMORY_TIER_SIZE"]) + gib(params["SHM_SIZE"]) + tier_staging
+    assert int(params["GRACE_SECONDS"]) >= 2 * lead
+
+
 # ---------------------------------------------------------------- bad input: one line, exit 2
 
 def entrypoint(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
