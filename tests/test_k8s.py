@@ -347,12 +347,34 @@ def last_event(run, name: str) -> dict:
     return events(run, name)[-1]
 
 
+def one_pod_preempted_then_finishing(cluster, run) -> tuple[dict, int]:
+    """Pod 0 alone (NNODES=1) resumes; after step 16 its entrypoint gets SIGTERM, as the kubelet sends a
+    container's PID 1 on a preemption: exit 75 after a committed checkpoint. Started again, it finishes.
+    Returns the first start's resume event and the preempted step."""
+    (one,) = start_pods(cluster, run, "jobset", 1, "sleep@after_step,secs=0.3")
+    end = time.monotonic() + 240
+    while max((r["step"] for r in metrics_so_far(run) if "loss" in r), default=0) < 16 and one.poll() is None:
+        assert time.monotonic() < end, pod_log(run, "jobset", 1, 0)[-4000:]
+        time.sleep(0.2)
+    resumed = last_event(run, "resume")
+    one.send_signal(signal.SIGTERM)
+    assert one.wait(120) == 75, pod_log(run, "jobset", 1, 0)[-4000:]
+    preempted = last_event(run, "preempted")["step"]
+    assert 16 <= preempted < 20
+    for line in ("got SIGTERM: forwarding it to torchrun", "preempted (torchrun exit 1): exit 75"):
+        assert line in pod_log(run, "jobset", 1, 0)
+    (one,) = start_pods(cluster, run, "jobset", 1)  # restarted (the JobSet rule "preempted")
+    assert one.wait(300) == 0, pod_log(run, "jobset", 1, 0)[-4000:]
+    assert "training finished" in pod_log(run, "jobset", 1, 0)
+    return resumed, preempted
+
+
 def test_pods_resume_from_pod_ram_in_place_from_a_peer_and_at_fewer_pods(hosts, tmp_path):
     """JobSet pods train to step 5 and are killed; started again in place (Kubeflow's environment this time),
     they resume from memory step 4 reading only their own /dev/shm; killed after step 10, pod 1 replaced (its
     memory folder wiped), they resume from memory step 9, pod 1's rank fetched from pod 0's replica; killed after
     step 15, pod 0 alone (N=1) resumes from memory step 14 at world size 1; SIGTERM after step 16 (a preemption):
-exit 75 after a committed checkpoint, from which the pod started again finishes. Steps 1-14 (W=2) equal an
+    exit 75 after a committed checkpoint, from which the pod started again finishes. Steps 1-14 (W=2) equal an
     uninterrupted run's bit for bit; steps 15-20 (W=1) train its samples, losses within the world-size tolerance."""
     reference = tmp_path / "reference"
     run_train(reference, 2, STEPS)
@@ -378,21 +400,7 @@ exit 75 after a committed checkpoint, from which the pod started again finishes.
     assert (resumed["step"], resumed["tier"], resumed["world_size"]) == (9, "memory", 2)
     assert last_event(run, "memory_fetch")["files"] > 0, "the replaced pod's rank came from its peer"
 
-    (one,) = start_pods(hosts, run, "jobset", 1, "sleep@after_step,secs=0.3")  # scaled down: NNODES=1
-    end = time.monotonic() + 240
-    while max((r["step"] for r in metrics_so_far(run) if "loss" in r), default=0) < 16 and one.poll() is None:
-        assert time.monotonic() < end, pod_log(run, "jobset", 1, 0)[-4000:]
-        time.sleep(0.2)
-    resumed = last_event(run, "resume")
-    one.send_signal(signal.SIGTERM)  # what the kubelet sends the container's PID 1 on a preemption
-    assert one.wait(120) == 75, pod_log(run, "jobset", 1, 0)[-4000:]
-    preempted = last_event(run, "preempted")["step"]
-    assert 16 <= preempted < 20
-    assert "got SIGTERM: forwarding it to torchrun" in pod_log(run, "jobset", 1, 0)
-    assert "preempted (torchrun exit 1): exit 75" in pod_log(run, "jobset", 1, 0)
-    (one,) = start_pods(hosts, run, "jobset", 1)  # restarted (JobSet rule "preempted"): from the emergency save
-    assert one.wait(300) == 0, pod_log(run, "jobset", 1, 0)[-4000:]
-    assert "training finished" in pod_log(run, "jobset", 1, 0)
+    resumed, preempted = one_pod_preempted_then_finishing(hosts, run)
     assert (resumed["step"], resumed["tier"], resumed["saved_world_size"], resumed["world_size"]) == (14, "memory", 2, 1)
     assert (last_event(run, "resume")["step"], last_event(run, "resume")["tier"]) == (preempted, "disk")
     after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
