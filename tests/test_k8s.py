@@ -209,6 +209,9 @@ def test_the_pods_command_is_a_valid_config_and_params_cover_its_plan(overlay, c
     (job,) = job_templates(docs.get("JobSet") or docs["TrainingRuntime"])
     (node,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "node"]
     args = [re.sub(r"\$\((\w+)\)", lambda m: params[m.group(1)], a) for a in node["args"]]
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert "run.dir=/mnt/run/fsdp" in args and "persistentVolumeClaim" in volumes["run"], \
+        "run.dir (the tokenized-data cache every pod reads) must be on the shared volume"
     monkeypatch.chdir(ROOT)
     assert main(["--config", *args, "--plan", "--nodes", params["NNODES"], "--gpus-per-node",
                  params["NPROC_PER_NODE"]]) == 0
