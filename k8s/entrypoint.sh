@@ -6,7 +6,7 @@
 # Kubeflow Trainer sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR, PET_MASTER_PORT. A plain
 # JobSet sets JOB_COMPLETION_INDEX (the pod's index in its Job) and, through the downward API in k8s/base/jobset,
 # JOBSET_NAME and REPLICATED_JOB_NAME; the first pod is <jobset>-<replicated job>-0-0.<jobset> in the JobSet's
-# headless service; NNODES and NPROC_PER_NODE come from k8s/params.env. The rendezvous is static (--node-rank):
+# headless service; NNODES and NPROC_PER_NODE come from k8s/base/params.env. The rendezvous is static (--node-rank):
 # a pod keeps its ranks across restarts, so after an in-place restart each rank finds its memory-tier files in
 # its own pod's emptyDir and nothing moves between pods (docs/memory-tier.md).
 #
@@ -31,10 +31,13 @@ is_count() { [[ $1 =~ ^[1-9][0-9]*$ ]]; }
 if [ -n "${PET_NNODES:-}" ]; then
   OPERATOR=trainjob NODES=$PET_NNODES NPROC=${PET_NPROC_PER_NODE:-1} RANK_OF_NODE=${PET_NODE_RANK:-}
   MASTER=${PET_MASTER_ADDR:-} PORT=${PET_MASTER_PORT:-29400}
-  if [ -n "${NNODES:-}" ] && [ "$NNODES" != "$PET_NNODES" ]; then  # the TrainJob's numNodes edited by hand
-    bad_input "the TrainJob runs PET_NNODES=$PET_NNODES pods but k8s/params.env says NNODES=$NNODES: set the" \
-              "number of pods in k8s/params.env only (kustomize copies it into the TrainJob)"
-  fi
+  for pair in "PET_NNODES NNODES" "PET_NPROC_PER_NODE NPROC_PER_NODE"; do  # the TrainJob edited by hand
+    pet=${pair% *} ours=${pair#* }
+    if [ -n "${!ours:-}" ] && [ "${!ours}" != "${!pet:-}" ]; then
+      bad_input "the TrainJob gives $pet=${!pet:-} but k8s/base/params.env says $ours=${!ours}: set it in" \
+                "k8s/base/params.env only (kustomize copies it into the TrainJob)"
+    fi
+  done
 elif [ -n "${JOBSET_NAME:-}" ] && [ -n "${JOB_COMPLETION_INDEX:-}" ]; then
   OPERATOR=jobset NODES=${NNODES:-} NPROC=${NPROC_PER_NODE:-1} RANK_OF_NODE=$JOB_COMPLETION_INDEX PORT=${MASTER_PORT:-29500}
   MASTER=${MASTER_ADDR:-$JOBSET_NAME-${REPLICATED_JOB_NAME:-}-0-0.${JOBSET_SUBDOMAIN:-$JOBSET_NAME}}
@@ -42,11 +45,11 @@ else
   bad_input "no operator's environment: neither Kubeflow Trainer's PET_NNODES nor JobSet's JOBSET_NAME and" \
             "JOB_COMPLETION_INDEX is set (start this image with the manifests in k8s/, docs/kubernetes.md)"
 fi
-is_count "$NODES" || bad_input "the number of pods is '${NODES}', not a positive integer (NNODES in k8s/params.env)"
-is_count "$NPROC" || bad_input "workers per pod is '$NPROC', not a positive integer (NPROC_PER_NODE in k8s/params.env)"
+is_count "$NODES" || bad_input "the number of pods is '${NODES}', not a positive integer (NNODES in k8s/base/params.env)"
+is_count "$NPROC" || bad_input "workers per pod is '$NPROC', not a positive integer (NPROC_PER_NODE in k8s/base/params.env)"
 if ! [[ $RANK_OF_NODE =~ ^[0-9]+$ ]] || [ "$RANK_OF_NODE" -ge "$NODES" ]; then
   bad_input "this pod's index '$RANK_OF_NODE' is not below the number of pods $NODES: the $OPERATOR runs more" \
-            "pods than NNODES in k8s/params.env says"
+            "pods than NNODES in k8s/base/params.env says"
 fi
 [ -n "$MASTER" ] || bad_input "no rendezvous address (PET_MASTER_ADDR) in the TrainJob's environment"
 
@@ -71,7 +74,7 @@ if [ -n "$SOCKET_IFNAME" ]; then  # NCCL_/GLOO_SOCKET_IFNAME set by you win
 fi
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || ulimit -n 65536 2>/dev/null || true
 # torchrun waits this long for the workers' emergency save after SIGTERM, then SIGKILLs them: below the pod's
-# terminationGracePeriodSeconds (GRACE_SECONDS in k8s/params.env), after which the kubelet SIGKILLs everything.
+# terminationGracePeriodSeconds (GRACE_SECONDS in k8s/base/params.env), after which the kubelet SIGKILLs everything.
 GRACE_SECONDS=${GRACE_SECONDS:-300}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((GRACE_SECONDS * 9 / 10))}
 # A hang's one line (finetune/hang.py), and torchrun's record of the first failed worker, in the container's /tmp.

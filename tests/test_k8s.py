@@ -242,7 +242,7 @@ JOBSET_ALONE = {"JOBSET_NAME": "fsdp", "REPLICATED_JOB_NAME": "node", "JOB_COMPL
     (JOBSET_ALONE, ["ckpt.dir=s3://bucket/run"], "needs S3 credentials and the pod has none: create the Secret fsdp-s3"),
     (JOBSET_ALONE, ["ckpt.dir=az://c/run"], "create the Secret fsdp-azure"),
     ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "x", "NNODES": "3"}, [],
-     "the TrainJob runs PET_NNODES=2 pods but k8s/params.env says NNODES=3"),
+     "the TrainJob gives PET_NNODES=2 but k8s/base/params.env says NNODES=3"),
     ({**JOBSET_ALONE, "JOB_COMPLETION_INDEX": "1"}, [], "this pod's index '1' is not below the number of pods 1"),
 ], ids=["no-operator", "s3-no-secret", "az-no-secret", "nnodes-edited", "index-beyond-n"])
 def test_bad_manifest_parameters_are_one_line_and_exit_2(env, args, words):
