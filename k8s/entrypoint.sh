@@ -39,14 +39,15 @@ if [ -n "${PET_NNODES:-}" ]; then
     fi
   done
 elif [ -n "${JOBSET_NAME:-}" ] && [ -n "${JOB_COMPLETION_INDEX:-}" ]; then
-  OPERATOR=jobset NODES=${NNODES:-} NPROC=${NPROC_PER_NODE:-1} RANK_OF_NODE=$JOB_COMPLETION_INDEX PORT=${MASTER_PORT:-29500}
+  OPERATOR=jobset NODES=${NNODES:-} NPROC=${NPROC_PER_NODE:-1} RANK_OF_NODE=$JOB_COMPLETION_INDEX
+  PORT=${MASTER_PORT:-29500}
   MASTER=${MASTER_ADDR:-$JOBSET_NAME-${REPLICATED_JOB_NAME:-}-0-0.${JOBSET_SUBDOMAIN:-$JOBSET_NAME}}
 else
   bad_input "no operator's environment: neither Kubeflow Trainer's PET_NNODES nor JobSet's JOBSET_NAME and" \
             "JOB_COMPLETION_INDEX is set (start this image with the manifests in k8s/, docs/kubernetes.md)"
 fi
-is_count "$NODES" || bad_input "the number of pods is '${NODES}', not a positive integer (NNODES in k8s/base/params.env)"
-is_count "$NPROC" || bad_input "workers per pod is '$NPROC', not a positive integer (NPROC_PER_NODE in k8s/base/params.env)"
+is_count "$NODES" || bad_input "the number of pods is '$NODES', not a positive integer (NNODES, k8s/base/params.env)"
+is_count "$NPROC" || bad_input "workers per pod is '$NPROC', not a positive integer (NPROC_PER_NODE, k8s/base/params.env)"
 if ! [[ $RANK_OF_NODE =~ ^[0-9]+$ ]] || [ "$RANK_OF_NODE" -ge "$NODES" ]; then
   bad_input "this pod's index '$RANK_OF_NODE' is not below the number of pods $NODES: the $OPERATOR runs more" \
             "pods than NNODES in k8s/base/params.env says"

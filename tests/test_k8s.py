@@ -239,7 +239,8 @@ JOBSET_ALONE = {"JOBSET_NAME": "fsdp", "REPLICATED_JOB_NAME": "node", "JOB_COMPL
 
 @pytest.mark.parametrize("env, args, words", [
     ({}, [], "no operator's environment"),
-    (JOBSET_ALONE, ["ckpt.dir=s3://bucket/run"], "needs S3 credentials and the pod has none: create the Secret fsdp-s3"),
+    (JOBSET_ALONE, ["ckpt.dir=s3://bucket/run"],
+     "needs S3 credentials and the pod has none: create the Secret fsdp-s3"),
     (JOBSET_ALONE, ["ckpt.dir=az://c/run"], "create the Secret fsdp-azure"),
     ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "x", "NNODES": "3"}, [],
      "the TrainJob gives PET_NNODES=2 but k8s/base/params.env says NNODES=3"),
@@ -404,7 +405,8 @@ def test_pods_resume_from_pod_ram_in_place_from_a_peer_and_at_fewer_pods(hosts, 
     assert last_event(run, "memory_fetch")["files"] > 0, "the replaced pod's rank came from its peer"
 
     resumed, preempted = one_pod_preempted_then_finishing(hosts, run)
-    assert (resumed["step"], resumed["tier"], resumed["saved_world_size"], resumed["world_size"]) == (14, "memory", 2, 1)
+    assert (resumed["step"], resumed["tier"], resumed["saved_world_size"], resumed["world_size"]) == \
+        (14, "memory", 2, 1)
     assert (last_event(run, "resume")["step"], last_event(run, "resume")["tier"]) == (preempted, "disk")
     after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
     assert sorted(after) == list(range(1, 21))
