@@ -34,6 +34,7 @@ from common.dtypes import DTYPES
 from finetune.config_keys import TAKES_EFFECT, above, applies, at_least, between, key, parsed_by, refused
 from finetune.data.sources import FORMATS
 from finetune.hang import parse_hang_timeout
+from finetune.model import ATTN_IMPLEMENTATIONS
 from finetune.optim import OPTIMIZERS
 from finetune.schedule import SCHEDULES
 
@@ -100,7 +101,7 @@ class ModelConfig:
     reduce_dtype: str = key("fp32", "dtype of the gradient reduce-scatter", choices=("fp32", "bf16"),
                             resume=TAKES_EFFECT)
     attn_implementation: str = key("sdpa", "attention kernel; flash_attention_* need CUDA and flash_attn",
-                                   choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
+                                   choices=ATTN_IMPLEMENTATIONS,
                                    resume=TAKES_EFFECT)
     activation_checkpointing: bool = key(False, "recompute each decoder block in backward", resume=TAKES_EFFECT)
     compile: bool = key(False, "torch.compile each decoder block (inductor; a C++ compiler on CPU): "
