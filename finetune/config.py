@@ -168,7 +168,8 @@ class TrainConfig:
                                 "min_lr_ratio", range=between(0, 1), resume=_NEW_SCHEDULE)
     optimizer: str = key("adamw", "sgd: momentum beta1, half AdamW's state; finetune/optim.py", choices=OPTIMIZERS,
                          resume=refused("the saved optimizer state is another optimizer's (finetune/optim.py)",
-                                        then="refused even so: the checkpoint holds no state of the new optimizer"))
+                                        then="then refused by check_same_optimizer: it holds no state of the new "
+                                             "optimizer"))
     weight_decay: float = key(0.01, "weight decay: decoupled (adamw), L2 in the gradient (sgd)", range=at_least(0),
                               resume=_IN_OPTIMIZER)
     beta1: float = key(0.9, "adamw's first-moment decay; sgd's momentum", range=between(0, 1, True),

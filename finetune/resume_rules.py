@@ -8,7 +8,8 @@ continuation meaningless (another model, tokenizer, data set, data order or batc
 ckpt.resume_config_check=warn lets it through (then "warned", and what then happens); or applied, with what
 taking effect means where it is more than that. RESUME_REFUSED and the docs table are read from those
 declarations. A model folder that moved but kept its content is no change (finetune/model_identity.py says
-whether it did, and what changed when it did not).
+whether it did, and what changed when it did not). Another optimizer is refused even with warn
+(check_same_optimizer: the checkpoint's schema names the optimizer its state belongs to).
 """
 
 from __future__ import annotations
