@@ -33,7 +33,7 @@ from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
 from finetune.config import ArgumentParser, Config, ConfigError, config_help, load_config, to_yaml
-from finetune.resume_rules import resume_changes
+from finetune.resume_rules import check_same_optimizer, resume_changes
 from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStream, DataError, build_cache, cache_path,
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
@@ -187,11 +187,11 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
 def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
     """List every difference between the checkpoint's config (`saved`, the text of its config.yaml) and this
     one; refuse the ones that make the continuation meaningless (finetune/resume_rules.py RESUME_REFUSED,
-    docs/resume-rules.md). ckpt/ calls it before loading `path` (ckpt/resume.py restore)."""
+    docs/resume-rules.md), and another optimizer in any case (its state cannot load). ckpt/ calls it before
+    loading `path` (ckpt/resume.py restore)."""
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
-        return
-    changes = resume_changes(saved, cfg, content_change_since(read_meta(path), cfg.model))  # moved: no change
+    changes = [] if saved is None else resume_changes(saved, cfg, content_change_since(read_meta(path), cfg.model))
     for change in changes:
         log.info(f"resume: config changed since {path}: {change.line()}")
     if changes:
@@ -201,6 +201,7 @@ def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
         raise ConfigError(f"resuming {path} with a changed {', '.join(c.key for c in refused)} "
                           f"({'; '.join(f'{c.saved!r} -> {c.current!r}: {c.why}' for c in refused)}); start a new run "
                           "(another ckpt.dir, or ckpt.resume=none) or set ckpt.resume_config_check=warn")
+    check_same_optimizer(path, cfg)
 
 
 # ---------------------------------------------------------------- data and validation

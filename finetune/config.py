@@ -34,6 +34,7 @@ from common.dtypes import DTYPES
 from finetune.config_keys import TAKES_EFFECT, above, applies, at_least, between, key, parsed_by, refused
 from finetune.data.sources import FORMATS
 from finetune.hang import parse_hang_timeout
+from finetune.model import ATTN_IMPLEMENTATIONS
 from finetune.optim import OPTIMIZERS
 from finetune.schedule import SCHEDULES
 
@@ -100,7 +101,7 @@ class ModelConfig:
     reduce_dtype: str = key("fp32", "dtype of the gradient reduce-scatter", choices=("fp32", "bf16"),
                             resume=TAKES_EFFECT)
     attn_implementation: str = key("sdpa", "attention kernel; flash_attention_* need CUDA and flash_attn",
-                                   choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
+                                   choices=ATTN_IMPLEMENTATIONS,
                                    resume=TAKES_EFFECT)
     activation_checkpointing: bool = key(False, "recompute each decoder block in backward", resume=TAKES_EFFECT)
     compile: bool = key(False, "torch.compile each decoder block (inductor; a C++ compiler on CPU): "
@@ -167,7 +168,8 @@ class TrainConfig:
                                 "min_lr_ratio", range=between(0, 1), resume=_NEW_SCHEDULE)
     optimizer: str = key("adamw", "sgd: momentum beta1, half AdamW's state; finetune/optim.py", choices=OPTIMIZERS,
                          resume=refused("the saved optimizer state is another optimizer's (finetune/optim.py)",
-                                        then="the load fails: the checkpoint holds no state of the new optimizer"))
+                                        then="then refused by check_same_optimizer: it holds no state of the new "
+                                             "optimizer"))
     weight_decay: float = key(0.01, "weight decay: decoupled (adamw), L2 in the gradient (sgd)", range=at_least(0),
                               resume=_IN_OPTIMIZER)
     beta1: float = key(0.9, "adamw's first-moment decay; sgd's momentum", range=between(0, 1, True),

@@ -4,9 +4,9 @@
     python -m finetune.metrics goodput runs/tiny            # goodput account -> runs/tiny/goodput.png
 
 metrics.jsonl holds one JSON object per optimizer step ({"step", "loss", "lr", "tokens", ...}; at each log interval
-also per-rank lists such as "peak_memory_gib": [rank 0, rank 1, ...], finetune/per_rank.py) and
-event records ({"event": "checkpoint" | "resume" | "eval" | ...}; an eval record has "step" and "eval_loss"). A resumed run appends to the same file, so a
-step can appear twice; the last record of a step is the one that counts.
+also per-rank lists such as "peak_memory_gib": [rank 0, rank 1, ...], finetune/per_rank.py) and event records
+({"event": "checkpoint" | "resume" | "eval" | ...}; an eval record has "step" and "eval_loss"). A resumed run
+appends to the same file, so a step can appear twice; the last record of a step is the one that counts.
 """
 
 from __future__ import annotations

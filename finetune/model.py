@@ -92,6 +92,7 @@ def build_mesh(device: torch.device, world_size: int, replicas: int):
 # model.attn_implementation -> (the package transformers imports for it, how to get it); eager and sdpa need none
 FLASH_PACKAGES = {"flash_attention_2": ("flash_attn", "pip install flash-attn --no-build-isolation (>= 2.3.3)"),
                   "flash_attention_3": ("flash_attn_interface", "flash-attn-3, built from flash-attention's hopper/")}
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", *FLASH_PACKAGES)  # model.attn_implementation offers these
 
 
 def check_attn_implementation(cfg_model) -> None:

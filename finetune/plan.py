@@ -226,7 +226,8 @@ def gpu_items(cfg, s: Shapes, world: int, micro_batch: int, accum: int = 1) -> l
 
 def cpu_items(cfg, s: Shapes, world: int, micro_batch: int, rank_staged: int) -> list[tuple[str, float]]:
     """[(what, bytes)] in one CPU rank's process (its VmRSS): the same sharded states as on a GPU, fused AdamW
-    (no temporaries: bench/adamw_cpu.py), the root group's unsharded parameters and gradients (on CPU the
+    (no temporaries: bench/adamw_cpu.py; SGD's weight decay makes a temporary of one gradient tensor at a time on
+    CPU, not counted), the root group's unsharded parameters and gradients (on CPU the
     embedding dwarfs a block), activations, and the async staging buffers, which live in the rank's own
     memory (shared-memory pages in process mode count in its VmRSS too)."""
     compute = compute_bytes(cfg, cpu=True)

@@ -8,7 +8,8 @@ continuation meaningless (another model, tokenizer, data set, data order or batc
 ckpt.resume_config_check=warn lets it through (then "warned", and what then happens); or applied, with what
 taking effect means where it is more than that. RESUME_REFUSED and the docs table are read from those
 declarations. A model folder that moved but kept its content is no change (finetune/model_identity.py says
-whether it did, and what changed when it did not).
+whether it did, and what changed when it did not). Another optimizer is refused even with warn
+(check_same_optimizer: the checkpoint's schema names the optimizer its state belongs to).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from ckpt.schema import schema_of
 from finetune.config import Config, ConfigError, declarations, flatten, identity_keys, to_dict
 from finetune.config_keys import TAKES_EFFECT, Resume, refused
 
@@ -82,6 +84,18 @@ def resume_changes(saved_yaml: str, cfg: Config,
             verdict, why = "warned", f"{refusal}; {rule.then}"
         changes.append(ConfigChange(key, saved[key], current, verdict, why))
     return changes
+
+
+def check_same_optimizer(path: str, cfg: Config) -> None:
+    """The optimizer state in `path` (its meta.json schema names the optimizer; AdamW's for a checkpoint older
+    than train.optimizer) loads only into the optimizer that wrote it: another is refused in one line naming
+    both, also with ckpt.resume_config_check=warn (the load could only fail on the missing state) and for a
+    config.yaml that predates the key (then resume_changes does not compare it)."""
+    saved = schema_of(path).optimizer
+    if saved != cfg.train.optimizer:
+        raise ConfigError(f"resuming {path} with train.optimizer={cfg.train.optimizer}: it holds {saved}'s optimizer "
+                          f"state, which {cfg.train.optimizer} cannot continue from; resume with "
+                          f"train.optimizer={saved}, or start a new run (another ckpt.dir, or ckpt.resume=none)")
 
 
 def rules_table() -> str:

@@ -13,10 +13,11 @@ import torch
 from conftest import ROOT, run_train
 from ckpt import staging_need
 from ckpt.reading import dcp_metadata, read_items
-from finetune.config import load_config
+from finetune.config import ConfigError, load_config
 from finetune.metrics import read_metrics
 from finetune.optim import OPTIMIZERS, build_optimizer, follow_config_schedule, optimizer_kind
 from finetune.plan import checkpoint_bytes, gpu_states, model_shapes, shard_numel
+from finetune.resume_rules import check_same_optimizer
 
 TIMEOUT = 240
 
@@ -128,9 +129,24 @@ def test_sgd_trains_sharded_and_resumes_at_another_world_size(sgd_runs):
 
 
 def test_resume_with_another_optimizer_is_refused_naming_both(sgd_runs):
+    """Refused by its config rule; with ckpt.resume_config_check=warn too, by the checkpoint's own record (the
+    load could only fail: before, with 'Missing key in checkpoint state_dict: ...exp_avg... step')."""
     root, step3, steps = sgd_runs
-    out = run_train(root / "refused", nproc=0, timeout=TIMEOUT, check=False,
-                    overrides=[*steps, f"ckpt.resume={step3}", "train.optimizer=adamw"])
-    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
-    assert "train.optimizer ('sgd' -> 'adamw'" in errors[0] and "Traceback" not in out.stderr
+    for check, named in (("refuse", "train.optimizer ('sgd' -> 'adamw'"),
+                         ("warn", "train.optimizer=adamw: it holds sgd's optimizer state")):
+        out = run_train(root / f"refused-{check}", nproc=0, timeout=TIMEOUT, check=False,
+                        overrides=[*steps, f"ckpt.resume={step3}", "train.optimizer=adamw",
+                                   f"ckpt.resume_config_check={check}"])
+        errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+        assert out.returncode == 2 and len(errors) == 1, out.stderr[-3000:]
+        assert named in errors[0] and "Traceback" not in out.stderr, errors[0]
+
+
+def test_a_checkpoint_older_than_train_optimizer_holds_adamw_state(tmp_path):
+    """Its config.yaml has no train.optimizer (resume_changes compares only keys both sides know), its meta.json
+    no schema: it is AdamW's (ckpt/schema.py OLDER_OPTIMIZER), and only AdamW resumes it."""
+    (tmp_path / "meta.json").write_text('{"step": 3, "world_size": 2}')
+    check_same_optimizer(str(tmp_path), load_config(None, ["train.optimizer=adamw"]))
+    with pytest.raises(ConfigError, match="train.optimizer=sgd: it holds adamw's optimizer state.*"
+                                          "resume with train.optimizer=adamw"):
+        check_same_optimizer(str(tmp_path), load_config(None, ["train.optimizer=sgd"]))

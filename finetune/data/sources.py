@@ -3,8 +3,8 @@
     python -m finetune.data prepare --config configs/tiny.yaml data.path=<file or hub name>
     python -m pytest tests/test_data.py -q -k "missing or saved_folder or mixture or hub"
 
-This is the file to change for a new data format or source. It yields a `datasets.Dataset` of one column
-(text or chat messages) and says which format it is; tokenizing it is cache.py's job.
+This is the file to change for a new data format (FORMAT_COLUMNS) or source. It yields a `datasets.Dataset` of
+one column (text or chat messages) and says which format it is; tokenizing it is cache.py's job (_tokenize_rows).
 """
 
 from __future__ import annotations
@@ -169,7 +169,10 @@ def load_source(src: Source, cache_dir: str | None = None):
     return ds
 
 
-FORMATS = ("auto", "text", "chat")  # data.format: auto is chat when data.messages_field is a column, else text
+# Each format -> the DataConfig key naming its column; cache.py _tokenize_rows tokenizes each. data.format offers
+# FORMATS: these and auto (chat when data.messages_field is a column, else text).
+FORMAT_COLUMNS = {"text": "text_field", "chat": "messages_field"}
+FORMATS = ("auto", *FORMAT_COLUMNS)
 
 
 def _resolve_format(cfg_data, ds, path: str) -> tuple[str, str]:
@@ -177,7 +180,7 @@ def _resolve_format(cfg_data, ds, path: str) -> tuple[str, str]:
     fmt = cfg_data.format
     if fmt == "auto":
         fmt = "chat" if cfg_data.messages_field in ds.column_names else "text"
-    column = cfg_data.messages_field if fmt == "chat" else cfg_data.text_field
+    column = getattr(cfg_data, FORMAT_COLUMNS[fmt])
     if column not in ds.column_names:
         raise DataError(f"data set {path} has no column '{column}' (columns: {ds.column_names})")
     if fmt == "text" and not isinstance(ds[0][column], str):
