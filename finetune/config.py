@@ -63,9 +63,10 @@ class LoRAConfig:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = ""  # local HF model dir (config.json + safetensors + tokenizer), or empty
-    config_path: str = "assets/tiny-llama"  # HF config dir used when name_or_path is empty (random init)
-    tokenizer_path: str = ""  # tokenizer dir; empty = name_or_path, else config_path
+    name_or_path: str = ""  # local HF model dir (config.json + safetensors + tokenizer), a Hub id (org/name), or empty
+    config_path: str = "assets/tiny-llama"  # HF config dir or Hub id used when name_or_path is empty (random init)
+    tokenizer_path: str = ""  # tokenizer dir or Hub id; empty = name_or_path, else config_path
+    revision: str = ""  # Hub branch, tag or commit of the Hub ids above (docs/hub.md); empty: the default branch
     param_dtype: str = "auto"  # fp32 | bf16 | auto (bf16 on CUDA, fp32 on CPU)
     reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter
     attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 | flash_attention_3 (CUDA + flash_attn)
@@ -151,6 +152,14 @@ class ExportConfig:
 
 
 @dataclass
+class PlanConfig:
+    nodes: int = 1  # nodes this config is meant for: what --plan plans (--nodes overrides)
+    gpus_per_node: int = 8  # GPUs (or ranks) per node this config is meant for (--gpus-per-node overrides)
+    gpu_memory: float = 0.0  # GiB per GPU: --plan exits 1 when the plan needs more (0: not checked; --gpu-memory)
+    cpu: bool = False  # the ranks are CPU processes (gloo): --plan plans their memory (--cpu)
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -158,6 +167,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)  # the hardware --plan plans for (no effect on a run)
 
 
 _CHOICES = {
@@ -223,6 +233,9 @@ _RANGES = {
     "ckpt.memory_interval": _at_least(0),
     "ckpt.memory_keep": _between(1, 2),
     "ckpt.memory_replicas": _at_least(0),
+    "plan.nodes": _at_least(1),
+    "plan.gpus_per_node": _at_least(1),
+    "plan.gpu_memory": _at_least(0),
 }
 
 
