@@ -6,13 +6,13 @@ world size must divide, and where the model came from. Recorded in meta.json, so
 
 The trainer builds one (finetune/checkpoint_contents.py `checkpoint_schema`, from the same keys as its
 `checkpoint_state`) and writes `schema.to_meta()` into every meta.json; every field is the trainer's to
-give, none has a default here. `schema_of(path)` reads it back. A checkpoint written before meta.json carried a schema gets
+give, none but hub_commits has a default here. `schema_of(path)` reads it back. A checkpoint written before meta.json carried a schema gets
 `schema_of_checkpoint_without_schema`: the one place that knows the old trainer's layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import yaml
 
@@ -30,6 +30,9 @@ class CheckpointSchema:
     model_dir: str  # the model folder trained from (config.json; weights when `pretrained`)
     tokenizer_dir: str
     pretrained: bool  # training started from model_dir's weights (export dtype auto follows them)
+    # Hub id -> the commit trained from, for model_dir / tokenizer_dir that are Hub ids (common/hub.py); the one
+    # field with a default: local folders have none, and checkpoints from before Hub ids recorded none
+    hub_commits: dict[str, str] = field(default_factory=dict)
 
     def to_meta(self) -> dict:
         return asdict(self)

@@ -400,7 +400,7 @@ def validate_lora(model: ModelConfig) -> None:
         raise ConfigError("config key 'model.lora.target_modules' is empty (e.g. all-linear or q_proj,v_proj)")
     if not model.name_or_path:
         raise ConfigError(f"config key 'model.lora.r={lora.r}' needs model.name_or_path: LoRA adapts the weights "
-                          "of a trained base model (a local HF folder), it does not start from random init")
+                          "of a trained base model (a local HF folder or a Hub id), it does not start from random init")
 
 
 def _read_yaml(path: str):

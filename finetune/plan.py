@@ -6,7 +6,8 @@
 The hardware is the config's plan.* keys (nodes, GPUs per node, GiB per GPU), each overridden by its flag.
 
 No process group, no GPU and no weights: the model is built on `meta` from its config.json (from
-`model.name_or_path` when that folder is here, else `model.config_path`), so every parameter shape is
+`model.name_or_path` when that folder is here or a Hub id, whose config.json alone is fetched, else
+`model.config_path`), so every parameter shape is
 exact. Per-GPU figures follow FSDP2 as train_fsdp.py sets it up (fp32 master shards, compute in
 `model.param_dtype`, one block gathered at a time plus the next one prefetched); activations are an
 estimate, stated as such. Exit 0 when it fits, 1 with the reasons when it does not (or when the world
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt.preflight import SHM_DIR
+from common.hub import HubError, config_file, is_hub_id
 from common.words import plural
 from finetune.config import ModelConfig
 from finetune.data import BatchSplit, DataError
@@ -149,6 +151,14 @@ def config_dir(cfg_model) -> tuple[str, str]:
     """(folder whose config.json describes the model, a note on where it came from)."""
     if cfg_model.name_or_path and os.path.isfile(os.path.join(cfg_model.name_or_path, "config.json")):
         return cfg_model.name_or_path, ""
+    key = "model.name_or_path" if cfg_model.name_or_path else "model.config_path"
+    value = cfg_model.name_or_path or cfg_model.config_path
+    if is_hub_id(value):  # config.json alone, no weights: the Hub's one file, into the Hugging Face cache
+        try:
+            folder = os.path.dirname(config_file(value, cfg_model.revision))
+        except HubError as e:
+            raise ValueError(f"{key}={value}: {e}") from None
+        return folder, f" (Hub id {value} at commit {os.path.basename(folder)}: its config.json only)"
     if cfg_model.name_or_path and cfg_model.config_path == ModelConfig().config_path:
         raise ValueError(f"model.name_or_path={cfg_model.name_or_path} is not on this machine; to plan without it, "
                          "set model.config_path to a folder with its config.json (e.g. assets/llama3.1-8b)")

@@ -6,7 +6,8 @@ The rules (docs/resume-rules.md): a change in RESUME_REFUSED makes the continuat
 tokenizer, data set, data order or batch) and is refused unless ckpt.resume_config_check=warn; every other field
 takes effect as the new config says, with what that means where it is more than that (_RESUME_EFFECT). A model
 folder that moved but kept its content is no change (finetune/model_identity.py says whether it did, and what
-changed when it did not).
+changed when it did not); a Hub id that resolves to another commit than the checkpoint's is refused like a change of
+its key (finetune/model_files.py).
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ _RESUME_EFFECT = {  # what applying a change means, where it is more than "takes
     "train.beta2": "set in the restored optimizer",
     "train.seed": "the data order continues with the checkpoint's seed",
     "model.init_std": "no effect: the weights come from the checkpoint",
+    "model.revision": "compared by the commit it resolves to: another commit is refused (the Hub id's line)",
+    "plan.nodes": "no effect on a run: --plan reads it",
+    "plan.gpus_per_node": "no effect on a run: --plan reads it",
+    "plan.gpu_memory": "no effect on a run: --plan reads it",
+    "plan.cpu": "no effect on a run: --plan reads it",
 }
+HUB_COMMIT_CHANGED = "the Hub id resolves to another commit than the checkpoint trained on (other files)"
 
 
 @dataclass
@@ -82,12 +89,15 @@ def _same(key: str, a, b) -> bool:
 
 
 def resume_changes(saved_yaml: str, cfg: Config,
-                   content_change: typing.Callable[[str, str], str | None] | None = None) -> list[ConfigChange]:
+                   content_change: typing.Callable[[str, str], str | None] | None = None,
+                   moved_commits: typing.Iterable[tuple[str, str, str]] = ()) -> list[ConfigChange]:
     """Every field whose value differs between a checkpoint's config.yaml and `cfg`, with its rule.
     Fields that only one side knows (another version of this file) are not compared. A model folder key whose
     path changed but whose content is the same (`content_change(key, saved path)` is None,
     finetune/model_identity.py) is applied, not refused: the model moved, it did not change. Otherwise what
-    content_change names (config.json fields, the weights' fingerprint) is added to the reason."""
+    content_change names (config.json fields, the weights' fingerprint) is added to the reason. `moved_commits`:
+    (key, the checkpoint's id@commit, this run's) of a Hub id that resolves to another commit now
+    (finetune/model_files.py hub_commit_changes), refused as a change of that key."""
     try:
         saved = flatten(yaml.safe_load(saved_yaml) or {})
     except (yaml.YAMLError, AttributeError) as e:
@@ -107,4 +117,8 @@ def resume_changes(saved_yaml: str, cfg: Config,
         else:
             verdict, why = "warned", f"{refusal}; {_RESUME_EFFECT.get(key, 'takes effect')}"
         changes.append(ConfigChange(key, saved[key], current, verdict, why))
+    for key, saved_commit, commit in moved_commits:
+        warned = cfg.ckpt.resume_config_check == "warn"
+        changes.append(ConfigChange(key, saved_commit, commit, "warned" if warned else "refused",
+                                    f"{HUB_COMMIT_CHANGED}; takes effect" if warned else HUB_COMMIT_CHANGED))
     return changes
