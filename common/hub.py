@@ -39,16 +39,20 @@ def patterns(weights: bool) -> list[str]:
     return [*CONFIG_FILES, *TOKENIZER_FILES, *(WEIGHT_FILES if weights else ())]
 
 
-def fetch(repo_id: str, revision: str, weights: bool) -> tuple[str, str]:
-    """(snapshot folder in the cache, commit) of `repo_id` at `revision` ("" = its default branch): what is not
-    cached yet is downloaded; offline (HF_HUB_OFFLINE=1, or no network) the cache answers alone."""
+def _snapshot(repo_id: str, revision: str, weights: bool, cache_only: bool) -> str:
     from huggingface_hub import snapshot_download
 
     try:  # top level only ("*/*" ignored): a repo's original/ or onnx/ folders hold other copies of the weights
-        folder = snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns(weights),
-                                   ignore_patterns=["*/*"])
+        return snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns(weights),
+                                 ignore_patterns=["*/*"], local_files_only=cache_only)
     except Exception as e:  # noqa: BLE001 - every failure becomes one line naming what to do
         raise HubError(explain(repo_id, revision, e)) from None
+
+
+def fetch(repo_id: str, revision: str, weights: bool) -> tuple[str, str]:
+    """(snapshot folder in the cache, commit) of `repo_id` at `revision` ("" = its default branch): what is not
+    cached yet is downloaded; offline (HF_HUB_OFFLINE=1, or no network) the cache answers alone."""
+    folder = _snapshot(repo_id, revision, weights, cache_only=False)
     if weights and not glob.glob(os.path.join(folder, "*.safetensors")):
         raise HubError(f"the Hub model has no safetensors weights at commit {os.path.basename(folder)} (.bin/.pth "
                        "are not read here): pick a revision or a model with *.safetensors")
@@ -59,13 +63,7 @@ def fetch(repo_id: str, revision: str, weights: bool) -> tuple[str, str]:
 def cached(repo_id: str, revision: str, weights: bool) -> tuple[str, str]:
     """fetch() from the cache alone (no request): for the ranks that waited for their node's download, and for
     every later use of the same id in this process. Raises HubError if it is not (completely) cached."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = snapshot_download(repo_id, revision=revision or None, allow_patterns=patterns(weights),
-                                   ignore_patterns=["*/*"], local_files_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise HubError(explain(repo_id, revision, e)) from None
+    folder = _snapshot(repo_id, revision, weights, cache_only=True)
     return folder, os.path.basename(folder)
 
 

@@ -41,13 +41,20 @@ def wait_for_file(path: str, what: str, timeout_s: float, peer_gone: Callable[[]
 
 
 def _process_gone(pid: int) -> str | None:
+    """Why local rank 0 (`pid`, on this node) is gone, or None while it runs. A dead child its launcher has not
+    reaped yet is a zombie, which signal 0 still reaches: /proc tells."""
+    gone = f"local rank 0 (pid {pid}) has ended"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return f"local rank 0 (pid {pid}) has ended"
+        return gone
     except PermissionError:
         pass  # exists, another user's: cannot be ours, but alive
-    return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return gone if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X") else None
+    except (OSError, IndexError):
+        return None
 
 
 def _launch_files(what: str) -> str:

@@ -18,7 +18,7 @@ import pytest
 from conftest import FAST, ROOT, free_port, run_train, token_cache
 from hub_server import GATED, MODEL, TOKEN, HubServer, tiny_model_files
 
-from common.peer_wait import PeerWaitError, wait_for_file
+from common.peer_wait import PeerWaitError, once_per_node, wait_for_file
 
 TIMEOUT = 240
 RUN = ["train.max_steps=2", "ckpt.interval=2", "ckpt.async_mode=off", f"model.name_or_path={MODEL}"]
@@ -64,6 +64,8 @@ def test_a_hub_id_trains_resumes_offline_and_refuses_another_commit(hub, tmp_pat
     assert sorted(os.path.basename(p) for p in got) == sorted(
         ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "chat_template.jinja"]), got  # once each, though two ranks started; no decoy
+    asked = [path for _, path in hub.requests if "/api/" in path]
+    assert len(asked) == 2, asked  # the revision and the file list, asked by local rank 0 alone
     commit_a = hub.commits[0]
     assert meta(run, 2)["schema"]["hub_commits"] == {MODEL: commit_a}
     assert f"model: loading the weights of {MODEL}" in first.stdout
@@ -168,3 +170,44 @@ def test_the_wait_for_another_ranks_file_is_bounded_and_notices_a_dead_peer(tmp_
     assert time.monotonic() - t0 < 10
     (tmp_path / "f").write_text("")
     wait_for_file(str(tmp_path / "f"), "the thing", 0.1)
+
+
+def _local_rank(local_rank: int, behaviour: str, results) -> None:
+    """One rank of a 2-rank node (a forked process; its siblings share its parent, as torchrun's workers do)."""
+    os.environ.update(LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(local_rank), MASTER_PORT=str(os.getppid()))
+
+    def work():
+        time.sleep(1.0)
+        if behaviour == "dies":
+            os._exit(3)
+        if behaviour == "fails":
+            raise ValueError("local rank 0's one line")
+    try:
+        once_per_node(work, f"the {behaviour} work", ValueError, timeout_s=60)
+        results.put((local_rank, "ok"))
+    except ValueError as e:
+        results.put((local_rank, str(e)))
+
+
+@pytest.mark.parametrize("behaviour", ["succeeds", "fails", "dies"])
+def test_once_per_node_the_others_wait_for_local_rank_0_and_share_its_end(behaviour):
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_local_rank, args=(r, behaviour, results)) for r in (1, 0)]  # the waiter first
+    t0 = time.monotonic()
+    for p in ranks:
+        p.start()
+    for p in reversed(ranks):
+        p.join(30)
+    got = {}
+    while not results.empty():
+        rank, outcome = results.get()
+        got[rank] = outcome
+    assert time.monotonic() - t0 < 20
+    if behaviour == "succeeds":
+        assert got == {0: "ok", 1: "ok"}
+    elif behaviour == "fails":
+        assert got == {0: "local rank 0's one line", 1: "local rank 0's one line"}
+    else:
+        assert got[1].startswith("stopped waiting for the dies work: local rank 0 (pid ") and 0 not in got, got
