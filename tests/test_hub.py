@@ -127,8 +127,9 @@ def test_plan_reads_only_config_json(hub, tmp_path):
 
 @pytest.mark.parametrize("case", ["misspelt", "gated", "no_network", "offline_no_cache", "revision"])
 def test_one_error_line_names_the_id_and_what_to_do_and_nothing_is_written(hub, tmp_path, case):
-    """Plain `python train_fsdp.py` (the same check runs on every rank before any process group; under torchrun
-    the first test's refusal shows the one line)."""
+    """Plain `python train_fsdp.py`, and torchrun on 2 ranks for the misspelt id (the check runs before any process
+    group; local rank 0 asks the Hub, the other rank ends with its message)."""
+    hub.requests.clear()
     model, env, more = MODEL, hub_env(hub, tmp_path / "hf"), []
     if case == "misspelt":
         model, expect = "tiny-org/tiny-lama", "the Hub has no model tiny-org/tiny-lama (misspelt?"
@@ -141,12 +142,18 @@ def test_one_error_line_names_the_id_and_what_to_do_and_nothing_is_written(hub, 
     else:
         more, expect = ["model.revision=v9"], f"{MODEL} has no revision 'v9': set model.revision"
     run = tmp_path / "run"
-    proc = python(["train_fsdp.py", "--config", "configs/tiny.yaml", *FAST, f"run.dir={run}",
-                   f"data.cache_dir={token_cache()}", f"model.name_or_path={model}", *more], env)
-    assert proc.returncode == 2, proc.stderr[-3000:]
+    if case == "misspelt":  # under torchrun: local rank 0 asks, rank 1 waits and ends with its line, printed once
+        proc = run_train(run, nproc=2, overrides=[f"model.name_or_path={model}"], env=env, check=False)
+        assert proc.returncode != 0 and not os.path.exists(run), proc.stderr[-3000:]
+        assert [p for _, p in hub.requests if "tiny-lama" in p] == ["/api/models/tiny-org/tiny-lama/revision/main"]
+    else:
+        proc = python(["train_fsdp.py", "--config", "configs/tiny.yaml", *FAST, f"run.dir={run}",
+                       f"data.cache_dir={token_cache()}", f"model.name_or_path={model}", *more], env)
+        assert proc.returncode == 2, proc.stderr[-3000:]
     [line] = error_lines(proc.stderr)
     assert line.startswith(f"error: model.name_or_path={model}: ") and expect in line, line
-    assert "Traceback" not in proc.stderr and not os.path.exists(run)
+    assert 'train_fsdp.py", line' not in proc.stderr and not os.path.exists(run)  # torchrun's own traceback aside
+    assert "Traceback" not in proc.stderr or case == "misspelt"
     if case == "gated":  # the same model with the token it needs
         ok = python(["train_fsdp.py", "--config", "configs/tiny.yaml", f"model.name_or_path={GATED}", "--plan"],
                     {**env, "HF_TOKEN": TOKEN})
