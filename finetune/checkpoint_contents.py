@@ -23,6 +23,7 @@ from finetune.data import BATCH_KEY
 from finetune.lora import lora_meta
 from finetune.model_files import hub_commits
 from finetune.model_identity import model_content, model_files
+from finetune.optim import optimizer_kind
 
 # checkpoint_state's keys. checkpoint_schema derives from them every key ckpt/'s readers need (recorded in meta.json);
 # "app" and "progress" are the names existing checkpoints were saved under.
@@ -73,6 +74,7 @@ def checkpoint_schema(cfg: Config) -> CheckpointSchema:
                             step_key=f"{PROGRESS}.step", position_key=f"{DATA}.position",  # TrainProgress, BatchStream
                             divides={BATCH_KEY: cfg.data.global_batch_size}, model_dir=model,
                             tokenizer_dir=cfg.model.tokenizer_path or model, pretrained=bool(cfg.model.name_or_path),
+                            optimizer=cfg.train.optimizer, optimizer_state_bytes=optimizer_kind(cfg.train).state_bytes,
                             hub_commits=hub_commits(cfg.model))  # a resume compares them; an export fetches them
 
 
