@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
 from ckpt.faults import fault_point
 from ckpt.hf.load import load_hf_weights
+from ckpt.schema import schema_of
 from common.dist import free_port, rank0_builds_others_wait, torchrun_restart
 from common.progress import phase
 from common.words import plural
@@ -45,7 +46,8 @@ from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
-from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
+from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer, model_source
+from finetune.model_files import hub_commit_changes
 from finetune.model_identity import content_change_since
 from finetune.optim import build_optimizer, follow_config_schedule, optimizer_kind
 from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
@@ -191,7 +193,9 @@ def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
     loading `path` (ckpt/resume.py restore)."""
     if saved is None:
         log.info(f"resume: {path} has no config.yaml; the config cannot be compared")
-    changes = [] if saved is None else resume_changes(saved, cfg, content_change_since(read_meta(path), cfg.model))
+    changes = [] if saved is None else resume_changes(
+        saved, cfg, content_change_since(read_meta(path), cfg.model),  # moved: no change
+        hub_commit_changes(schema_of(path).hub_commits, cfg.model))  # Hub id: same commit
     for change in changes:
         log.info(f"resume: config changed since {path}: {change.line()}")
     if changes:
@@ -299,7 +303,7 @@ def build_model(cfg: Config, device, world_size: int, log):
                         f"(max_position_embeddings={max_pos})")
     if cfg.model.name_or_path:
         with phase(log.info, f"model: loading the weights of {cfg.model.name_or_path}"):
-            load_hf_weights(model, cfg.model.name_or_path, file_name=base_file_name if cfg.model.lora.r else None)
+            load_hf_weights(model, model_source(cfg.model), file_name=base_file_name if cfg.model.lora.r else None)
         if cfg.model.lora.r:
             init_adapters(model, cfg.train.seed)
     else:

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from common.dtypes import DTYPE_NAMES
+from common.hub import HubError, fetch
 from .errors import CheckpointError
 from .schema import schema_of
 from .storage import storage_for
@@ -102,16 +103,29 @@ def _existing_dir(path: str) -> str | None:
     return None
 
 
-def source_dirs(ckpt_path: str) -> tuple[str, str]:
-    """(model dir with config.json, tokenizer dir) the checkpoint was trained from (its schema, schema.py)."""
+def _hub_dir(named: str, commits: dict[str, str], weights: bool) -> str | None:
+    """The cache's snapshot of Hub id `named` at the commit the checkpoint trained from (fetched if not cached),
+    or None when `named` was no Hub id."""
+    if named not in commits or _existing_dir(named) is not None:
+        return None
+    try:
+        return fetch(named, commits[named], weights)[0]
+    except HubError as e:
+        raise CheckpointError(f"the model this checkpoint was trained from, Hub id {named} at commit "
+                              f"{commits[named]}: {e}") from None
+
+
+def source_dirs(ckpt_path: str, weights: bool = False) -> tuple[str, str]:
+    """(model dir with config.json, tokenizer dir) the checkpoint was trained from (its schema, schema.py); a Hub
+    id's snapshot at the recorded commit, with its safetensors when `weights` (a LoRA merge reads the base)."""
     schema = schema_of(ckpt_path)
     named = schema.model_dir
-    model_dir = _existing_dir(named)
+    model_dir = _hub_dir(named, schema.hub_commits, weights) or _existing_dir(named)
     if model_dir is None or not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise CheckpointError(f"the model folder this checkpoint was trained from ({named!r}, as its meta.json schema "
                               "records) has no config.json here; run the export from the directory training ran in")
     tok_named = schema.tokenizer_dir or named
-    tok_dir = _existing_dir(tok_named)
+    tok_dir = _hub_dir(tok_named, schema.hub_commits, False) or _existing_dir(tok_named)
     if tok_dir is None:
         raise CheckpointError(f"tokenizer folder {tok_named!r} (as the checkpoint's meta.json schema records) "
                               "not found")

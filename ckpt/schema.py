@@ -6,14 +6,14 @@ world size must divide, and where the model came from. Recorded in meta.json, so
 
 The trainer builds one (finetune/checkpoint_contents.py `checkpoint_schema`, from the same keys as its
 `checkpoint_state`) and writes `schema.to_meta()` into every meta.json; every field is the trainer's to
-give, none has a default here. `schema_of(path)` reads it back. A checkpoint written before meta.json carried a schema gets
+give, none but hub_commits has a default here. `schema_of(path)` reads it back. A checkpoint written before meta.json carried a schema gets
 `schema_of_checkpoint_without_schema`: the one place that knows the old trainer's layout; one written before
 the schema named its optimizer gets OLDER_OPTIMIZER (AdamW was the only one then).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import yaml
 
@@ -33,6 +33,9 @@ class CheckpointSchema:
     pretrained: bool  # training started from model_dir's weights (export dtype auto follows them)
     optimizer: str  # whose state is under optim_prefix (the trainer's name for it)
     optimizer_state_bytes: int  # its state per trained fp32 parameter (`inspect` compares a LoRA checkpoint's size)
+    # Hub id -> the commit trained from, for model_dir / tokenizer_dir that are Hub ids (common/hub.py); the one
+    # field with a default: local folders have none, and checkpoints from before Hub ids recorded none
+    hub_commits: dict[str, str] = field(default_factory=dict)
 
     def to_meta(self) -> dict:
         return asdict(self)

@@ -21,6 +21,7 @@ from ckpt import CheckpointSchema, ModelOptimizer, RNGState, rng_key
 from finetune.config import Config, config_hash, to_yaml
 from finetune.data import BATCH_KEY
 from finetune.lora import lora_meta
+from finetune.model_files import hub_commits
 from finetune.model_identity import model_content, model_files
 from finetune.optim import optimizer_kind
 
@@ -73,7 +74,8 @@ def checkpoint_schema(cfg: Config) -> CheckpointSchema:
                             step_key=f"{PROGRESS}.step", position_key=f"{DATA}.position",  # TrainProgress, BatchStream
                             divides={BATCH_KEY: cfg.data.global_batch_size}, model_dir=model,
                             tokenizer_dir=cfg.model.tokenizer_path or model, pretrained=bool(cfg.model.name_or_path),
-                            optimizer=cfg.train.optimizer, optimizer_state_bytes=optimizer_kind(cfg.train).state_bytes)
+                            optimizer=cfg.train.optimizer, optimizer_state_bytes=optimizer_kind(cfg.train).state_bytes,
+                            hub_commits=hub_commits(cfg.model))  # a resume compares them; an export fetches them
 
 
 def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float | None = None) -> dict[str, str]:

@@ -90,12 +90,16 @@ class LoRAConfig:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = key("", "local HF model dir (config.json + safetensors + tokenizer), or empty",
+    name_or_path: str = key("", "local HF model dir (config.json + safetensors + tokenizer), a Hub id (org/name), "
+                            "or empty",
                             identity=True, resume=refused("the weights trained on are another model's"))
-    config_path: str = key("assets/tiny-llama", "HF config dir used when name_or_path is empty (random init)",
+    config_path: str = key("assets/tiny-llama", "HF config dir or Hub id used when name_or_path is empty (random init)",
                            identity=True, resume=refused("the architecture trained is another one"))
-    tokenizer_path: str = key("", "tokenizer dir; empty = name_or_path, else config_path",
+    tokenizer_path: str = key("", "tokenizer dir or Hub id; empty = name_or_path, else config_path",
                               identity=True, resume=refused("token ids would mean other tokens"))
+    revision: str = key("", "Hub branch, tag or commit of the Hub ids above (docs/hub.md); empty: the default branch",
+                        resume=applies("compared by the commit it resolves to: another commit is refused "
+                                       "(docs/hub.md)"))
     param_dtype: str = key("auto", "auto: bf16 on CUDA, fp32 on CPU", choices=("auto", "fp32", "bf16"),
                            resume=TAKES_EFFECT)
     reduce_dtype: str = key("fp32", "dtype of the gradient reduce-scatter", choices=("fp32", "bf16"),
@@ -241,6 +245,20 @@ class ExportConfig:
                      resume=TAKES_EFFECT)
 
 
+_PLAN_ONLY = applies("no effect on a run: --plan reads it")
+
+
+@dataclass
+class PlanConfig:
+    nodes: int = key(1, "nodes this config is meant for: what --plan plans (--nodes overrides)", range=at_least(1),
+                     resume=_PLAN_ONLY)
+    gpus_per_node: int = key(8, "GPUs (or ranks) per node this config is meant for (--gpus-per-node overrides)",
+                             range=at_least(1), resume=_PLAN_ONLY)
+    gpu_memory: float = key(0.0, "GiB per GPU: --plan exits 1 when the plan needs more (0: not checked; "
+                            "--gpu-memory overrides)", range=at_least(0), resume=_PLAN_ONLY)
+    cpu: bool = key(False, "the ranks are CPU processes (gloo): --plan plans their memory (--cpu)", resume=_PLAN_ONLY)
+
+
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
@@ -249,6 +267,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)  # the hardware --plan plans for (no effect on a run)
 
 
 def _coerce(key: str, value, typ):
@@ -401,7 +420,7 @@ def validate_lora(model: ModelConfig) -> None:
         raise ConfigError("config key 'model.lora.target_modules' is empty (e.g. all-linear or q_proj,v_proj)")
     if not model.name_or_path:
         raise ConfigError(f"config key 'model.lora.r={lora.r}' needs model.name_or_path: LoRA adapts the weights "
-                          "of a trained base model (a local HF folder), it does not start from random init")
+                          "of a trained base model (a local HF folder or a Hub id), it does not start from random init")
 
 
 def _read_yaml(path: str):

@@ -1,6 +1,7 @@
 """The checks of a run's inputs that every rank makes, identically and in milliseconds, before any process group:
 the torch and transformers releases (common/versions.py), the launch, the model and tokenizer folders, the attention
-kernel, model.compile's compiler, the local data files.
+kernel, model.compile's compiler, the local data files; and the download of Hub model ids, once per node, which is
+not milliseconds (finetune/model_files.py).
 
     python -m pytest tests/test_launch.py -q
 
@@ -18,6 +19,7 @@ from finetune.data.errors import DataError
 from finetune.data.sources import is_local_path, sources
 from finetune.launch import accelerate_world_problem
 from finetune.model import check_attn_implementation, check_compile, check_model_folder
+from finetune.model_files import fetch_hub_models
 
 
 def check_inputs(cfg: Config) -> None:
@@ -27,8 +29,9 @@ def check_inputs(cfg: Config) -> None:
         raise ConfigError(problem)
     check_attn_implementation(cfg.model)
     check_compile(cfg.model)
-    check_model_folder(cfg.model)
     check_data_files(cfg)
+    fetch_hub_models(cfg.model)  # Hub ids: local rank 0 of each node downloads (minutes), the node's others wait
+    check_model_folder(cfg.model)
 
 
 def check_data_files(cfg: Config) -> None:

@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ckpt.hf.adapter import MERGEABLE, unmergeable
 from ckpt.lora_base import base_fingerprint
+from finetune.model_files import model_folder
 from finetune.shards import ModelError, copy_full_into, seed_for
 
 ADAPTER = "default"  # peft's adapter name; it appears in parameter names (lora_A.default.weight)
@@ -114,6 +115,6 @@ def param_summary(model: nn.Module) -> str:
 def lora_meta(cfg_model) -> dict:
     """meta.json's "lora" entry: adapter settings, base folder and base fingerprint (cached per process)."""
     lora = cfg_model.lora
-    fp = base_fingerprint(cfg_model.name_or_path)
+    fp = base_fingerprint(model_folder(cfg_model, "model.name_or_path"))  # a Hub id: its snapshot
     return {"r": lora.r, "alpha": lora.alpha, "dropout": lora.dropout, "target_modules": lora.target_modules,
             "base": cfg_model.name_or_path, "base_fingerprint": fp["fingerprint"], "base_params": fp["params"]}

@@ -18,11 +18,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from common.dtypes import DTYPES  # the one name -> dtype map (model.param_dtype, reduce_dtype, export.dtype)
 from finetune.lora import add_adapters
+from finetune.model_files import model_folder
 from finetune.shards import ModelError, copy_full_into, local_shard, seed_for
 
 
 def model_source(cfg_model) -> str:
-    return cfg_model.name_or_path or cfg_model.config_path
+    """The local folder of the model (name_or_path, else config_path): a Hub id's snapshot in the cache."""
+    return model_folder(cfg_model, "model.name_or_path" if cfg_model.name_or_path else "model.config_path")
 
 
 # One of these (or a *.model / *.tiktoken file) is a tokenizer's vocabulary; without any, transformers ends in
@@ -31,7 +33,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 
 
 def tokenizer_dir(cfg_model) -> str:
-    return cfg_model.tokenizer_path or model_source(cfg_model)
+    return model_folder(cfg_model, "model.tokenizer_path") if cfg_model.tokenizer_path else model_source(cfg_model)
 
 
 def check_model_folder(cfg_model) -> None:

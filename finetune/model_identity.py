@@ -22,6 +22,7 @@ from typing import Callable
 from ckpt.lora_base import base_fingerprint
 from finetune.config import identity_keys
 from finetune.model import TOKENIZER_FILES
+from finetune.model_files import model_folder
 
 MODEL_PATH_KEYS = identity_keys()  # the keys declared identity=True (finetune/config.py); roles: folder_fingerprint
 TOKENIZER_EXTRA = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "merges.txt")
@@ -81,7 +82,7 @@ def model_files(cfg_model) -> dict[str, dict]:
     resume changed even once the folder is gone (config.json is a few KB)."""
     out = {}
     for key in MODEL_PATH_KEYS:
-        parts = folder_parts(key, getattr(cfg_model, key.split(".")[1]))
+        parts = folder_parts(key, model_folder(cfg_model, key))
         if parts:
             out[key] = parts
     return out
@@ -105,7 +106,7 @@ def model_content(cfg_model) -> dict[str, str]:
     """meta.json's "model_content": {config key: fingerprint} of the model folders this run uses."""
     out = {}
     for key in MODEL_PATH_KEYS:
-        folder = getattr(cfg_model, key.split(".")[1])
+        folder = model_folder(cfg_model, key)
         fp = folder_fingerprint(key, folder) if folder else None
         if fp:
             out[key] = fp
@@ -119,7 +120,7 @@ def content_change_since(meta: dict, cfg_model) -> Callable[[str, str], str | No
     recorded, files = meta.get("model_content") or {}, meta.get("model_files") or {}
 
     def change(key: str, saved_path: str) -> str | None:
-        current = getattr(cfg_model, key.split(".")[1])
+        current = model_folder(cfg_model, key)
         mine = folder_fingerprint(key, current) if current else None
         theirs = recorded.get(key) or (folder_fingerprint(key, saved_path) if saved_path else None)
         if mine is not None and mine == theirs:

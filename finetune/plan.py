@@ -1,10 +1,13 @@
 """Will this config fit? Memory per GPU, host memory for async staging, checkpoint size and save time.
 
     python train_fsdp.py --config configs/llama3-8b-sft.yaml --plan --gpu-memory 80
-    python train_fsdp.py --config configs/llama3-70b-multinode.yaml --plan --nodes 8 --gpus-per-node 8
+    python train_fsdp.py --config configs/llama3-70b-multinode.yaml --plan      # its plan: 8 nodes x 8 GPUs of 80 GiB
+
+The hardware is the config's plan.* keys (nodes, GPUs per node, GiB per GPU), each overridden by its flag.
 
 No process group, no GPU and no weights: the model is built on `meta` from its config.json (from
-`model.name_or_path` when that folder is here, else `model.config_path`), so every parameter shape is
+`model.name_or_path` when that folder is here or a Hub id, whose config.json alone is fetched, else
+`model.config_path`), so every parameter shape is
 exact. Per-GPU figures follow FSDP2 as train_fsdp.py sets it up (fp32 master shards, compute in
 `model.param_dtype`, one block gathered at a time plus the next one prefetched); activations are an
 estimate, stated as such. Exit 0 when it fits, 1 with the reasons when it does not (or when the world
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt.preflight import SHM_DIR
+from common.hub import HubError, config_file, is_hub_id
 from common.words import plural
 from finetune.config import ModelConfig
 from finetune.data import BatchSplit, DataError
@@ -71,25 +75,46 @@ def _positive(typ):
     return parse
 
 
-PLAN_FLAGS = {"nodes": 1, "gpus_per_node": 8, "gpu_memory": None, "host_memory": None, "write_gbps": 10.0,
+PLAN_FLAGS = {"nodes": None, "gpus_per_node": None, "gpu_memory": None, "host_memory": None, "write_gbps": 10.0,
               "copy_gbps": 10.0, "cpu": False}  # dest -> default: given without --plan they would be silently ignored
+TOPOLOGY = ("nodes", "gpus_per_node", "gpu_memory", "cpu")  # flags the config's plan.* section states too
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("plan (--plan: print the plan and exit, no process group)")
     g.add_argument("--plan", action="store_true", help="print memory per GPU, host staging, checkpoint size, save time")
-    g.add_argument("--nodes", type=_positive(int), default=1, help="nodes to plan for (default 1)")
-    g.add_argument("--gpus-per-node", type=_positive(int), default=8, help="GPUs (ranks) per node (default 8; ranks with --cpu)")
+    g.add_argument("--nodes", type=_positive(int), default=None, help="nodes to plan for (default: plan.nodes)")
+    g.add_argument("--gpus-per-node", type=_positive(int), default=None,
+                   help="GPUs (ranks) per node (default: plan.gpus_per_node; ranks with --cpu)")
     g.add_argument("--cpu", action="store_true",
-                   help="plan CPU ranks (gloo): memory per rank process, async staging included, no CUDA context")
+                   help="plan CPU ranks (gloo): memory per rank process, async staging included, no CUDA context "
+                        "(default: plan.cpu)")
     g.add_argument("--gpu-memory", type=_positive(float), default=None,
-                   help="GiB per GPU: exit 1 when the plan needs more")
+                   help="GiB per GPU: exit 1 when the plan needs more (default: plan.gpu_memory)")
     g.add_argument("--host-memory", type=_positive(float), default=None,
                    help="GiB of RAM (and of /dev/shm) per node to check")
     g.add_argument("--write-gbps", type=_positive(float), default=10.0,
                    help="aggregate write bandwidth of ckpt.dir's filesystem, GB/s (default 10)")
     g.add_argument("--copy-gbps", type=_positive(float), default=10.0,
                    help="GPU-to-host copy bandwidth per GPU while staging, GB/s (default 10)")
+
+
+def planned_hardware(cfg, args: argparse.Namespace) -> tuple[argparse.Namespace, str]:
+    """`args` with the topology the config states (its plan.* keys) where no flag overrides it, and the plan's
+    first line, naming the topology and where each part of it came from."""
+    args, origin = argparse.Namespace(**vars(args)), {}
+    for dest in TOPOLOGY:
+        flag = getattr(args, dest)
+        given = flag not in (None, False)
+        if not given:
+            stated = getattr(cfg.plan, dest)
+            setattr(args, dest, (stated or None) if dest == "gpu_memory" else stated)  # 0 GiB: not stated
+        origin[dest] = f"--{dest.replace('_', '-')}" if given else f"plan.{dest}"
+    args.origin = origin  # the GPU memory line names where its figure came from
+    ranks = "CPU ranks" if args.cpu else "GPUs" + (f" of {args.gpu_memory:g} GiB" if args.gpu_memory else "")
+    sources = ", ".join(origin[d] for d in TOPOLOGY if d != "cpu" and (d != "gpu_memory" or (args.gpu_memory and not args.cpu)))
+    return args, (f"plan: {plural(args.nodes, 'node')} x {args.gpus_per_node} {ranks} = world size "
+                  f"{args.nodes * args.gpus_per_node} (from {sources})")
 
 
 def plan_flags_without_plan(args: argparse.Namespace) -> str | None:
@@ -126,6 +151,14 @@ def config_dir(cfg_model) -> tuple[str, str]:
     """(folder whose config.json describes the model, a note on where it came from)."""
     if cfg_model.name_or_path and os.path.isfile(os.path.join(cfg_model.name_or_path, "config.json")):
         return cfg_model.name_or_path, ""
+    key = "model.name_or_path" if cfg_model.name_or_path else "model.config_path"
+    value = cfg_model.name_or_path or cfg_model.config_path
+    if is_hub_id(value):  # config.json alone, no weights: the Hub's one file, into the Hugging Face cache
+        try:
+            folder = os.path.dirname(config_file(value, cfg_model.revision))
+        except HubError as e:
+            raise ValueError(f"{key}={value}: {e}") from None
+        return folder, f" (Hub id {value} at commit {os.path.basename(folder)}: its config.json only)"
     if cfg_model.name_or_path and cfg_model.config_path == ModelConfig().config_path:
         raise ValueError(f"model.name_or_path={cfg_model.name_or_path} is not on this machine; to plan without it, "
                          "set model.config_path to a folder with its config.json (e.g. assets/llama3.1-8b)")
@@ -341,11 +374,12 @@ def memory_tier_lines(cfg, rank_bytes: int, ranks_per_node: int, nodes: int) -> 
             "to stage its saves"], staging + (need if in_ram else 0)
 
 
-def make_plan(cfg, args) -> tuple[list[str], list[str]]:
-    """(report lines, problems): an empty problem list means the config fits the stated hardware."""
+def make_plan(cfg, args, topology: str) -> tuple[list[str], list[str]]:
+    """(report lines, problems): an empty problem list means the config fits the hardware `args` states
+    (planned_hardware's; `topology` its line)."""
     s = model_shapes(cfg.model)
     world = args.nodes * args.gpus_per_node
-    lines = [f"plan: {args.nodes} node(s) x {args.gpus_per_node} {'CPU ranks' if args.cpu else 'GPUs'} = world size {world}",
+    lines = [topology,
              f"model: {s.arch} from {s.source}: {count(s.params)} params ({s.params:,}), {s.layers} blocks, "
              f"hidden {s.hidden}, vocab {s.vocab}" + (f"; trainable (LoRA adapters) {s.trainable:,}"
                                                       if s.trainable != s.params else "")]
@@ -378,7 +412,7 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     lines.append(f"  of which: {known_split(items)} (docs/planner.md: how each figure is known)")
     if not args.cpu and args.gpu_memory and total > args.gpu_memory * GIB:
         worst = max(items, key=lambda it: it[1])
-        problems.append(f"GPU memory: {size(total)} per GPU needed, --gpu-memory {args.gpu_memory:g} GiB; "
+        problems.append(f"GPU memory: {size(total)} per GPU needed, {args.origin['gpu_memory']} {args.gpu_memory:g} GiB; "
                         f"largest item: {worst[0]} {size(worst[1])} (more GPUs shard the states further; "
                         "model.activation_checkpointing=true and a smaller data.micro_batch_size cut activations)")
 
@@ -407,8 +441,9 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
 
 def print_plan(cfg, args) -> int:
     """`train_fsdp.py --plan`: 0 when it fits, 1 with the reasons when it does not, 2 for a config it cannot read."""
+    args, topology = planned_hardware(cfg, args)
     try:
-        lines, problems = make_plan(cfg, args)
+        lines, problems = make_plan(cfg, args, topology)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -418,6 +453,7 @@ def print_plan(cfg, args) -> int:
     if problems:
         return 1
     unchecked = (" (host memory not checked: pass --host-memory GiB)" if args.cpu and not args.host_memory else
-                 "" if args.cpu or args.gpu_memory else " (GPU memory not checked: pass --gpu-memory GiB)")
+                 "" if args.cpu or args.gpu_memory else " (GPU memory not checked: set plan.gpu_memory or pass "
+                 "--gpu-memory GiB)")
     print("OK: the plan fits" + unchecked)
     return 0

@@ -8,8 +8,9 @@ continuation meaningless (another model, tokenizer, data set, data order or batc
 ckpt.resume_config_check=warn lets it through (then "warned", and what then happens); or applied, with what
 taking effect means where it is more than that. RESUME_REFUSED and the docs table are read from those
 declarations. A model folder that moved but kept its content is no change (finetune/model_identity.py says
-whether it did, and what changed when it did not). Another optimizer is refused even with warn
-(check_same_optimizer: the checkpoint's schema names the optimizer its state belongs to).
+whether it did, and what changed when it did not); a Hub id that resolves to another commit than the
+checkpoint's is refused like a change of its key (finetune/model_files.py). Another optimizer is refused even
+with warn (check_same_optimizer: the checkpoint's schema names the optimizer its state belongs to).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ RULES: dict[str, Resume] = {k: d["resume"] for k, d in declarations().items() if
 _UNDECLARED = refused("its resume rule is not declared (finetune/config.py key(resume=...))")
 RESUME_REFUSED = {k: rule.why for k, rule in RULES.items() if rule.verdict == "refused"}
 _MOVABLE = identity_keys()  # model folders, compared by content when their path changed
+HUB_COMMIT_CHANGED = "the Hub id resolves to another commit than the checkpoint trained on (other files)"
 
 
 @dataclass
@@ -57,12 +59,15 @@ def _same(key: str, a, b) -> bool:
 
 
 def resume_changes(saved_yaml: str, cfg: Config,
-                   content_change: typing.Callable[[str, str], str | None] | None = None) -> list[ConfigChange]:
+                   content_change: typing.Callable[[str, str], str | None] | None = None,
+                   moved_commits: typing.Iterable[tuple[str, str, str]] = ()) -> list[ConfigChange]:
     """Every field whose value differs between a checkpoint's config.yaml and `cfg`, with its rule.
     Fields that only one side knows (another version of this file) are not compared. A model folder key whose
     path changed but whose content is the same (`content_change(key, saved path)` is None,
     finetune/model_identity.py) is applied, not refused: the model moved, it did not change. Otherwise what
-    content_change names (config.json fields, the weights' fingerprint) is added to the reason."""
+    content_change names (config.json fields, the weights' fingerprint) is added to the reason. `moved_commits`:
+    (key, the checkpoint's id@commit, this run's) of a Hub id that resolves to another commit now
+    (finetune/model_files.py hub_commit_changes), refused as a change of that key."""
     try:
         saved = flatten(yaml.safe_load(saved_yaml) or {})
     except (yaml.YAMLError, AttributeError) as e:
@@ -83,6 +88,10 @@ def resume_changes(saved_yaml: str, cfg: Config,
         else:
             verdict, why = "warned", f"{refusal}; {rule.then}"
         changes.append(ConfigChange(key, saved[key], current, verdict, why))
+    for key, saved_commit, commit in moved_commits:
+        warned = cfg.ckpt.resume_config_check == "warn"
+        changes.append(ConfigChange(key, saved_commit, commit, "warned" if warned else "refused",
+                                    f"{HUB_COMMIT_CHANGED}; {RULES[key].then}" if warned else HUB_COMMIT_CHANGED))
     return changes
 
 

@@ -176,3 +176,22 @@ def test_cpu_plan_counts_staging_in_each_rank_and_no_cuda_context(capsys):
                                  "--host-memory", str(int(node) - 1)])
     assert rc == 1 and "does not fit: host memory" in err
     assert not torch.cuda.is_initialized()
+
+
+def test_a_preset_plans_the_topology_it_states(capsys):
+    """configs/llama3-70b-multinode.yaml states 8 nodes x 8 GPUs of 80 GiB in its plan: section; --plan plans that
+    and says so first, each flag overrides its part, and a plan over the stated GPU memory is never OK."""
+    preset = os.path.join(ROOT, "configs", "llama3-70b-multinode.yaml")
+    rc, out, err = plan(capsys, ["--config", preset, "--plan"])
+    assert rc == 0 and out.splitlines()[0] == ("plan: 8 nodes x 8 GPUs of 80 GiB = world size 64 (from plan.nodes, "
+                                               "plan.gpus_per_node, plan.gpu_memory)"), out
+    assert re.search(r"total\s+[\d.]+ GiB of 80 GiB", out) and "OK: the plan fits" in out
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--nodes", "1"])  # the 8 GPUs the issue saw
+    assert out.splitlines()[0].startswith("plan: 1 node x 8 GPUs of 80 GiB = world size 8 (from --nodes, plan.gpus")
+    assert rc == 1 and "OK" not in out + err and "GiB per GPU needed, plan.gpu_memory 80 GiB" in err, out + err
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "plan.gpu_memory=24"])
+    assert rc == 1 and "OK" not in out + err and "plan.gpu_memory 24 GiB" in err
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--gpu-memory", "24"])
+    assert rc == 1 and "OK" not in out + err and "--gpu-memory 24 GiB" in err
+    rc, out, err = plan(capsys, ["--config", preset, "--plan", "--cpu", "--gpus-per-node", "4"])
+    assert out.splitlines()[0].startswith("plan: 8 nodes x 4 CPU ranks = world size 32 (from plan.nodes, --gpus-per")

@@ -87,7 +87,7 @@ def read_adapters(ckpt_path: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]
 def base_dirs_checked(ckpt_path: str, lora: dict) -> tuple[str, str]:
     """(base folder, tokenizer folder) named in the checkpoint; refused if the base's weights are not the
     ones the adapters were trained on."""
-    model_dir, tok_dir = source_dirs(ckpt_path)
+    model_dir, tok_dir = source_dirs(ckpt_path, weights=True)
     found = base_fingerprint(os.path.abspath(model_dir))["fingerprint"]
     if found != lora["base_fingerprint"]:
         raise CheckpointError(f"{ckpt_path} was trained on base {lora['base']} ({lora['base_fingerprint']}), but "
