@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
 from ckpt.faults import fault_point
 from ckpt.hf.load import load_hf_weights
-from common.dist import free_port, rank0_builds_others_wait, torchrun_restart
+from common.dist import end_process_group, free_port, rank0_builds_others_wait, torchrun_restart
 from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
@@ -134,15 +134,17 @@ def build_optimizer(model, cfg: Config):
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once."""
+    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once.
+    `signalled` (the hang watchdog's) hears of it too: a rank blocked on a peer that is gone stops at once."""
 
-    def __init__(self):
-        self.requested = False
+    def __init__(self, signalled=lambda: None):
+        self.requested, self.signalled = False, signalled
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, _frame):
         self.requested = True
+        self.signalled()
 
     def agreed(self, device) -> bool:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
@@ -271,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
         return print_plan(cfg, args)
     die_with_torchrun_agent()
     rank, world_size, device = init_distributed(collective_timeout(cfg.train.collective_timeout_minutes))
+    exit_code = EXIT_ERROR  # until train() returns: an exception ends the process group by abort
     try:
-        return train(cfg, rank, world_size, device)
+        exit_code = train(cfg, rank, world_size, device)
+        return exit_code
     except USER_ERRORS as e:  # most are raised on every rank alike (rank 0's data error is shared): printed once
         report_bad_input(str(e), EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
@@ -284,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return EXIT_ERROR
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group(graceful=exit_code in (0, EXIT_PREEMPTED))
 
 
 def open_run(cfg: Config, rank: int) -> RankZeroLog:
@@ -350,7 +353,8 @@ def watch_progress(cfg: Config, rank: int, world_size: int, device, log) -> tupl
     """The hang watchdog (finetune/hang.py; its records go to the process group's store, torchrun's, keyed by the
     restart attempt) and the straggler monitor (finetune/stragglers.py)."""
     store = dist.distributed_c10d._get_default_store()  # the one store every rank reaches, on every node
-    watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store)
+    watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store,
+                                  cap=collective_timeout(cfg.train.collective_timeout_minutes).total_seconds())
     return watchdog, StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
 
 
@@ -392,10 +396,14 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
              f"{plural(world_size, 'rank')} x {split.accum_steps} accum x {split.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
-    preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
     watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
+    preempt, steps_log, exit_code = Preemption(watch.signalled), StepLog(cfg, log, rank, world_size, split,
+                                                                         progress.step), 0
     model.train()
-    with checkpoints.emergency_save_on_error(lambda: progress.step):
+    # an error: `failed` tells the others at once (no hang), the watch beats on through the emergency save; closed
+    # then: the final save and export have the checkpoint timeout
+    with contextlib.closing(watch), checkpoints.emergency_save_on_error(lambda: progress.step), \
+            watch.failures_told(quiet=USER_ERRORS):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
                 rows, t_step = stream.global_rows(), time.perf_counter()
@@ -422,7 +430,6 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     break
         finally:
             steps_log.close()
-            watch.close()  # the final save and export have the checkpoint timeout; an error's save is no hang
 
     if not stream.has_next() and progress.step < cfg.train.max_steps:
         log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")
