@@ -55,6 +55,11 @@ EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # and EXIT_HANG, 76, from
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
 
 
+def reported_by_main(e: BaseException) -> bool:
+    """Errors main() reports with a line of its own: the hang watchdog does not announce them."""
+    return isinstance(e, USER_ERRORS) or collective_timed_out(e)
+
+
 # ---------------------------------------------------------------- config and process group
 
 def parse_config(argv: list[str]) -> tuple[Config, argparse.Namespace]:
@@ -134,17 +139,16 @@ def build_optimizer(model, cfg: Config):
 
 
 class Preemption:
-    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once.
-    `signalled` (the hang watchdog's) hears of it too: a rank blocked on a peer that is gone stops at once."""
+    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once. (The hang
+    watchdog hears them too, also while the main thread is blocked: a rank waiting on a peer that is gone stops.)"""
 
-    def __init__(self, signalled=lambda: None):
-        self.requested, self.signalled = False, signalled
+    def __init__(self):
+        self.requested = False
         for sig in (signal.SIGTERM, signal.SIGUSR1):
             signal.signal(sig, self._handler)
 
     def _handler(self, signum, _frame):
         self.requested = True
-        self.signalled()
 
     def agreed(self, device) -> bool:
         flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
@@ -397,13 +401,12 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
     watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
-    preempt, steps_log, exit_code = Preemption(watch.signalled), StepLog(cfg, log, rank, world_size, split,
-                                                                         progress.step), 0
+    preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
     model.train()
     # an error: `failed` tells the others at once (no hang), the watch beats on through the emergency save; closed
     # then: the final save and export have the checkpoint timeout
     with contextlib.closing(watch), checkpoints.emergency_save_on_error(lambda: progress.step), \
-            watch.failures_told(quiet=USER_ERRORS):
+            watch.failures_told(reported_by_main):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
                 rows, t_step = stream.global_rows(), time.perf_counter()

@@ -356,10 +356,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, "
                           f"got {cfg.ckpt.interval!r}") from None
     try:
-        parse_hang_timeout(cfg.train.hang_timeout)
+        hang_s = parse_hang_timeout(cfg.train.hang_timeout)
     except ValueError:
         raise ConfigError(f"config key 'train.hang_timeout' must be seconds >= 0 (0: off) or auto, "
                           f"got {cfg.train.hang_timeout!r}") from None
+    if hang_s and hang_s >= cfg.train.collective_timeout_minutes * 60:  # NCCL would abort first: no stacks, no 76
+        raise ConfigError(f"config key 'train.hang_timeout={cfg.train.hang_timeout}' must be below "
+                          f"train.collective_timeout_minutes ({cfg.train.collective_timeout_minutes:g} min = "
+                          f"{cfg.train.collective_timeout_minutes * 60:g}s), or the collective timeout ends the job first")
     if cfg.ckpt.memory_dir and _nested(cfg.ckpt.memory_dir, cfg.ckpt.dir):
         raise ConfigError(f"config key 'ckpt.memory_dir={cfg.ckpt.memory_dir}' must be a folder apart from ckpt.dir "
                           f"({cfg.ckpt.dir}), neither inside it nor around it: the memory tier removes its step "

@@ -37,9 +37,10 @@ its line under one key (FAILED_KEY: `add` picks the first). Every watchdog reads
 a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
 for its emergency save) exits with EXIT_FAILED, the lowest of them printing `error: rank k failed: <its line>`
 and a `failed` event: no stacks, no hang file, no requeue. A SIGTERM (torchrun stopping the workers once one
-exited) reaches the loop only at a step boundary; `signalled` lets the watchdog end a rank at once instead when
-a rank failed or stopped beating (its peer is gone: the collective it waits in never returns); a SIGTERM with
-every rank alive (a preemption) waits for the step boundary as before.
+exited) reaches the loop only at a step boundary, and a Python signal handler runs only once the main thread is out
+of the collective it is blocked in; the watchdog hears the signal through signal.set_wakeup_fd (written by the
+C handler at once) and ends the rank at once when a rank failed or stopped beating (its peer is gone: the
+collective never returns); a SIGTERM with every rank alive (a preemption) waits for the step boundary as before.
 
 The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
 first, with no stacks, no line and no exit 76. A fixed train.hang_timeout is refused at or above it
@@ -110,7 +111,7 @@ class HangWatchdog:
         self.step_times = deque(maxlen=50)  # recent `step` phases, for auto: bounded, O(1)
         self.heartbeat, self.where = 0, {"host": socket.gethostname(), "pid": os.getpid()}
         self._last_records: dict[int, dict] = {}
-        self._stop, self._changed, self._signalled = False, threading.Event(), False
+        self._stop, self._changed, self._signals = False, threading.Event(), None  # (read, write) of the wakeup fd
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
     @classmethod
@@ -119,8 +120,24 @@ class HangWatchdog:
         dog = cls(timeout, rank, world_size, run_dir, log, store, cap)
         if timeout != 0:
             dog._publish()  # every rank has a record before any rank could look for it
+            dog._hear_signals()
             dog._thread.start()
         return dog
+
+    def _hear_signals(self) -> None:
+        """Main thread: the signals that have a Python handler are written to a pipe the watchdog reads."""
+        self._signals = os.pipe()
+        for fd in self._signals:
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._signals[1], warn_on_full_buffer=False)
+
+    def _signalled(self) -> bool:
+        """Whether a stop signal (SIGTERM, SIGUSR1, SIGINT) arrived since the last look."""
+        try:
+            got = os.read(self._signals[0], 512) if self._signals else b""
+        except OSError:  # none arrived (EAGAIN), or closed by close() meanwhile
+            return False
+        return any(sig in got for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT))
 
     def enter(self, phase: str, step: int) -> None:
         """The main thread moved to `phase` of `step` (`step`: the step being trained, or the last finished)."""
@@ -132,22 +149,31 @@ class HangWatchdog:
         self._changed.set()  # publish it now, from the watchdog thread
 
     def close(self) -> None:
+        """Main thread, once the loop and its emergency save are over."""
         self._stop = True
         self._changed.set()
+        if self._signals:
+            signal.set_wakeup_fd(-1)
+            for fd in self._signals:
+                os.close(fd)
 
     @contextlib.contextmanager
-    def failures_told(self, quiet: tuple = ()):
-        """Around the training loop, inside its emergency save: an exception is `failed` first. `quiet`: errors
-        the caller reports itself (raised on every rank alike: printed once)."""
+    def failures_told(self, reported_elsewhere=lambda e: False):
+        """Around the training loop, inside its emergency save: an exception is `failed` first, unless
+        `reported_elsewhere(e)` (the caller's own line for it: raised on every rank alike, or a collective's
+        timeout); the phase is `failed` either way, so the emergency save is no hang."""
         try:
             yield
         except BaseException as e:
-            self.failed(e, announce=not isinstance(e, quiet))
+            if reported_elsewhere(e):
+                self.state = ("failed", self.state[1], time.monotonic())
+            else:
+                self.failed(e)
             raise
 
-    def failed(self, error: BaseException, announce: bool = True) -> None:
-        """The main thread raised `error`: print its first line (if `announce` and it is the job's first failure),
-        publish phase `failed`; the watchdog beats on through the emergency save."""
+    def failed(self, error: BaseException) -> None:
+        """The main thread raised `error`: print its first line if it is the job's first failure, publish phase
+        `failed` and the line; the watchdog beats on through the emergency save."""
         line = (f"{type(error).__name__}: {error}".strip().splitlines() or [""])[0]
         phase, step, _ = self.state
         self.state = ("failed", step, time.monotonic())
@@ -159,13 +185,8 @@ class HangWatchdog:
                 self.store.set(FAILED_KEY, json.dumps({"rank": self.rank, "step": step, "phase": phase, "error": line}))
         except Exception:  # noqa: BLE001 - no store (agent gone): the line below is all there is
             pass
-        if announce and first:
+        if first:
             print(f"error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
-
-    def signalled(self) -> None:
-        """From a SIGTERM/SIGUSR1 handler: let the watchdog see whether a peer is gone (then this rank stops now)."""
-        self._signalled = True
-        self._changed.set()
 
     def timeout(self) -> float | None:
         """The `step` phase's limit in seconds; None while auto has too few steps timed."""
@@ -173,8 +194,11 @@ class HangWatchdog:
             return self.fixed
         if len(self.step_times) < AUTO_AFTER:
             return None
-        limit = max(AUTO_FLOOR_S, AUTO_STEPS * statistics.median(tuple(self.step_times)))  # a copy: the loop appends
-        return limit if self.cap is None else min(limit, CAP_SHARE * self.cap)
+        return self._capped(max(AUTO_FLOOR_S, AUTO_STEPS * statistics.median(tuple(self.step_times))))  # a copy
+
+    def _capped(self, seconds: float) -> float:
+        """auto: below the collective timeout, which would otherwise end the job first."""
+        return seconds if self.cap is None else min(seconds, CAP_SHARE * self.cap)
 
     # ---- the watchdog thread
 
@@ -192,8 +216,7 @@ class HangWatchdog:
                 failure_seen = time.monotonic()
             if failure and phase != "failed" and time.monotonic() - failure_seen >= FAIL_GRACE_S:
                 return self._failed_elsewhere(failure)
-            if self._signalled:
-                self._signalled = False
+            if self._signalled():
                 frozen = [] if failure else self._frozen_ranks()
                 if failure or frozen:  # a peer is gone: the collective this rank waits in never ends
                     self._kill_frozen_here(frozen, self._last_records)
@@ -207,7 +230,7 @@ class HangWatchdog:
                 if waited > limit:
                     return self._hang(phase, step, since, limit)
                 continue
-            limit = limit if limit is not None else AUTO_FLOOR_S
+            limit = limit if limit is not None else self._capped(AUTO_FLOOR_S)
             periods = int(waited // limit)
             if periods >= 1 and checked != (since, periods):
                 checked = (since, periods)
