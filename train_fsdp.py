@@ -323,7 +323,8 @@ def resume(checkpoints: TrainingCheckpoints, cfg: Config, state: dict, files_for
 def build_model(cfg: Config, device, world_size: int, log):
     """meta -> fully_shard -> to_empty -> init (random, or the HF weights; LoRA adapters on top)."""
     tokenizer = load_tokenizer(cfg.model)
-    model = build_sharded_model(cfg.model, build_mesh(device, world_size, cfg.model.replicas), device)
+    mesh = build_mesh(device, world_size, cfg.model.replicas, collective_timeout(cfg.train.collective_timeout_minutes))
+    model = build_sharded_model(cfg.model, mesh, device)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise DataError(f"data.seq_len={cfg.data.seq_len} is larger than the model allows "

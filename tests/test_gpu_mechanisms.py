@@ -4,15 +4,19 @@
 """
 
 import pickle
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ckpt.uploader import CheckpointWriter
 from ckpt.state import RNGState
+from conftest import start_on_free_port
+from finetune.model import build_mesh
 
 
 def test_uploader_never_takes_the_cuda_stream_loader(tmp_path, monkeypatch):
@@ -61,3 +65,26 @@ def test_rng_reads_the_old_all_devices_format(monkeypatch):
     state["cuda"] = [torch.tensor([20], dtype=torch.uint8), torch.tensor([21], dtype=torch.uint8)]
     RNGState().load_state_dict({"blob": pickle.dumps(state)})
     assert int(fake.states[1][0]) == 21 and int(fake.states[0][0]) == 10
+
+
+def _mesh_timeouts(rank: int, port: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=42))
+    try:
+        for timeout in (None, timedelta(seconds=42)):
+            mesh = build_mesh(torch.device("cpu"), 2, 2, timeout)  # HSDP: 2 replicas x 1 shard
+            got = [mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout for d in range(mesh.ndim)]
+            if rank == 0:
+                out.put((timeout, got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hsdp_mesh_groups_get_the_collective_timeout():
+    """model.replicas > 1: torch splits the mesh groups off with its default timeout (30 min), not the default
+    group's; build_mesh gives them train.collective_timeout_minutes."""
+    queue = torch.multiprocessing.get_context("spawn").SimpleQueue()
+    start_on_free_port(_mesh_timeouts, lambda port: (port, queue), nprocs=2)
+    (_, torch_default), (_, ours) = queue.get(), queue.get()
+    assert timedelta(minutes=30) in torch_default, "what torch does unasked (the size-1 shard group): can fail"
+    assert ours == [timedelta(seconds=42)] * 2
