@@ -77,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--tier-junit", default=None, help="the single-GPU test tier's junit XML, recorded in the results")
     p.add_argument("--tier-log", default=None, help="its pytest -v log: the outcomes when no XML was written")
     p.add_argument("--tier-rc", type=int, default=None, help="the test tier's exit status (124: out of its time)")
+    p.add_argument("--tier-collected", default=None, help="the tier's test ids, one a line: those that did not end are "
+                   "listed as not run")
     a = p.parse_args(argv)
     if a.device == "cpu" and not a.out:
         p.error("--device cpu writes smoke results, never into bench/results: give --out")
@@ -337,9 +339,10 @@ def plan_ratios(r: dict, plan: dict) -> dict:
     return out
 
 
-def tier_outcome(junit: str | None, log: str | None, rc: int | None) -> dict | None:
+def tier_outcome(junit: str | None, log: str | None, rc: int | None, collected: str | None = None) -> dict | None:
     """The test tier's counts from pytest's junit XML, or, where pytest was cut short before writing it, from the
-    outcome lines of its -v log (the tests that ended); and its exit status."""
+    outcome lines of its -v log (the tests that ended); its exit status; and (`collected`: the ids, one a line)
+    the tests that did not run."""
     if junit is None and rc is None:
         return None
     import re
@@ -359,6 +362,11 @@ def tier_outcome(junit: str | None, log: str | None, rc: int | None) -> dict | N
                    seconds=float(suite.get("time", 0)),
                    failed=[f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
                            if c.find("failure") is not None or c.find("error") is not None])
+    if collected and os.path.isfile(collected) and log and os.path.isfile(log):
+        with open(log) as f:
+            ended = set(re.findall(r"^(\S+::\S+) (?:PASSED|FAILED|SKIPPED|ERROR)", f.read(), re.M))
+        with open(collected) as f:
+            out["not_run"] = [t for t in (ln.strip() for ln in f) if "::" in t and t not in ended]
     return out
 
 
@@ -500,7 +508,8 @@ def to_markdown(r: dict) -> list[str]:
                   + (" (out of its time)" if t["timed_out"] else "")
                   + (f", {t['tests']} tests ended, {t['failures']} failed, {t['errors']} errors, {t['skipped']} "
                      f"skipped" + (f", {t['seconds']:.0f} s" if t["seconds"] else " (from the log)") if "tests" in t
-                     else "") + "".join(f"; failed {f}" for f in t.get("failed", []))]
+                     else "") + "".join(f"; failed {f}" for f in t.get("failed", []))
+                  + "".join(f"; did not run {n}" for n in t.get("not_run", []))]
     lines += [""] + [f"Skipped: {s}" for s in r["skipped"]] + [f"Failed: {e}" for e in r["errors"]]
     return lines
 
@@ -525,7 +534,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         if not a.work_dir:
             shutil.rmtree(a.work, ignore_errors=True)
-    res["test_tier"] = tier_outcome(a.tier_junit, a.tier_log, a.tier_rc)
+    res["test_tier"] = tier_outcome(a.tier_junit, a.tier_log, a.tier_rc, a.tier_collected)
     name = "gpu_bench" if a.device == "cuda" else "gpu_bench_cpu_smoke"
     os.makedirs(a.out, exist_ok=True)
     provenance.record(res, name, a.out, started)

@@ -260,9 +260,13 @@ def test_gpu_bench_records_the_test_tier_even_when_it_was_cut_short(tmp_path):
     log.write_text("tests/test_gpu.py::test_a[1gpu] PASSED    [ 10%]\n"
                    "tests/test_gpu.py::test_b[1gpu] FAILED    [ 20%]\n"
                    "tests/test_gpu.py::test_c SKIPPED (no flash_attn)    [ 30%]\n")
-    t = tier_outcome(str(tmp_path / "absent.xml"), str(log), 124)
+    collected = tmp_path / "collected.txt"
+    collected.write_text("tests/test_gpu.py::test_a[1gpu]\ntests/test_gpu.py::test_b[1gpu]\ntests/test_gpu.py::test_c\n"
+                         "tests/test_gpu.py::test_d[1gpu]\n\n4 tests collected in 3.1s\n")
+    t = tier_outcome(str(tmp_path / "absent.xml"), str(log), 124, str(collected))
     assert t["timed_out"] and (t["tests"], t["failures"], t["skipped"]) == (3, 1, 1)
     assert t["failed"] == ["tests/test_gpu.py::test_b[1gpu]"] and "log" in t["source"]
+    assert t["not_run"] == ["tests/test_gpu.py::test_d[1gpu]"], "the results say which tests did not run"
 
 
 def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_path):

@@ -3,6 +3,7 @@
     python -m pytest tests/test_gpu_mechanisms.py -q
 """
 
+import os
 import pickle
 from datetime import timedelta
 from types import SimpleNamespace
@@ -129,3 +130,14 @@ def test_an_error_aborts_the_process_group_a_finished_run_destroys_it(monkeypatc
         with pytest.raises(OSError):
             train_fsdp.main(argv)
     assert called == (["destroy"] if graceful else ["abort"]) and not dist.is_initialized()
+
+
+def test_gpu_holders_reads_the_open_device_nodes(tmp_path):
+    """tests/test_gpu.py's count of processes per GPU, without nvidia-smi (empty in containers): the processes that
+    hold /dev/nvidia<N> open. Here a stand-in folder: this process opens its "nvidia3"."""
+    from conftest import gpu_holders
+    (tmp_path / "nvidia3").write_bytes(b"")
+    (tmp_path / "nvidiactl").write_bytes(b"")
+    assert os.getpid() not in gpu_holders(str(tmp_path))
+    with open(tmp_path / "nvidia3"), open(tmp_path / "nvidiactl"):
+        assert gpu_holders(str(tmp_path))[os.getpid()] == {3}, "nvidiactl is no GPU"
