@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
-from ckpt.faults import fault_point
+from ckpt.faults import fault_point, wants
 from ckpt.hf.load import load_hf_weights
 from common.dist import end_process_group, free_port, rank0_builds_others_wait, torchrun_restart
 from common.progress import phase
@@ -45,7 +45,7 @@ from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
-from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
+from finetune.model import ModelError, build_mesh, build_sharded_model, decoder_blocks, init_random, load_tokenizer
 from finetune.model_identity import content_change_since
 from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
 from finetune.schedule import lr_factor
@@ -354,13 +354,21 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
     return split, samples, eval_set, stream
 
 
-def watch_progress(cfg: Config, rank: int, world_size: int, device, log) -> tuple[HangWatchdog, StragglerMonitor]:
+def watch_progress(cfg: Config, model, rank: int, world_size: int, device, log) -> tuple[HangWatchdog,
+                                                                                           StragglerMonitor]:
     """The hang watchdog (finetune/hang.py; its records go to the process group's store, torchrun's, keyed by the
-    restart attempt) and the straggler monitor (finetune/stragglers.py)."""
+    restart attempt) and the straggler monitor (finetune/stragglers.py), which times `model`'s blocks."""
     store = dist.distributed_c10d._get_default_store()  # the one store every rank reaches, on every node
     watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store,
                                   cap=collective_timeout(cfg.train.collective_timeout_minutes).total_seconds())
-    return watchdog, StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
+    stragglers = StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
+    stragglers.watch_blocks(decoder_blocks(model))
+    if wants("forward"):  # a test's slow GPU: after the straggler monitor's hooks, inside its timing
+        def slow_forward(*_):
+            if stragglers.in_step:
+                fault_point("forward")
+        decoder_blocks(model)[0].register_forward_pre_hook(slow_forward)
+    return watchdog, stragglers
 
 
 def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainProgress, device, log) -> None:
@@ -401,7 +409,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
              f"{plural(world_size, 'rank')} x {split.accum_steps} accum x {split.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
-    watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
+    watch, stragglers = watch_progress(cfg, model, rank, world_size, device, log)
     preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
     model.train()
     # an error: `failed` tells the others at once (no hang), the watch beats on through the emergency save; closed

@@ -132,6 +132,16 @@ def test_a_slowed_rank_is_named_a_straggler(tmp_path):
     assert ev and ev[0]["rank"] == 1 and ev[0]["margin"] > 0.2 and ev[0]["compute_s"] > ev[0]["mean_compute_s"]
 
 
+def test_a_rank_slowed_inside_the_forward_is_named_a_straggler(tmp_path):
+    """The slowdown of a slow GPU: inside a block's forward, after FSDP's all-gather (CKPT_FAULT `forward`). The
+    healthy rank waits for it in the next block's all-gather, inside the step: that wait is not its compute."""
+    run = tmp_path / "run"
+    proc = run_train(run, 2, ["train.max_steps=8", "train.straggler_margin=0.2", "ckpt.interval=0"],
+                     env={"CKPT_FAULT": "sleep@forward,rank=1,secs=0.3"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("straggler:")]
+    assert lines and lines[0].startswith("straggler: rank 1 "), proc.stdout[-3000:]
+
+
 def test_hang_timeout_values():
     assert parse_hang_timeout("auto") is None and parse_hang_timeout("0") == 0 and parse_hang_timeout("12.5") == 12.5
     for bad in ("-1", "soon", "inf"):
