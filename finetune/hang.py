@@ -33,7 +33,7 @@ and an error's emergency save must not be called a hang.
 A rank that fails is no hang. An exception leaving the loop (`failed`, before the emergency save) prints this rank's
 first error line whatever its rank, publishes the terminal phase `failed`, and, if it is the job's first failure,
 its line under one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
-`check`: O(1) per rank per second, 5 k store round trips a second at 512 ranks, as many as the records' `set`s);
+`check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s);
 a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
 for its emergency save) exits with EXIT_FAILED, the lowest of them printing `error: rank k failed: <its line>`
 and a `failed` event: no stacks, no hang file, no requeue. A SIGTERM (torchrun stopping the workers once one
@@ -218,7 +218,8 @@ class HangWatchdog:
                 return self._failed_elsewhere(failure)
             if self._signalled():
                 frozen = [] if failure else self._frozen_ranks()
-                if failure or frozen:  # a peer is gone: the collective this rank waits in never ends
+                blocked = self.state == (phase, step, since)  # a preempted rank moves on meanwhile
+                if failure or (frozen and blocked):  # a peer is gone: the collective this rank waits in never ends
                     self._kill_frozen_here(frozen, self._last_records)
                     sys.stdout.flush()
                     os._exit(EXIT_FAILED)

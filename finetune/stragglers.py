@@ -9,8 +9,8 @@ collectives late: its computing share grows, the others' waiting shares do. On C
 kernels and every rank's host waits alike (FSDP's collectives tie the ranks together on the device), so there a
 rank's compute is its device's own time in the blocks' forward: CUDA events recorded on the compute stream after
 FSDP made it wait for the block's all-gather and before its post-forward, summed once the step has synchronised
-(two events per block and micro batch, read at each log interval: bounded by the config, not the world size). Every log interval two one-element
-all_reduces tell every rank the slowest rank, its compute seconds (MAX of compute packed with the rank) and the
+(two events per block and micro batch, read at the end of each step: bounded by the config, not the world size).
+Every log interval two one-element all_reduces tell every rank the slowest rank, its compute seconds (MAX of compute packed with the rank) and the
 mean (SUM): O(1) bytes per rank, never a gather of W values. When the slowest rank's compute exceeds the mean by
 more than train.straggler_margin for PERSISTENT intervals in a row, rank 0 logs one line and a `straggler` event
 (step, rank, compute_s, mean_compute_s, margin); again only once another rank is the slowest, or it recovered.
