@@ -135,7 +135,7 @@ class HangWatchdog:
         """Whether a stop signal (SIGTERM, SIGUSR1, SIGINT) arrived since the last look."""
         try:
             got = os.read(self._signals[0], 512) if self._signals else b""
-        except OSError:  # none arrived (EAGAIN), or closed by close() meanwhile
+        except OSError:  # none arrived (EAGAIN)
             return False
         return any(sig in got for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT))
 
@@ -152,10 +152,8 @@ class HangWatchdog:
         """Main thread, once the loop and its emergency save are over."""
         self._stop = True
         self._changed.set()
-        if self._signals:
+        if self._signals:  # the pipe stays open: the thread may still read it once, and a closed fd number is reused
             signal.set_wakeup_fd(-1)
-            for fd in self._signals:
-                os.close(fd)
 
     @contextlib.contextmanager
     def failures_told(self, reported_elsewhere=lambda e: False):
