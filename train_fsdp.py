@@ -412,8 +412,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     watch, stragglers = watch_progress(cfg, model, rank, world_size, device, log)
     preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
     model.train()
-    # an error: `failed` tells the others at once (no hang), the watch beats on through the emergency save; closed
-    # then: the final save and export have the checkpoint timeout
+    # an error is `failed` at once, the watch beats on through its emergency save; the final save has ckpt's timeout
     with contextlib.closing(watch), checkpoints.emergency_save_on_error(lambda: progress.step), \
             watch.failures_told(reported_by_main):
         try:
