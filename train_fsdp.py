@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 
 from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
-from ckpt.faults import fault_point
+from ckpt.faults import fault_point, wants
 from ckpt.hf.load import load_hf_weights
 from ckpt.schema import schema_of
-from common.dist import free_port, rank0_builds_others_wait, torchrun_restart
+from common.dist import end_process_group, free_port, rank0_builds_others_wait, torchrun_restart
 from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
@@ -46,7 +46,8 @@ from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
 from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
-from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer, model_source
+from finetune.model import (ModelError, build_mesh, build_sharded_model, decoder_blocks, init_random, load_tokenizer,
+                            model_source)
 from finetune.model_files import hub_commit_changes
 from finetune.model_identity import content_change_since
 from finetune.optim import build_optimizer, follow_config_schedule, optimizer_kind
@@ -55,6 +56,11 @@ from finetune.stragglers import StragglerMonitor
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # and EXIT_HANG, 76, from the watchdog thread (finetune/hang.py)
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
+
+
+def reported_by_main(e: BaseException) -> bool:
+    """Errors main() reports with a line of its own: the hang watchdog does not announce them."""
+    return isinstance(e, USER_ERRORS) or collective_timed_out(e)
 
 
 # ---------------------------------------------------------------- config and process group
@@ -125,7 +131,8 @@ def attempt_store(timeout: timedelta) -> dict:
 # ---------------------------------------------------------------- preemption
 
 class Preemption:
-    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once."""
+    """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once. (The hang
+    watchdog hears them too, also while the main thread is blocked: a rank waiting on a peer that is gone stops.)"""
 
     def __init__(self):
         self.requested = False
@@ -251,8 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         return print_plan(cfg, args)
     die_with_torchrun_agent()
     rank, world_size, device = init_distributed(collective_timeout(cfg.train.collective_timeout_minutes))
+    exit_code = EXIT_ERROR  # until train() returns: an exception ends the process group by abort
     try:
-        return train(cfg, rank, world_size, device)
+        exit_code = train(cfg, rank, world_size, device)
+        return exit_code
     except USER_ERRORS as e:  # most are raised on every rank alike (rank 0's data error is shared): printed once
         report_bad_input(str(e), EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
@@ -264,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         return EXIT_ERROR
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group(graceful=exit_code in (0, EXIT_PREEMPTED))
 
 
 def open_run(cfg: Config, rank: int) -> RankZeroLog:
@@ -296,7 +304,8 @@ def resume(checkpoints: TrainingCheckpoints, cfg: Config, state: dict, files_for
 def build_model(cfg: Config, device, world_size: int, log):
     """meta -> fully_shard -> to_empty -> init (random, or the HF weights; LoRA adapters on top)."""
     tokenizer = load_tokenizer(cfg.model)
-    model = build_sharded_model(cfg.model, build_mesh(device, world_size, cfg.model.replicas), device)
+    mesh = build_mesh(device, world_size, cfg.model.replicas, collective_timeout(cfg.train.collective_timeout_minutes))
+    model = build_sharded_model(cfg.model, mesh, device)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise DataError(f"data.seq_len={cfg.data.seq_len} is larger than the model allows "
@@ -326,12 +335,21 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
     return split, samples, eval_set, stream
 
 
-def watch_progress(cfg: Config, rank: int, world_size: int, device, log) -> tuple[HangWatchdog, StragglerMonitor]:
+def watch_progress(cfg: Config, model, rank: int, world_size: int, device, log) -> tuple[HangWatchdog,
+                                                                                           StragglerMonitor]:
     """The hang watchdog (finetune/hang.py; its records go to the process group's store, torchrun's, keyed by the
-    restart attempt) and the straggler monitor (finetune/stragglers.py)."""
+    restart attempt) and the straggler monitor (finetune/stragglers.py), which times `model`'s blocks."""
     store = dist.distributed_c10d._get_default_store()  # the one store every rank reaches, on every node
-    watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store)
-    return watchdog, StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
+    watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store,
+                                  cap=collective_timeout(cfg.train.collective_timeout_minutes).total_seconds())
+    stragglers = StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
+    stragglers.watch_blocks(decoder_blocks(model))
+    if wants("forward"):  # a test's slow GPU: after the straggler monitor's hooks, inside its timing
+        def slow_forward(*_):
+            if stragglers.in_step:
+                fault_point("forward")
+        decoder_blocks(model)[0].register_forward_pre_hook(slow_forward)
+    return watchdog, stragglers
 
 
 def after_training(cfg: Config, model, tokenizer, checkpoints, progress: TrainProgress, device, log) -> None:
@@ -374,9 +392,11 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
     preempt, exit_code = Preemption(), 0
     steps_log = StepLog(cfg, log, rank, world_size, split, progress.step, device)  # + each rank's peak memory
-    watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
+    watch, stragglers = watch_progress(cfg, model, rank, world_size, device, log)
     model.train()
-    with checkpoints.emergency_save_on_error(lambda: progress.step):
+    # an error is `failed` at once, the watch beats on through its emergency save; the final save has ckpt's timeout
+    with contextlib.closing(watch), checkpoints.emergency_save_on_error(lambda: progress.step), \
+            watch.failures_told(reported_by_main):
         try:
             while progress.step < cfg.train.max_steps and stream.has_next():
                 rows, t_step = stream.global_rows(), time.perf_counter()
@@ -403,7 +423,6 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     break
         finally:
             steps_log.close()
-            watch.close()  # the final save and export have the checkpoint timeout; an error's save is no hang
 
     if not stream.has_next() and progress.step < cfg.train.max_steps:
         log.info(f"data exhausted after {cfg.data.epochs} epoch(s) at step {progress.step}")

@@ -50,9 +50,11 @@ import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
 GIB = 2 ** 30
 MFU_GOAL = 0.40
-# Dense bf16 peak (no sparsity), TFLOP/s, by a part of torch.cuda.get_device_name(): NVIDIA's datasheets. The first
-# match counts, so the specific names come before "H100" (the SXM/HBM3 part, "NVIDIA H100 80GB HBM3").
-PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.4), ("H100", 989.4), ("A100", 312.0))
+# Dense bf16 peak (no sparsity), TFLOP/s, by the exact torch.cuda.get_device_name(): NVIDIA's datasheets. Exact, as
+# a part of a name would match "NVIDIA H200 NVL" (835) as "H200" (989.4); another name: --peak-tflops, else no MFU.
+PEAK_BF16_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0, "NVIDIA H100 NVL": 835.0,
+                    "NVIDIA H200": 989.4, "NVIDIA H200 NVL": 835.0, "NVIDIA A100-SXM4-80GB": 312.0,
+                    "NVIDIA A100-SXM4-40GB": 312.0, "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA A100-PCIE-40GB": 312.0}
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
             num_hidden_layers=2)
 
@@ -75,6 +77,8 @@ def parse_args(argv=None):
     p.add_argument("--tier-junit", default=None, help="the single-GPU test tier's junit XML, recorded in the results")
     p.add_argument("--tier-log", default=None, help="its pytest -v log: the outcomes when no XML was written")
     p.add_argument("--tier-rc", type=int, default=None, help="the test tier's exit status (124: out of its time)")
+    p.add_argument("--tier-collected", default=None, help="the tier's test ids, one a line: those that did not end are "
+                   "listed as not run")
     a = p.parse_args(argv)
     if a.device == "cpu" and not a.out:
         p.error("--device cpu writes smoke results, never into bench/results: give --out")
@@ -104,7 +108,7 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_tflops: float | None) 
 def peak_tflops(device_name: str, given: float | None) -> float | None:
     if given:
         return given
-    return next((tf for part, tf in PEAK_BF16_TFLOPS if part in device_name), None)
+    return PEAK_BF16_TFLOPS.get(device_name.strip())
 
 
 # ---------------------------------------------------------------- measurements (one process, a world of one)
@@ -216,8 +220,9 @@ def throughput(model_dir: str, shape: dict, fit: tuple, a, device, compile_block
            "warmup_step_s": first, "median_step_s": statistics.median(times), "tokens_per_s": rate,
            "model_flops_per_token": flops["total"], "mfu": mfu(flops["total"], rate, peak)}
     if device.type == "cuda":
+        free_b, total_b = torch.cuda.mem_get_info(device)
         out.update(max_memory_allocated=torch.cuda.max_memory_allocated(device),
-                   max_memory_reserved=torch.cuda.max_memory_reserved(device))
+                   max_memory_reserved=torch.cuda.max_memory_reserved(device), device_used=total_b - free_b)
     return {"result": out, "model": model, "optim": optim, "data": data}
 
 
@@ -323,9 +328,21 @@ def profile_one_step(run: dict, device, top: int = 15) -> dict:
                      "share_of_busy": self_us(r) / busy_us if busy_us else 0.0} for r in ranked]}
 
 
-def tier_outcome(junit: str | None, log: str | None, rc: int | None) -> dict | None:
+def plan_ratios(r: dict, plan: dict) -> dict:
+    """Measured against the plan, like with like: the allocator's reserved and allocated peaks hold no CUDA context
+    or NCCL buffers, so they are held against the plan without its assumed CUDA_OVERHEAD_GIB; the device's own
+    used memory (mem_get_info, which holds them) against the whole plan."""
+    out = {"reserved_over_plan": r["max_memory_reserved"] / plan["without_cuda_context"],
+           "allocated_over_plan_without_context": r["max_memory_allocated"] / plan["without_cuda_context"]}
+    if "device_used" in r:
+        out["device_used_over_plan"] = r["device_used"] / plan["total"]
+    return out
+
+
+def tier_outcome(junit: str | None, log: str | None, rc: int | None, collected: str | None = None) -> dict | None:
     """The test tier's counts from pytest's junit XML, or, where pytest was cut short before writing it, from the
-    outcome lines of its -v log (the tests that ended); and its exit status."""
+    outcome lines of its -v log (the tests that ended); its exit status; and (`collected`: the ids, one a line)
+    the tests that did not run."""
     if junit is None and rc is None:
         return None
     import re
@@ -345,6 +362,11 @@ def tier_outcome(junit: str | None, log: str | None, rc: int | None) -> dict | N
                    seconds=float(suite.get("time", 0)),
                    failed=[f"{c.get('classname')}::{c.get('name')}" for c in suite.iter("testcase")
                            if c.find("failure") is not None or c.find("error") is not None])
+    if collected and os.path.isfile(collected) and log and os.path.isfile(log):
+        with open(log) as f:
+            ended = set(re.findall(r"^(\S+::\S+) (?:PASSED|FAILED|SKIPPED|ERROR)", f.read(), re.M))
+        with open(collected) as f:
+            out["not_run"] = [t for t in (ln.strip() for ln in f) if "::" in t and t not in ended]
     return out
 
 
@@ -392,8 +414,7 @@ def measure_shape(name: str, model_dir: str, shape: dict, fit: tuple, a, device,
     r = run["result"]
     r.update(flops=model_flops_per_token(shape, a.seq_len), plan_bytes=fit[2])
     if "max_memory_reserved" in r:
-        r.update(reserved_over_plan=r["max_memory_reserved"] / fit[2]["total"],
-                 allocated_over_plan_without_context=r["max_memory_allocated"] / fit[2]["without_cuda_context"])
+        r.update(plan_ratios(r, fit[2]))
         r["reserved_within_20pct_of_plan"] = abs(r["reserved_over_plan"] - 1) <= 0.2  # the issue's goal
     res["shapes"][name] = {"eager": r}
     errors = res["errors"]
@@ -487,7 +508,8 @@ def to_markdown(r: dict) -> list[str]:
                   + (" (out of its time)" if t["timed_out"] else "")
                   + (f", {t['tests']} tests ended, {t['failures']} failed, {t['errors']} errors, {t['skipped']} "
                      f"skipped" + (f", {t['seconds']:.0f} s" if t["seconds"] else " (from the log)") if "tests" in t
-                     else "") + "".join(f"; failed {f}" for f in t.get("failed", []))]
+                     else "") + "".join(f"; failed {f}" for f in t.get("failed", []))
+                  + "".join(f"; did not run {n}" for n in t.get("not_run", []))]
     lines += [""] + [f"Skipped: {s}" for s in r["skipped"]] + [f"Failed: {e}" for e in r["errors"]]
     return lines
 
@@ -512,7 +534,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         if not a.work_dir:
             shutil.rmtree(a.work, ignore_errors=True)
-    res["test_tier"] = tier_outcome(a.tier_junit, a.tier_log, a.tier_rc)
+    res["test_tier"] = tier_outcome(a.tier_junit, a.tier_log, a.tier_rc, a.tier_collected)
     name = "gpu_bench" if a.device == "cuda" else "gpu_bench_cpu_smoke"
     os.makedirs(a.out, exist_ok=True)
     provenance.record(res, name, a.out, started)

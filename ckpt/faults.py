@@ -16,6 +16,8 @@ order a step and its save reach them:
   mid_step       a step begun (loop.py step_in_progress), its batch about to be taken, not finished
   after_step     step finished and logged (loop.py after_step)
   eval           an evaluation of this step's model begins (train_fsdp.py run_eval)
+  forward        inside the first decoder block's forward, in a training step, after FSDP's all-gather (the
+                 step is not known there: no `:<step>`; train_fsdp.py watch_progress, for a slow-GPU straggler)
   staged         state copied for an async save, upload not started (training process)
   write          storage writer starts writing this rank's shards (the upload: in process async mode
                  this runs in the uploader process, so `kill` kills only the uploader)

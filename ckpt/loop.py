@@ -168,7 +168,7 @@ class TrainingCheckpoints:
         if self.mgr.last_saved_step != step:
             raise CheckpointError(f"export.at_end: no checkpoint of the final step {step} (ckpt.save_at_end=false?)")
         with phase(self.log.info, f"export: writing step {step} to {out_dir}"):
-            line = export_final(step_dir(self.mgr.dir, step), out_dir, dtype)
+            line = export_final(step_dir(self.mgr.dir, step), out_dir, dtype, group=self.mgr.pg)
         self.log.info(line)
 
     def final_save(self, step: int, save_now: bool = True) -> None:

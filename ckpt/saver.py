@@ -23,6 +23,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -112,6 +113,14 @@ class Replay:
         pass
 
 
+def wait_for_state_writes() -> None:
+    """DCP copies the state to the host on a staging stream of its own, which does not wait for the compute
+    stream: the writes already launched (`optimizer.step()` right before the save) must be done first, or the
+    copy mixes values from before and after them. A no-op in the training loop, which has just synchronised."""
+    if torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 @fault_at("staged", after=True)
 def start_async(state: dict, path: str, step: int, pg, stager: AsyncStager, async_mode: str,
                 ckpt_dir: str, writer: type = CheckpointWriter, upload_nice: int = 0) -> tuple[Future, StagingWait]:
@@ -120,6 +129,7 @@ def start_async(state: dict, path: str, step: int, pg, stager: AsyncStager, asyn
     through `writer` and its planner. Returns the upload's future (DCP's metadata) and the staging to wait for."""
     kind = AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
     recorded = _Recorded(stager)
+    wait_for_state_writes()
     try:
         with preemption_signals_blocked():
             resp = dcp.async_save(state, storage_writer=writer(path, step, upload_nice), process_group=pg,

@@ -1,7 +1,8 @@
 """Rank-0 helpers shared by data loading and ckpt/: rank-0 work that other ranks wait for through the filesystem
 (no collective deadline), rank-0 work whose result or error every rank receives, the first problem any rank
 found (every rank learns it), a small integer all-reduce,
-a free local port for a one-process group, the world-size divisibility rule, and which start of the workers this is.
+a free local port for a one-process group, the world-size divisibility rule, which start of the workers this is,
+and the end of the process groups (aborted after an error).
 
     python -m pytest tests/test_data.py -q -k wait
 
@@ -114,6 +115,17 @@ def first_problem(problem: str | None, group) -> str | None:
     problems = [None] * dist.get_world_size(group)
     dist.all_gather_object(problems, problem, group=group)
     return next(p for p in problems if p is not None)
+
+
+def end_process_group(graceful: bool) -> None:
+    """Destroy every process group when the run ended as planned; abort them after an error: NCCL's graceful
+    shutdown flushes work that peers may never match (a rank raised mid-step) and can block the exit."""
+    if not dist.is_initialized():
+        return
+    if graceful:
+        dist.destroy_process_group()
+    else:
+        dist.distributed_c10d._abort_process_group()
 
 
 def torchrun_restart() -> int:

@@ -393,6 +393,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"config key '{key}' must be one of {'|'.join(choices)}, got {value!r}")
         if limits and not ((isinstance(value, str) or math.isfinite(value)) and limits[0](value)):
             raise ConfigError(f"config key '{key}' must be {limits[1]}, got {value!r}")
+    hang_s = parse_hang_timeout(cfg.train.hang_timeout)  # its declaration's range has accepted it
+    if hang_s and hang_s >= cfg.train.collective_timeout_minutes * 60:  # NCCL would abort first: no stacks, no 76
+        raise ConfigError(f"config key 'train.hang_timeout={cfg.train.hang_timeout}' must be below "
+                          f"train.collective_timeout_minutes ({cfg.train.collective_timeout_minutes:g} min = "
+                          f"{cfg.train.collective_timeout_minutes * 60:g}s), or the collective timeout ends the job first")
     if cfg.ckpt.memory_dir and _nested(cfg.ckpt.memory_dir, cfg.ckpt.dir):
         raise ConfigError(f"config key 'ckpt.memory_dir={cfg.ckpt.memory_dir}' must be a folder apart from ckpt.dir "
                           f"({cfg.ckpt.dir}), neither inside it nor around it: the memory tier removes its step "

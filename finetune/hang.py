@@ -29,10 +29,27 @@ HANG_FILE_ENV to a path of its own for this attempt: the rank that prints the li
 (slurm/train.sbatch requeues on it).
 The watch ends with the loop: the final save and export wait ckpt.timeout_minutes like every checkpoint collective,
 and an error's emergency save must not be called a hang.
+
+A rank that fails is no hang. An exception leaving the loop (`failed`, before the emergency save) prints this rank's
+first error line whatever its rank, publishes the terminal phase `failed`, and, if it is the job's first failure,
+its line under one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
+`check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s);
+a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
+for its emergency save) exits with EXIT_FAILED, the lowest of them printing `error: rank k failed: <its line>`
+and a `failed` event: no stacks, no hang file, no requeue. A SIGTERM (torchrun stopping the workers once one
+exited) reaches the loop only at a step boundary, and a Python signal handler runs only once the main thread is out
+of the collective it is blocked in; the watchdog hears the signal through signal.set_wakeup_fd (written by the
+C handler at once) and ends the rank at once when a rank failed or stopped beating (its peer is gone: the
+collective never returns); a SIGTERM with every rank alive (a preemption) waits for the step boundary as before.
+
+The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
+first, with no stacks, no line and no exit 76. A fixed train.hang_timeout is refused at or above it
+(finetune/config.py), auto is held to CAP_SHARE of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -47,6 +64,10 @@ from collections import deque
 from common.dist import worker_attempt
 
 EXIT_HANG = 76  # beside 0 done, 1 error, 2 bad input, 75 preempted (train_fsdp.py)
+EXIT_FAILED = 1  # another rank failed: its error, not a hang
+FAILED_KEY = "finetune/failed"  # the job's first failure: {"rank", "step", "phase", "error"}
+FAIL_GRACE_S = 3.0  # how long a rank waits to see whether it fails too before it exits on another's failure
+CAP_SHARE = 0.8  # auto's step limit: at most this share of the collective timeout
 HANG_FILE_ENV = "FINETUNE_HANG_FILE"  # a path: on a hang, the error line is written there too
 CHECK_S = 1.0  # how often each rank publishes its record and looks at its own phase
 AUTO_FLOOR_S = 60.0  # auto: never less than this
@@ -80,24 +101,43 @@ def tell_launcher(line: str) -> None:
 class HangWatchdog:
     """One per rank; `enter(phase, step)` from the training loop, `close()` when the loop is over."""
 
-    def __init__(self, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store):
-        """`timeout`: seconds, None for auto; `log`: the run's RankZeroLog; `store`: a c10d Store all ranks share."""
-        self.fixed, self.rank, self.world_size, self.run_dir, self.log, self.store = (
-            timeout, rank, world_size, run_dir, log, store)
+    def __init__(self, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store,
+                 cap: float | None = None):
+        """`timeout`: seconds, None for auto; `log`: the run's RankZeroLog; `store`: a c10d Store all ranks share;
+        `cap`: the collective timeout in seconds, which auto stays below."""
+        self.fixed, self.rank, self.world_size, self.run_dir, self.log, self.store, self.cap = (
+            timeout, rank, world_size, run_dir, log, store, cap)
         self.state = ("startup", 0, time.monotonic())  # (phase, step, since): one tuple, swapped atomically
         self.step_times = deque(maxlen=50)  # recent `step` phases, for auto: bounded, O(1)
         self.heartbeat, self.where = 0, {"host": socket.gethostname(), "pid": os.getpid()}
         self._last_records: dict[int, dict] = {}
-        self._stop, self._changed = False, threading.Event()
+        self._stop, self._changed, self._signals = False, threading.Event(), None  # (read, write) of the wakeup fd
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
 
     @classmethod
-    def start(cls, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store) -> "HangWatchdog":
-        dog = cls(timeout, rank, world_size, run_dir, log, store)
+    def start(cls, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store,
+              cap: float | None = None) -> "HangWatchdog":
+        dog = cls(timeout, rank, world_size, run_dir, log, store, cap)
         if timeout != 0:
             dog._publish()  # every rank has a record before any rank could look for it
+            dog._hear_signals()
             dog._thread.start()
         return dog
+
+    def _hear_signals(self) -> None:
+        """Main thread: the signals that have a Python handler are written to a pipe the watchdog reads."""
+        self._signals = os.pipe()
+        for fd in self._signals:
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self._signals[1], warn_on_full_buffer=False)
+
+    def _signalled(self) -> bool:
+        """Whether a stop signal (SIGTERM, SIGUSR1, SIGINT) arrived since the last look."""
+        try:
+            got = os.read(self._signals[0], 512) if self._signals else b""
+        except OSError:  # none arrived (EAGAIN)
+            return False
+        return any(sig in got for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT))
 
     def enter(self, phase: str, step: int) -> None:
         """The main thread moved to `phase` of `step` (`step`: the step being trained, or the last finished)."""
@@ -109,8 +149,42 @@ class HangWatchdog:
         self._changed.set()  # publish it now, from the watchdog thread
 
     def close(self) -> None:
+        """Main thread, once the loop and its emergency save are over."""
         self._stop = True
         self._changed.set()
+        if self._signals:  # the pipe stays open: the thread may still read it once, and a closed fd number is reused
+            signal.set_wakeup_fd(-1)
+
+    @contextlib.contextmanager
+    def failures_told(self, reported_elsewhere=lambda e: False):
+        """Around the training loop, inside its emergency save: an exception is `failed` first, unless
+        `reported_elsewhere(e)` (the caller's own line for it: raised on every rank alike, or a collective's
+        timeout); the phase is `failed` either way, so the emergency save is no hang."""
+        try:
+            yield
+        except BaseException as e:
+            if reported_elsewhere(e):
+                self.state = ("failed", self.state[1], time.monotonic())
+            else:
+                self.failed(e)
+            raise
+
+    def failed(self, error: BaseException) -> None:
+        """The main thread raised `error`: print its first line if it is the job's first failure, publish phase
+        `failed` and the line; the watchdog beats on through the emergency save."""
+        line = (f"{type(error).__name__}: {error}".strip().splitlines() or [""])[0]
+        phase, step, _ = self.state
+        self.state = ("failed", step, time.monotonic())
+        self._changed.set()
+        first = True
+        try:
+            first = self.store.add(FAILED_KEY + "/count", 1) == 1
+            if first:
+                self.store.set(FAILED_KEY, json.dumps({"rank": self.rank, "step": step, "phase": phase, "error": line}))
+        except Exception:  # noqa: BLE001 - no store (agent gone): the line below is all there is
+            pass
+        if first:
+            print(f"error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
 
     def timeout(self) -> float | None:
         """The `step` phase's limit in seconds; None while auto has too few steps timed."""
@@ -118,12 +192,16 @@ class HangWatchdog:
             return self.fixed
         if len(self.step_times) < AUTO_AFTER:
             return None
-        return max(AUTO_FLOOR_S, AUTO_STEPS * statistics.median(tuple(self.step_times)))  # a copy: the loop appends
+        return self._capped(max(AUTO_FLOOR_S, AUTO_STEPS * statistics.median(tuple(self.step_times))))  # a copy
+
+    def _capped(self, seconds: float) -> float:
+        """auto: below the collective timeout, which would otherwise end the job first."""
+        return seconds if self.cap is None else min(seconds, CAP_SHARE * self.cap)
 
     # ---- the watchdog thread
 
     def _run(self) -> None:
-        checked = None  # (since, how many timeouts) of the slow phase last checked
+        checked, failure_seen = None, None  # (since, how many timeouts) of the slow phase last checked; when seen
         while True:
             self._changed.wait(CHECK_S)
             self._changed.clear()
@@ -131,18 +209,54 @@ class HangWatchdog:
                 return
             self._beat()
             phase, step, since = self.state
+            failure = self._failure()
+            if failure and failure_seen is None:
+                failure_seen = time.monotonic()
+            if failure and phase != "failed" and time.monotonic() - failure_seen >= FAIL_GRACE_S:
+                return self._failed_elsewhere(failure)
+            if self._signalled():
+                frozen = [] if failure else self._frozen_ranks()
+                blocked = self.state == (phase, step, since)  # a preempted rank moves on meanwhile
+                if failure or (frozen and blocked):  # a peer is gone: the collective this rank waits in never ends
+                    self._kill_frozen_here(frozen, self._last_records)
+                    sys.stdout.flush()
+                    os._exit(EXIT_FAILED)
+            if phase == "failed":
+                continue  # its emergency save may take long: beating on is all this rank does
             limit = self.timeout()
             waited = time.monotonic() - since
             if phase == "step" and limit is not None:
                 if waited > limit:
                     return self._hang(phase, step, since, limit)
                 continue
-            limit = limit if limit is not None else AUTO_FLOOR_S
+            limit = limit if limit is not None else self._capped(AUTO_FLOOR_S)
             periods = int(waited // limit)
             if periods >= 1 and checked != (since, periods):
                 checked = (since, periods)
                 if self._frozen_ranks():
                     return self._hang(phase, step, since, limit)
+
+    def _failure(self) -> dict | None:
+        """The job's first failure, if another rank published one: one store round trip."""
+        try:
+            if not self.store.check([FAILED_KEY]):
+                return None
+            failure = json.loads(self.store.get(FAILED_KEY))
+        except Exception:  # noqa: BLE001 - the store gone (agent stopping): torchrun ends this rank
+            return None
+        return failure if failure["rank"] != self.rank else None
+
+    def _failed_elsewhere(self, failure: dict) -> None:
+        """Another rank failed and this one did not: its error ends the job, with exit 1, not as a hang."""
+        k = failure["rank"]
+        if self.rank == (0 if k != 0 else 1):  # one line: the lowest rank but the failed one
+            line = (f"error: rank {k} failed: {failure['error']} (step {failure['step']}, phase {failure['phase']}); "
+                    f"rank {self.rank} exiting with {EXIT_FAILED}")
+            print(line, file=sys.stderr, flush=True)
+            self.log.event_from_any_rank("failed", step=failure["step"], phase=failure["phase"], rank=k,
+                                         error=failure["error"], exit_code=EXIT_FAILED, detected_by=self.rank)
+        sys.stdout.flush()
+        os._exit(EXIT_FAILED)
 
     def _key(self, rank: int) -> str:
         return f"finetune/progress/rank{rank}"
@@ -192,6 +306,9 @@ class HangWatchdog:
 
     def _hang(self, phase: str, step: int, since: float, limit: float) -> None:
         frozen = self._frozen_ranks()
+        failure = self._failure()
+        if failure:  # the rank that stopped raised: its error, not a hang
+            return self._failed_elsewhere(failure)
         waited = time.monotonic() - since  # from the last progress to this verdict: what the hang cost
         stuck, records = self._stuck_ranks(frozen, step), self._last_records
         stacks = self._dump_stacks()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -78,17 +80,23 @@ def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def build_mesh(device: torch.device, world_size: int, replicas: int):
+def build_mesh(device: torch.device, world_size: int, replicas: int, timeout: timedelta | None = None):
     """1-D mesh (FSDP over all ranks), or with replicas > 1 a 2-D (replicate, shard) mesh: HSDP. fully_shard
     then all-gathers and reduce-scatters within a shard group (consecutive ranks: one node with torchrun)
-    and all-reduces gradients across replicas, so only that all-reduce crosses the node boundary."""
+    and all-reduces gradients across replicas, so only that all-reduce crosses the node boundary.
+    `timeout`: the mesh groups' collective timeout (train.collective_timeout_minutes); torch gives the groups
+    it splits off for a 2-D mesh its default, 30 min, whatever the default group has."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if replicas == 1:
-        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
-    if world_size % replicas:
+        mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    elif world_size % replicas:
         raise ModelError(f"model.replicas={replicas} must divide the world size {world_size}")
-    return init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+    for dim in range(mesh.ndim if timeout is not None else 0):
+        dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(dim))
+    return mesh
 
 
 # model.attn_implementation -> (the package transformers imports for it, how to get it); eager and sdpa need none

@@ -3,9 +3,14 @@
     python -m pytest tests/test_hang.py -q -k straggler
 
 Per step each rank splits its step time into waiting (blocked in the step's own collectives: the loss-token count
-at its start and the loss at its end, see `waiting`) and computing (the rest). A slower rank reaches those
-collectives late: its computing share grows, the others' waiting shares do. Every log interval two one-element
-all_reduces tell every rank the slowest rank, its compute seconds (MAX of compute packed with the rank) and the
+at its start and the loss at its end, see `waiting`; and inside FSDP's pre-forward hook of each block, where the
+block's all-gather is waited for, see `watch_blocks`) and computing (the rest). A slower rank reaches those
+collectives late: its computing share grows, the others' waiting shares do. On CUDA the host only launches
+kernels and every rank's host waits alike (FSDP's collectives tie the ranks together on the device), so there a
+rank's compute is its device's own time in the blocks' forward: CUDA events recorded on the compute stream after
+FSDP made it wait for the block's all-gather and before its post-forward, summed once the step has synchronised
+(two events per block and micro batch, read at the end of each step: bounded by the config, not the world size).
+Every log interval two one-element all_reduces tell every rank the slowest rank, its compute seconds (MAX of compute packed with the rank) and the
 mean (SUM): O(1) bytes per rank, never a gather of W values. When the slowest rank's compute exceeds the mean by
 more than train.straggler_margin for PERSISTENT intervals in a row, rank 0 logs one line and a `straggler` event
 (step, rank, compute_s, mean_compute_s, margin); again only once another rank is the slowest, or it recovered.
@@ -31,6 +36,40 @@ class StragglerMonitor:
         self.compute_s = 0.0  # this rank's compute seconds since the last log interval
         self.streak = (None, 0)  # (slowest rank, intervals in a row over the margin)
         self.reported = None
+        self.on_device = device.type == "cuda"  # compute is the device's time in the blocks (CUDA events)
+        self.in_step, self._hook_t0, self._events = False, None, []  # events: (start, end) pairs, CUDA only
+
+    def watch_blocks(self, blocks) -> None:
+        """Hooks on each fully_shard-ed block: one before FSDP's pre-forward and one after (between them: the
+        wait for the block's all-gather, subtracted on the host), one before FSDP's post-forward (on CUDA: the
+        block's forward on the device, between two events). Only inside `timed` steps (not eval, not sample)."""
+        if not self.on:
+            return
+        for block in blocks:
+            block.register_forward_pre_hook(self._before_fsdp, prepend=True)  # runs before FSDP's own (prepended)
+            block.register_forward_pre_hook(self._block_begins)
+            block.register_forward_hook(self._block_ends, prepend=True)
+
+    def _before_fsdp(self, _module, _args) -> None:
+        self._hook_t0 = time.perf_counter() if self.in_step else None
+
+    def _block_begins(self, _module, _args) -> None:
+        if self._hook_t0 is not None and not self.on_device:
+            self.compute_s -= time.perf_counter() - self._hook_t0  # waiting for the block's all-gather
+        self._hook_t0 = None
+        if self.in_step and self.on_device:
+            self._events.append([torch.cuda.Event(enable_timing=True), None])
+            self._events[-1][0].record()
+
+    def _block_ends(self, _module, _args, _out) -> None:
+        if self.in_step and self.on_device and self._events and self._events[-1][1] is None:
+            self._events[-1][1] = torch.cuda.Event(enable_timing=True)
+            self._events[-1][1].record()
+
+    def _device_compute_s(self) -> float:
+        """The blocks' forward time on this rank's device since the last call (the step has synchronised)."""
+        events, self._events = self._events, []
+        return sum(start.elapsed_time(end) for start, end in events if end is not None) / 1000
 
     @property
     def on(self) -> bool:
@@ -40,9 +79,15 @@ class StragglerMonitor:
     def timed(self, step: int):
         """Around training `step`: its time counts as computing, less what `waiting` takes out. At a log
         interval, afterwards, the collective verdict (every rank reaches the same steps)."""
-        t0 = time.perf_counter()
-        yield
-        self.compute_s += time.perf_counter() - t0
+        t0, self.in_step = time.perf_counter(), True
+        try:
+            yield
+        finally:
+            self.in_step = False
+        if self.on_device:
+            self.compute_s += self._device_compute_s()
+        else:
+            self.compute_s += time.perf_counter() - t0
         if step % self.log_interval == 0:
             self.compare(step)
 
@@ -51,7 +96,8 @@ class StragglerMonitor:
         """Around a collective of the step and the read of its result: that time is waiting, not computing."""
         t0 = time.perf_counter()
         yield
-        self.compute_s -= time.perf_counter() - t0
+        if not self.on_device:
+            self.compute_s -= time.perf_counter() - t0
 
     def compare(self, step: int) -> None:
         """Collective: every rank calls it at the same steps (each log interval)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import signal
 import socket
@@ -102,6 +103,44 @@ def kill_workers(parent_pid: int) -> None:
                 os.killpg(group, signal.SIGKILL) if group != os.getpgrp() else os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
+
+
+def children(parent_pid: int) -> list[int]:
+    """The pids whose parent is `parent_pid`."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent_pid:
+                    out.append(int(stat.split("/")[2]))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _fd_target(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:  # closed meanwhile
+        return ""
+
+
+def gpu_holders(dev: str = "/dev") -> dict[int, set[int]]:
+    """{pid: GPU indices} of the processes holding a GPU's device node (<dev>/nvidia<N>) open: a CUDA context opens
+    its GPU's node (cuInit alone only nvidiactl). Read from /proc, so it also works in a container, where
+    `nvidia-smi --query-compute-apps` lists host pids or none at all."""
+    pattern = re.compile(re.escape(dev.rstrip("/")) + r"/nvidia(\d+)$")
+    found: dict[int, set[int]] = {}
+    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        gpus = {int(m.group(1)) for t in map(_fd_target, (os.path.join(fd_dir, fd) for fd in fds))
+                if (m := pattern.match(t))}
+        if gpus:
+            found[int(fd_dir.split("/")[2])] = gpus
+    return found
 
 
 def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None,

@@ -221,9 +221,21 @@ def test_model_flops_and_mfu_of_the_qwen05b_shape():
     assert f["attention"] == 6 * 24 * 2048 * 896 and f["total"] == 6 * linear + 6 * 24 * 2048 * 896
     assert mfu(f["total"], 100_000, 989.4) == pytest.approx(f["total"] * 1e5 / 989.4e12)
     assert mfu(f["total"], 100_000, None) is None
-    assert [peak_tflops(n, None) for n in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "Tesla T4")] == \
-        [989.4, 756.0, 989.4, None]
-    assert peak_tflops("Tesla T4", 65.0) == 65.0 and dict(PEAK_BF16_TFLOPS)["H100"] == 989.4
+    names = ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "NVIDIA H200 NVL", "NVIDIA H100 NVL",
+             "Tesla T4")
+    assert [peak_tflops(n, None) for n in names] == [989.4, 756.0, 989.4, 835.0, 835.0, None]
+    assert peak_tflops("Tesla T4", 65.0) == 65.0 and PEAK_BF16_TFLOPS["NVIDIA H100 80GB HBM3"] == 989.4
+
+
+def test_memory_is_held_against_the_plan_like_with_like():
+    """The allocator's peaks hold no CUDA context: against the plan without its assumed 3 GiB; the device's used
+    memory (which does) against the whole plan."""
+    from gpu_bench import GIB, plan_ratios
+    plan = {"total": 13 * GIB, "without_cuda_context": 10 * GIB}
+    got = plan_ratios({"max_memory_reserved": 10 * GIB, "max_memory_allocated": 8 * GIB, "device_used": 13 * GIB},
+                      plan)
+    assert got == {"reserved_over_plan": 1.0, "allocated_over_plan_without_context": 0.8,
+                   "device_used_over_plan": 1.0}
 
 
 def test_gpu_bench_cpu_smoke_runs_every_part_and_never_writes_gpu_results(tmp_path):
@@ -248,9 +260,13 @@ def test_gpu_bench_records_the_test_tier_even_when_it_was_cut_short(tmp_path):
     log.write_text("tests/test_gpu.py::test_a[1gpu] PASSED    [ 10%]\n"
                    "tests/test_gpu.py::test_b[1gpu] FAILED    [ 20%]\n"
                    "tests/test_gpu.py::test_c SKIPPED (no flash_attn)    [ 30%]\n")
-    t = tier_outcome(str(tmp_path / "absent.xml"), str(log), 124)
+    collected = tmp_path / "collected.txt"
+    collected.write_text("tests/test_gpu.py::test_a[1gpu]\ntests/test_gpu.py::test_b[1gpu]\ntests/test_gpu.py::test_c\n"
+                         "tests/test_gpu.py::test_d[1gpu]\n\n4 tests collected in 3.1s\n")
+    t = tier_outcome(str(tmp_path / "absent.xml"), str(log), 124, str(collected))
     assert t["timed_out"] and (t["tests"], t["failures"], t["skipped"]) == (3, 1, 1)
     assert t["failed"] == ["tests/test_gpu.py::test_b[1gpu]"] and "log" in t["source"]
+    assert t["not_run"] == ["tests/test_gpu.py::test_d[1gpu]"], "the results say which tests did not run"
 
 
 def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_path):

@@ -75,6 +75,8 @@ def test_missing_yaml_file():
     ("train.warmup_steps=-1", "config key 'train.warmup_steps' must be >= 0, got -1"),
     ("data.seq_len=1", "config key 'data.seq_len' must be >= 2, got 1"),
     ("train.collective_timeout_minutes=0", "config key 'train.collective_timeout_minutes' must be > 0"),
+    ("train.hang_timeout=600", "config key 'train.hang_timeout=600' must be below train.collective_timeout_minutes "
+                               "(10 min = 600s)"),
     ("ckpt.keep_last=-2", "config key 'ckpt.keep_last' must be >= 0, got -2"),
     ("ckpt.interval=-1", "config key 'ckpt.interval' must be a step count >= 0 or auto, got '-1'"),
     ("ckpt.interval=often", "config key 'ckpt.interval' must be a step count >= 0 or auto, got 'often'"),

@@ -3,16 +3,24 @@
     python -m pytest tests/test_gpu_mechanisms.py -q
 """
 
+import os
 import pickle
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
+import ckpt.loop
+import train_fsdp
 from ckpt.uploader import CheckpointWriter
 from ckpt.state import RNGState
+from conftest import ROOT, free_port, start_on_free_port
+from finetune.model import build_mesh
 
 
 def test_uploader_never_takes_the_cuda_stream_loader(tmp_path, monkeypatch):
@@ -61,3 +69,75 @@ def test_rng_reads_the_old_all_devices_format(monkeypatch):
     state["cuda"] = [torch.tensor([20], dtype=torch.uint8), torch.tensor([21], dtype=torch.uint8)]
     RNGState().load_state_dict({"blob": pickle.dumps(state)})
     assert int(fake.states[1][0]) == 21 and int(fake.states[0][0]) == 10
+
+
+def _mesh_timeouts(rank: int, port: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=42))
+    try:
+        for timeout in (None, timedelta(seconds=42)):
+            mesh = build_mesh(torch.device("cpu"), 2, 2, timeout)  # HSDP: 2 replicas x 1 shard
+            got = [mesh.get_group(d)._get_backend(torch.device("cpu")).options._timeout for d in range(mesh.ndim)]
+            if rank == 0:
+                out.put((timeout, got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hsdp_mesh_groups_get_the_collective_timeout():
+    """model.replicas > 1: torch splits the mesh groups off with its default timeout (30 min), not the default
+    group's; build_mesh gives them train.collective_timeout_minutes."""
+    queue = torch.multiprocessing.get_context("spawn").SimpleQueue()
+    start_on_free_port(_mesh_timeouts, lambda port: (port, queue), nprocs=2)
+    (_, torch_default), (_, ours) = queue.get(), queue.get()
+    assert timedelta(minutes=30) in torch_default, "what torch does unasked (the size-1 shard group): can fail"
+    assert ours == [timedelta(seconds=42)] * 2
+
+
+def test_the_final_export_waits_on_the_checkpoint_group(monkeypatch):
+    """export.at_end with LoRA: rank 0 merges while the others wait in a collective; that wait gets the checkpoint
+    group's timeout (ckpt.timeout_minutes), not the default group's training one (10 min, short of a 70B merge)."""
+    seen = {}
+    monkeypatch.setattr(ckpt.loop, "export_final", lambda *a, **kw: seen.update(kw) or "exported")
+    save_group = object()
+    fake = SimpleNamespace(mgr=SimpleNamespace(last_saved_step=5, dir="ck", pg=save_group),
+                           log=SimpleNamespace(info=lambda _m: None))
+    ckpt.loop.TrainingCheckpoints.export(fake, 5, "out", "auto")
+    assert seen.get("group") is save_group
+
+
+@pytest.mark.parametrize("ends,graceful", [("returns", True), ("raises", False)])
+def test_an_error_aborts_the_process_group_a_finished_run_destroys_it(monkeypatch, tmp_path, ends, graceful):
+    """NCCL's graceful shutdown (destroy_process_group) flushes work; after an error peers may never match it."""
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    called = []
+    real_destroy, real_abort = dist.destroy_process_group, dist.distributed_c10d._abort_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: called.append("destroy") or real_destroy(*a))
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda *a: called.append("abort") or real_abort(*a))
+
+    def train(*_a):
+        if ends == "raises":
+            raise OSError("CUDA out of memory (standing for)")
+        return 0
+    monkeypatch.setattr(train_fsdp, "train", train)
+    argv = ["--config", f"{ROOT}/configs/tiny.yaml", f"run.dir={tmp_path}"]
+    if graceful:
+        assert train_fsdp.main(argv) == 0
+    else:
+        with pytest.raises(OSError):
+            train_fsdp.main(argv)
+    assert called == (["destroy"] if graceful else ["abort"]) and not dist.is_initialized()
+
+
+def test_gpu_holders_reads_the_open_device_nodes(tmp_path):
+    """tests/test_gpu.py's count of processes per GPU, without nvidia-smi (empty in containers): the processes that
+    hold /dev/nvidia<N> open. Here a stand-in folder: this process opens its "nvidia3"."""
+    from conftest import gpu_holders
+    (tmp_path / "nvidia3").write_bytes(b"")
+    (tmp_path / "nvidiactl").write_bytes(b"")
+    assert os.getpid() not in gpu_holders(str(tmp_path))
+    with open(tmp_path / "nvidia3"), open(tmp_path / "nvidiactl"):
+        assert gpu_holders(str(tmp_path))[os.getpid()] == {3}, "nvidiactl is no GPU"

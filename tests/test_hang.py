@@ -1,6 +1,7 @@
 """Hang detection and stragglers (finetune/hang.py, finetune/stragglers.py): a frozen rank ends the job with exit 76
 naming it, torchrun restarts it, the memory tier resumes it bit for bit; a slow save or a long eval is no hang; a
-rank slowed on purpose is named as a straggler.
+rank that raises is named with its error, exit 1, no hang; a SIGTERM with a peer frozen stops at once; a rank
+slowed on purpose is named as a straggler.
 
     python -m pytest tests/test_hang.py -q
 
@@ -9,12 +10,15 @@ Run A trains 10 steps at W=2 with a memory step every step. Run B is A with rank
 """
 
 import os
+import signal
+import subprocess
 import time
 
 import pytest
+import torch.distributed as dist
 
-from conftest import events, losses, run_train
-from finetune.hang import AUTO_FLOOR_S, HangWatchdog, parse_hang_timeout
+from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
+from finetune.hang import AUTO_FLOOR_S, CAP_SHARE, HangWatchdog, parse_hang_timeout
 
 RUN = ["train.max_steps=10", "ckpt.interval=0", "ckpt.memory_interval=1", "train.hang_timeout=10"]
 FROZEN_STEP = 6
@@ -43,6 +47,70 @@ def test_a_frozen_rank_is_named_and_the_restarted_job_ends_bit_for_bit(tmp_path)
     assert losses(b) == losses(tmp_path / "a") and sorted(losses(b)) == list(range(1, 11))
 
 
+def test_a_failing_rank_is_named_with_its_error_not_called_a_hang(tmp_path):
+    """Issue 49's command: rank 1 raises inside step 5 (an OSError standing for a CUDA OOM); rank 0 waits for it in
+    the step's collective. The job ends naming rank 1's error, exit 1, no hang file (slurm/train.sbatch requeues on
+    one), no stacks, well before the hang timeout would have called it a hang."""
+    run, hang_file = tmp_path / "run", tmp_path / "hang.txt"
+    proc = run_train(run, 2, ["train.max_steps=20", "ckpt.interval=4", "train.hang_timeout=5"], check=False,
+                     env={"CKPT_FAULT": "oserror@mid_step:5,rank=1", "FINETUNE_HANG_FILE": str(hang_file)})
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and not hang_file.exists() and not (run / "hang").exists(), proc.stderr[-3000:]
+    assert "error: rank 1: OSError: [Errno 28]" in proc.stderr, "the failing rank's own line, though not rank 0"
+    assert any(ln.startswith("error: rank 1 failed: OSError: [Errno 28]") and "(step 5, phase step)" in ln
+               for ln in errors), proc.stderr[-3000:]
+    assert not any("hang" in ln for ln in errors) and "exitcode  : 76" not in proc.stderr, proc.stderr[-3000:]
+    [failed] = events(run, "failed")
+    assert (failed["rank"], failed["step"], failed["exit_code"]) == (1, 5, 1) and events(run, "hang") == []
+
+
+def test_a_sigterm_while_a_peer_is_frozen_stops_the_job_at_once(tmp_path):
+    """torchrun's SIGTERM reaches rank 0 blocked in a collective on rank 1, which is frozen (SIGSTOP): rank 0 must
+    not wait for a step boundary that never comes (torchrun would SIGKILL it after its 60 s here)."""
+    frozen = tmp_path / "frozen"
+    args = [*FAST, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={token_cache()}", "train.max_steps=20",
+            "ckpt.interval=0", "train.hang_timeout=300"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "60",
+           "CKPT_FAULT": f"stop@mid_step:4,rank=1,file={frozen}"}
+    agent = subprocess.Popen(train_cmd(2, args), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not frozen.exists() and agent.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert frozen.exists(), "rank 1 was never frozen"
+        time.sleep(1)
+        t0 = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(120)
+        stopped_s = time.monotonic() - t0
+    finally:
+        kill_workers(agent.pid)
+        if agent.poll() is None:
+            agent.kill()
+    assert stopped_s < 30, f"the job took {stopped_s:.0f}s to stop after SIGTERM"
+
+
+def test_auto_hang_timeout_stays_below_the_collective_timeout():
+    dog = HangWatchdog(None, 0, 1, "unused", None, None, cap=600)
+    dog.step_times.extend([90.0] * 5)
+    assert dog.timeout() == CAP_SHARE * 600, "10 x 90 s would outlast NCCL's 10 min: NCCL would abort first"
+    assert HangWatchdog(None, 0, 1, "unused", None, None, cap=30)._capped(AUTO_FLOOR_S) == CAP_SHARE * 30
+
+
+def test_the_first_failure_is_the_one_published():
+    store = dist.HashStore()
+    dogs = [HangWatchdog(5, r, 3, "unused", None, store) for r in range(3)]
+    assert dogs[0]._failure() is None
+    dogs[0].state = ("step", 7, time.monotonic())
+    dogs[2].state = ("checkpoint", 6, time.monotonic())
+    dogs[2].failed(OSError("CUDA out of memory\nmore lines"))
+    dogs[0].failed(RuntimeError("connection closed by peer"))  # a consequence, not the cause
+    assert dogs[1]._failure() == {"rank": 2, "step": 6, "phase": "checkpoint", "error": "OSError: CUDA out of memory"}
+    assert dogs[2]._failure() is None, "a rank does not exit on its own failure"
+    assert [d.state[0] for d in dogs] == ["failed", "startup", "failed"]
+
+
 def test_a_slow_save_and_a_long_eval_are_not_hangs(tmp_path):
     saved, evaluated = tmp_path / "slow-save", tmp_path / "long-eval"
     fault = f"sleep@write:3,rank=1,secs=15,file={saved};sleep@eval:4,rank=1,secs=15,file={evaluated}"
@@ -62,6 +130,16 @@ def test_a_slowed_rank_is_named_a_straggler(tmp_path):
     assert lines and lines[0].startswith("straggler: rank 1 "), proc.stdout[-3000:]
     ev = events(run, "straggler")
     assert ev and ev[0]["rank"] == 1 and ev[0]["margin"] > 0.2 and ev[0]["compute_s"] > ev[0]["mean_compute_s"]
+
+
+def test_a_rank_slowed_inside_the_forward_is_named_a_straggler(tmp_path):
+    """The slowdown of a slow GPU: inside a block's forward, after FSDP's all-gather (CKPT_FAULT `forward`). The
+    healthy rank waits for it in the next block's all-gather, inside the step: that wait is not its compute."""
+    run = tmp_path / "run"
+    proc = run_train(run, 2, ["train.max_steps=8", "train.straggler_margin=0.2", "ckpt.interval=0"],
+                     env={"CKPT_FAULT": "sleep@forward,rank=1,secs=0.3"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("straggler:")]
+    assert lines and lines[0].startswith("straggler: rank 1 "), proc.stdout[-3000:]
 
 
 def test_hang_timeout_values():

@@ -135,3 +135,30 @@ def test_process_mode_buffers_are_shared_memory():
         assert stager.stage({"w": w})["w"].untyped_storage().data_ptr() == buf.data_ptr()
     finally:
         stager.close()
+
+
+def test_staging_starts_after_the_compute_streams_writes(tmp_path, monkeypatch):
+    """DCP's staging stream does not wait for the compute stream: a save right after `optimizer.step()` must make
+    the copy wait for it (ckpt/saver.py wait_for_state_writes). Here CUDA is pretended, and the order in which the
+    current stream is synchronised and the stager copies is recorded (tests/test_gpu.py checks the values)."""
+    order = []
+
+    class Stream:
+        def synchronize(self):
+            order.append("synchronize")
+
+    class Recording(SlowStager):
+        def _stage(self, state_dict, **kwargs):
+            order.append("stage")
+            return super()._stage(state_dict, **kwargs)
+
+    mgr = CheckpointManager(str(tmp_path), "thread", keep_last=0)
+    mgr._stager._stager = Recording()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *_a: Stream())
+    try:
+        mgr.save(1, {"w": torch.arange(10.0)}, {"meta.json": "{}"})
+        mgr.wait()
+    finally:
+        mgr.close()
+    assert order[:2] == ["synchronize", "stage"], order

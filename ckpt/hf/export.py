@@ -311,11 +311,13 @@ def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=Non
     return job.summary()
 
 
-def export_final(ckpt_path: str, out_dir: str, dtype: str = "auto") -> str:
+def export_final(ckpt_path: str, out_dir: str, dtype: str = "auto", group=None) -> str:
     """End of training, on every rank: export this job's final checkpoint (committed by this job, so not
-    re-hashed) over any earlier export in out_dir, each rank writing its share; returns a log line."""
+    re-hashed) over any earlier export in out_dir, each rank writing its share; returns a log line. `group`: the
+    checkpoint group, whose timeout (ckpt.timeout_minutes) the others' wait for rank 0's LoRA merge needs; the
+    default group's is a training step's."""
     if dist.is_initialized():
-        info = export_on_ranks(ckpt_path, out_dir, dtype)
+        info = export_on_ranks(ckpt_path, out_dir, dtype, group)
     else:
         info = export_checkpoint(ckpt_path, out_dir, dtype, overwrite=True, verify=False)
     return (f"export: step {step_of(ckpt_path)} -> {info['path']} ({info['class']}, {info['files']} safetensors "
