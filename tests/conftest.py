@@ -78,7 +78,7 @@ def train_cmd(nproc: int, overrides: list[str], restarts: int = 0, script: str =
 QUICK = (
     "test_ckpt_unit.py", "test_ckpt_loop.py", "test_staging_wait.py", "test_loss.py", "test_progress.py",
     "test_storage_backends.py", "test_layers.py", "test_gpu_mechanisms.py", "test_train_step.py",
-    "test_docs_figures.py", "test_readme.py::test_readme_test_command_is_what_ci_runs",
+    "test_docs_figures.py", "test_named_files.py", "test_readme.py::test_readme_test_command_is_what_ci_runs",
     "test_readme.py::test_readme_links_only_existing_docs",
     "test_ckpt_resume.py::test_kill_and_resume_is_bit_identical[thread]",
     "test_bad_input.py::test_bad_config[wrong-type]",
