@@ -90,7 +90,7 @@ QUICK = (
     "test_data.py::test_resume_position_continues_the_same_stream", "test_data.py::test_batch_split_errors_name_sizes",
     "test_data.py::test_packing_concatenates_restarts_positions_and_drops_tail",
     "test_data.py::test_padding_truncates_and_masks_pads", "test_data.py::test_chat_prompt_tokens_are_masked",
-    "test_data.py::test_text_file_end_to_end_with_cache",
+    "test_data.py::test_text_file_end_to_end_with_cache", "test_data.py::test_prepare_ahead_then_training_reuses_the_cache",
     "test_plan.py::test_plan_says_why_it_does_not_fit", "test_plan.py::test_fsdp_shards_are_padded_on_dim0",
     "test_plan.py::test_plan_knows_hsdp_and_no_sync_accumulation",
     "test_plan.py::test_the_memory_tier_counts_against_host_memory",
