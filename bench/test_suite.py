@@ -108,10 +108,12 @@ def coverage_of(work: str) -> dict[str, dict]:
                    check=True)
     with open(report) as f:
         files = json.load(f)["files"]
+    with open(rc) as f:  # the checkout that run measured (an earlier run's may be another clone)
+        root = next(line.split("=", 1)[1].strip() for line in f if line.startswith("source ="))
     per = {p: [0, 0] for p in (*PACKAGES, "all")}
     modules = {}
     for path, data in files.items():
-        rel = os.path.relpath(os.path.join(ROOT, path), ROOT)
+        rel = os.path.relpath(os.path.join(ROOT, path), root)
         if rel.split(os.sep)[0] not in PACKAGES:
             continue
         modules[rel] = data["summary"]["percent_covered"]
