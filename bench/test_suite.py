@@ -4,10 +4,11 @@ on, and line coverage of ckpt/, finetune/, common/ and train_fsdp.py, subprocess
 
     python bench/test_suite.py --out bench/results                       # the full suite, as .ci/run runs it
     python bench/test_suite.py --out /tmp/q --name test_suite_quick -m quick    # the quick tier
-    python bench/test_suite.py --out bench/results --from WORK --provenance P.json  # summarize a run made before
+    python bench/test_suite.py --out bench/results --from WORK --provenance P.json   # a run made before
 
 Arguments after the options go to pytest. Writes <out>/<name>.{json,md} (bench/provenance.py) and keeps the run's
-raw records in <out>/<name>-work/ (per-test records, coverage data). docs/testing.md quotes the results.
+raw records (per-test records, coverage data) in --work, by default <tmp>/<name>-work, outside the repository.
+docs/testing.md quotes the results.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import provenance  # bench/provenance.py, beside this script
@@ -164,14 +166,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--name", default="test_suite")
-    p.add_argument("--from", dest="work", help="summarize this earlier run's folder (tests.jsonl, coverage data)")
+    p.add_argument("--work", help="where the run's raw records go (default: <tmp>/<name>-work)")
+    p.add_argument("--from", dest="earlier", help="summarize this earlier run's --work folder instead of running")
     p.add_argument("--provenance", help="with --from: a JSON file holding that run's provenance")
     args, pytest_args = p.parse_known_args(argv)
     started = provenance.start(argv)
-    if args.work:
-        work, wall_s = args.work, None
+    if args.earlier:
+        work, wall_s = args.earlier, None
     else:
-        work = os.path.join(os.path.abspath(args.out), f"{args.name}-work")
+        work = os.path.abspath(args.work or os.path.join(tempfile.gettempdir(), f"{args.name}-work"))
         wall_s = run_suite(work, pytest_args)
     result = summarize(tests_of(work), wall_s, coverage_of(work))
     given = {}
