@@ -82,7 +82,9 @@ def run_suite(work: str, pytest_args: list[str]) -> float:
         if name.startswith(".coverage") or name == "tests.jsonl":
             os.remove(os.path.join(work, name))
     cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={coverage_rc(work)}", os.path.abspath(__file__),
-           "--inner", os.path.join(work, "tests.jsonl"), "tests", "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
+           "--inner", os.path.join(work, "tests.jsonl"), "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
+    if not any(a.startswith("tests") for a in pytest_args):  # no test named: all of them
+        cmd.append("tests")
     started = time.monotonic()
     subprocess.run(cmd, cwd=ROOT, check=False)
     return round(time.monotonic() - started, 1)
