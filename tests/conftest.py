@@ -91,7 +91,6 @@ QUICK = (
     "test_data.py::test_packing_concatenates_restarts_positions_and_drops_tail",
     "test_data.py::test_padding_truncates_and_masks_pads", "test_data.py::test_chat_prompt_tokens_are_masked",
     "test_data.py::test_text_file_end_to_end_with_cache",
-    "test_data.py::test_prepare_ahead_then_training_reuses_the_cache",
     "test_plan.py::test_plan_says_why_it_does_not_fit", "test_plan.py::test_fsdp_shards_are_padded_on_dim0",
     "test_plan.py::test_plan_knows_hsdp_and_no_sync_accumulation",
     "test_plan.py::test_the_memory_tier_counts_against_host_memory",
@@ -121,8 +120,7 @@ QUICK = (
     "test_s3_transfer.py::test_part_sizes_stay_within_s3_limits",
     "test_s3_transfer.py::test_ranged_reads_fetch_only_the_wanted_bytes",
     "test_s3_transfer.py::test_deletes_go_in_batches",
-    "test_cli_errors.py::test_verify_of_a_folder_that_is_no_checkpoint_says_so",
-    "test_cli_errors.py::test_help_config_lists_every_key_with_type_default_and_doc",
+    "test_usability.py::test_ckpt_errors_go_to_stderr",  # python -m ckpt's commands, in-process
     "test_resume_config.py::test_rules_per_field",
     "test_resume_config.py::test_moved_model_of_an_older_checkpoint_compared_by_its_saved_folder",
     "test_ckpt_policy.py::test_young_daly_and_parse", "test_ckpt_policy.py::test_step_interval_needs_no_clock",
@@ -132,7 +130,8 @@ QUICK = (
 
 
 def in_quick_tier(nodeid: str) -> bool:
-    """Whether `nodeid` (tests/test_x.py::test_y[param]) is named by QUICK: its file, its test, or itself."""
+    """Whether `nodeid` (e.g. tests/test_bad_input.py::test_bad_config[wrong-type]) is named by QUICK: its file,
+    its test, or itself."""
     name = nodeid.removeprefix("tests/")
     return any(name == q or name.startswith(q + ("[" if "::" in q else "::")) for q in QUICK)
 
