@@ -73,6 +73,80 @@ def train_cmd(nproc: int, overrides: list[str], restarts: int = 0, script: str =
             "--max-restarts", str(restarts), script, *cfg, *overrides]
 
 
+# The quick tier, `python3 -m pytest tests -q -m quick` (docs/testing.md): in-process tests of every module and one
+# torchrun kill and resume, for the edit-test loop; CI runs everything. A file name takes the whole file; a test's
+# name all its parameters. A new fast test joins with @pytest.mark.quick where it is written, or here.
+QUICK = (
+    "test_ckpt_unit.py", "test_ckpt_loop.py", "test_staging_wait.py", "test_loss.py", "test_progress.py",
+    "test_storage_backends.py", "test_layers.py", "test_gpu_mechanisms.py", "test_train_step.py",
+    "test_docs_figures.py", "test_named_files.py", "test_readme.py::test_readme_test_command_is_what_ci_runs",
+    "test_readme.py::test_readme_links_only_existing_docs",
+    "test_ckpt_resume.py::test_kill_and_resume_is_bit_identical[thread]",
+    "test_bad_input.py::test_bad_config[wrong-type]",
+    "test_config.py::test_types_are_coerced_from_strings", "test_config.py::test_every_numeric_field_has_a_range",
+    "test_config.py::test_interval_takes_steps_or_auto", "test_config.py::test_unknown_key_in_yaml",
+    "test_config.py::test_missing_yaml_file",
+    "test_data.py::test_global_batches_identical_for_any_world_size",
+    "test_data.py::test_order_is_a_pure_function_of_seed_epoch_index",
+    "test_data.py::test_resume_position_continues_the_same_stream", "test_data.py::test_batch_split_errors_name_sizes",
+    "test_data.py::test_packing_concatenates_restarts_positions_and_drops_tail",
+    "test_data.py::test_padding_truncates_and_masks_pads", "test_data.py::test_chat_prompt_tokens_are_masked",
+    "test_data.py::test_text_file_end_to_end_with_cache",
+    "test_plan.py::test_plan_says_why_it_does_not_fit", "test_plan.py::test_fsdp_shards_are_padded_on_dim0",
+    "test_plan.py::test_plan_knows_hsdp_and_no_sync_accumulation",
+    "test_plan.py::test_the_memory_tier_counts_against_host_memory",
+    "test_plan.py::test_lora_plan_counts_the_adapters_peft_adds",
+    "test_schedule.py::test_cosine_warms_up_then_falls_to_the_floor_at_max_steps",
+    "test_schedule.py::test_wsd_holds_the_peak_then_decays_linearly_over_its_last_fraction",
+    "test_schedule.py::test_an_unknown_schedule_is_a_config_error",
+    "test_hf.py::test_chunk_runs_cover_exactly_the_chunk",
+    "test_lora.py::test_check_same_base_rules",
+    "test_lora.py::test_adapters_on_meta_freeze_the_base_in_the_compute_dtype",
+    "test_lora.py::test_qlora_is_refused_clearly",
+    "test_eval.py::test_keep_best_survives_retention_and_restarts",
+    "test_goodput.py::test_account_of_known_records_has_every_cause",
+    "test_goodput.py::test_records_without_attempt_start_are_one_attempt",
+    "test_loggers.py::test_scalars_cover_eval_and_checkpoint_events", "test_hang.py::test_hang_timeout_values",
+    "test_faults.py::test_random_trials_replay_and_cover_every_moment",
+    "test_memory_tier.py::test_memory_shortfall_names_what_is_short",
+    "test_memory_tier.py::test_default_memory_dir_is_per_ckpt_dir_and_in_shm",
+    "test_memory_tier.py::test_a_memory_folder_made_by_the_tier_is_this_users_alone",
+    "test_memory_tier.py::test_plan_shows_the_memory_tier_per_node",
+    "test_memory_replicas.py::test_a_superseded_step_becomes_the_spare_and_the_next_step_writes_over_its_files",
+    "test_memory_replicas.py::test_dcp_writing_over_a_longer_file_leaves_exactly_its_bytes",
+    "test_preflight.py::test_shortfall_names_what_is_short", "test_preflight.py::test_fd_margin_counts",
+    "test_retention.py::test_sync_save_returns_at_its_marker_and_retention_follows",
+    "test_retention.py::test_failed_retention_is_a_warning_and_the_committed_step_is_not_saved_again",
+    "test_retention.py::test_retention_without_a_rename_deletes_in_place_but_never_a_marked_folder",
+    "test_s3_transfer.py::test_part_sizes_stay_within_s3_limits",
+    "test_s3_transfer.py::test_ranged_reads_fetch_only_the_wanted_bytes",
+    "test_s3_transfer.py::test_deletes_go_in_batches",
+    "test_usability.py::test_ckpt_errors_go_to_stderr",  # python -m ckpt's commands, in-process
+    "test_resume_config.py::test_rules_per_field",
+    "test_resume_config.py::test_moved_model_of_an_older_checkpoint_compared_by_its_saved_folder",
+    "test_ckpt_policy.py::test_young_daly_and_parse", "test_ckpt_policy.py::test_step_interval_needs_no_clock",
+    "test_usability.py::test_bench_summary_says_faster_or_slower_the_right_way_round",
+    "test_compile.py::test_compile_refuses_a_machine_without_what_inductor_needs",
+)
+
+
+def in_quick_tier(nodeid: str) -> bool:
+    """Whether `nodeid` (e.g. tests/test_bad_input.py::test_bad_config[wrong-type]) is named by QUICK: its file,
+    its test, or itself."""
+    name = nodeid.removeprefix("tests/")
+    return any(name == q or name.startswith(q + ("[" if "::" in q else "::")) for q in QUICK)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "quick: the quick tier (`-m quick`), every module in a few minutes")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if in_quick_tier(item.nodeid):
+            item.add_marker(pytest.mark.quick)
+
+
 _session: dict[str, str] = {}  # what the session fixtures below made, for the plain helpers (run_train) to use
 
 

@@ -285,3 +285,25 @@ def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_
     assert any(c["runs"][0]["attempts"] == 2 and c["runs"][0]["lost_s"]["downtime"] > 0 for c in r["configs"].values())
     assert r["configs"]["memory"]["runs"][0]["lost_s"]["ckpt"] > r["configs"]["disk"]["runs"][0]["lost_s"]["ckpt"]
     assert (tmp_path / "goodput_bench_smoke.md").read_text().count("| memory |") == 1
+
+
+def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subprocesses(tmp_path):
+    """bench/test_suite.py on two tests: their records, their group, coverage of the four packages (one test runs
+    `python -m ckpt` in a subprocess: its lines count), a skip counted from its setup report."""
+    from test_suite import tests_of
+
+    picked = ["tests/test_cli_errors.py::test_verify_of_a_folder_that_is_no_checkpoint_says_so",
+              "tests/test_ckpt_policy.py::test_young_daly_and_parse"]
+    args = ["--out", str(tmp_path), "--work", str(tmp_path / "work"), *picked]
+    run("test_suite", args, 600)
+    r = check_provenance(tmp_path, "test_suite", args)
+    assert r["tests"] == 2 and r["outcomes"] == {"passed": 2, "skipped": 0, "failed": 0} and r["wall_s"] > 0
+    assert {t["test"].split("::")[0] for t in r["top30"]} == {"tests/test_cli_errors.py", "tests/test_ckpt_policy.py"}
+    assert sum(g["tests"] for g in r["groups"].values()) == 2
+    assert r["coverage"]["modules_percent"]["ckpt/__main__.py"] > 0  # run only as `python -m ckpt`, a subprocess
+    assert 0 < r["coverage"]["all"]["covered"] < r["coverage"]["all"]["lines"]
+    (tmp_path / "skip").mkdir()
+    (tmp_path / "skip" / "tests.jsonl").write_text("".join(json.dumps(
+        {"nodeid": "tests/test_x.py::t", "when": when, "outcome": outcome, "duration": 0.5}) + "\n"
+        for when, outcome in (("setup", "skipped"), ("teardown", "passed"))))
+    assert tests_of(str(tmp_path / "skip")) == {"tests/test_x.py::t": {"seconds": 1.0, "outcome": "skipped"}}

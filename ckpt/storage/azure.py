@@ -17,6 +17,8 @@ Credentials the standard way, from the environment (never the training config): 
 variables adlfs (fsspec's Azure file system) reads. Retries: MAX_ATTEMPTS attempts per request (4 for a refused
 connection), about 3, 5 and 9 s apart (an unreachable endpoint is reported after about 20 s); the SDK's own
 default (waits from 15 s, growing by powers of 3) would hold that error line for about a minute per request.
+CKPT_AZURE_MAX_ATTEMPTS=n sets the attempts (the SDK has no variable for it; AWS_MAX_ATTEMPTS is S3's): the tests
+set 1 where an unreachable endpoint is the point, so they do not wait out the retries.
 """
 
 from __future__ import annotations
@@ -52,20 +54,23 @@ CREDENTIALS = ("set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NA
                "or AZURE_STORAGE_SAS_TOKEN")
 _ENV = ("AZURE_STORAGE_CONNECTION_STRING", "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY",
         "AZURE_STORAGE_SAS_TOKEN")
+ATTEMPTS_ENV = "CKPT_AZURE_MAX_ATTEMPTS"  # attempts per request instead of MAX_ATTEMPTS (tests: 1)
 
 
 def blob_service() -> BlobServiceClient:
     """The account's client, from the environment; one per process and environment (a forked uploader makes its
     own: a client holds sockets)."""
-    return _client(os.getpid(), *(os.environ.get(k) or None for k in _ENV))
+    attempts = int(os.environ.get(ATTEMPTS_ENV) or MAX_ATTEMPTS)
+    return _client(os.getpid(), attempts, *(os.environ.get(k) or None for k in _ENV))
 
 
 @functools.cache
-def _client(pid: int, connection: str | None, account: str | None, key: str | None, sas: str | None):
+def _client(pid: int, attempts: int, connection: str | None, account: str | None, key: str | None,
+            sas: str | None):
     session = requests.Session()  # enough pooled connections for PARALLEL_PARTS per stream, as on S3
     for scheme in ("http://", "https://"):
         session.mount(scheme, requests.adapters.HTTPAdapter(pool_maxsize=4 * PARALLEL_PARTS))
-    options = {"retry_policy": ExponentialRetry(initial_backoff=1, increment_base=2, retry_total=MAX_ATTEMPTS - 1),
+    options = {"retry_policy": ExponentialRetry(initial_backoff=1, increment_base=2, retry_total=attempts - 1),
                "connection_timeout": 20, "transport": RequestsTransport(session=session, session_owner=False)}
     if connection:
         try:

@@ -1,0 +1,201 @@
+"""The test suite's own benchmark: its wall time, each test's duration, grouped by what the test spends its time
+on, and line coverage of ckpt/, finetune/, common/ and train_fsdp.py, subprocesses and torchrun workers included
+(coverage.py: each Python process the tests start measures itself and writes its own data file).
+
+    python bench/test_suite.py --out bench/results                       # the full suite, as .ci/run runs it
+    python bench/test_suite.py --out /tmp/q --name test_suite_quick -m quick    # the quick tier
+    python bench/test_suite.py --out bench/results --from WORK --provenance P.json   # a run made before
+
+Arguments after the options go to pytest. Writes <out>/<name>.{json,md} (bench/provenance.py) and keeps the run's
+raw records (per-test records, coverage data) in --work, by default <tmp>/<name>-work, outside the repository.
+docs/testing.md quotes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import provenance  # bench/provenance.py, beside this script
+
+ROOT = provenance.ROOT
+PACKAGES = ("ckpt", "finetune", "common", "train_fsdp.py")
+
+# What each test file spends its time on, read from its tests (its dominant cost): the groups of the table.
+GROUPS = {
+    "object-store servers (moto, Azurite) and runs against them": (
+        "test_s3", "test_s3_transfer", "test_store_probe", "test_storage_backends"),
+    "SLURM test cluster": ("test_slurm", "test_slurm_multinode"),
+    "waits and retries (a frozen rank, a signal, a timeout waited out)": (
+        "test_hang", "test_process_lifetime", "test_preemption", "test_launch"),
+    "torchrun launches and their training steps": (
+        "test_ckpt_resume", "test_faults", "test_memory_tier", "test_memory_replicas", "test_world_size",
+        "test_lora", "test_eval", "test_hsdp", "test_export_final", "test_train_e2e", "test_save_errors",
+        "test_resume_config", "test_train_state_growth", "test_compile", "test_ckpt_policy", "test_goodput",
+        "test_retention", "test_multinode", "test_schedule", "test_loggers", "test_hf", "test_ckpt_verify",
+        "test_plan_measured", "test_preflight", "test_k8s", "test_shared_paths", "test_optim"),
+    "benchmark smoke runs (bench/ scripts, most of them training under torchrun)": ("test_bench",),
+    "process start-up and imports (plain python, CLI subprocesses, runs stopped at start)": (
+        "test_bad_input", "test_cli_errors", "test_config", "test_usability", "test_readme", "test_data",
+        "test_plan", "test_named_files"),
+}
+IN_PROCESS = "in-process (unit tests, ranks spawned by the test)"
+
+
+def group_of(nodeid: str) -> str:
+    module = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return next((g for g, modules in GROUPS.items() if module in modules), IN_PROCESS)
+
+
+class Recorder:
+    """pytest plugin: one JSON line per test phase, written as it ends (a run cut short keeps what it did)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_runtest_logreport(self, report):
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+                                "duration": round(report.duration, 3), "end": round(time.time(), 1)}) + "\n")
+
+
+def coverage_rc(work: str) -> str:
+    """A .coveragerc with absolute paths: subprocesses start in other folders and read the same settings."""
+    rc = os.path.join(work, "coveragerc")
+    omit = "\n    ".join(os.path.join(ROOT, d, "*") for d in ("tests", "bench", "slurm", "data", "configs", "docs"))
+    with open(rc, "w") as f:
+        f.write(f"[run]\nparallel = true\nconcurrency = multiprocessing,thread\npatch = subprocess, _exit\n"
+                f"sigterm = true\ndata_file = {os.path.join(work, '.coverage')}\nsource = {ROOT}\n"
+                f"omit =\n    {omit}\n")
+    return rc
+
+
+def run_suite(work: str, pytest_args: list[str]) -> float:
+    """The suite under coverage (this script again, --inner, as the measured process); returns its wall time."""
+    os.makedirs(work, exist_ok=True)
+    for name in os.listdir(work):
+        if name.startswith(".coverage") or name == "tests.jsonl":
+            os.remove(os.path.join(work, name))
+    cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={coverage_rc(work)}", os.path.abspath(__file__),
+           "--inner", os.path.join(work, "tests.jsonl"), "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
+    if not any(a.startswith("tests") for a in pytest_args):  # no test named: all of them
+        cmd.append("tests")
+    started = time.monotonic()
+    subprocess.run(cmd, cwd=ROOT, check=False)
+    return round(time.monotonic() - started, 1)
+
+
+def tests_of(work: str) -> dict[str, dict]:
+    """nodeid -> {seconds (setup + call + teardown), outcome} from the run's records."""
+    out: dict[str, dict] = {}
+    with open(os.path.join(work, "tests.jsonl")) as f:
+        for line in f:
+            r = json.loads(line)
+            t = out.setdefault(r["nodeid"], {"seconds": 0.0, "outcome": "passed"})
+            t["seconds"] = round(t["seconds"] + r["duration"], 2)
+            if r["outcome"] == "failed" or (r["outcome"] == "skipped" and t["outcome"] == "passed"):
+                t["outcome"] = r["outcome"]  # a skip is reported at setup, a failure at any phase
+    return out
+
+
+def coverage_of(work: str) -> dict[str, dict]:
+    """Line coverage per package (and all four together) from the run's combined coverage data."""
+    rc = os.path.join(work, "coveragerc")
+    subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", "--keep", f"--rcfile={rc}"], cwd=ROOT,
+                   check=True)
+    report = os.path.join(work, "coverage.json")
+    subprocess.run([sys.executable, "-m", "coverage", "json", "-q", f"--rcfile={rc}", "-o", report], cwd=ROOT,
+                   check=True)
+    with open(report) as f:
+        files = json.load(f)["files"]
+    with open(rc) as f:  # the checkout that run measured (an earlier run's may be another clone)
+        root = next(line.split("=", 1)[1].strip() for line in f if line.startswith("source ="))
+    per = {p: [0, 0] for p in (*PACKAGES, "all")}
+    modules = {}
+    for path, data in files.items():
+        rel = os.path.relpath(os.path.join(ROOT, path), root)
+        if rel.split(os.sep)[0] not in PACKAGES:
+            continue
+        modules[rel] = data["summary"]["percent_covered"]
+        for key in (rel.split(os.sep)[0], "all"):
+            per[key][0] += data["summary"]["covered_lines"]
+            per[key][1] += data["summary"]["num_statements"]
+    out = {p: {"lines": n, "covered": c, "percent": round(100 * c / n, 1) if n else 0.0} for p, (c, n) in per.items()}
+    return {**out, "modules_percent": {m: round(v, 1) for m, v in sorted(modules.items())}}
+
+
+def summarize(tests: dict[str, dict], wall_s: float | None, cover: dict) -> dict:
+    groups: dict[str, dict] = {}
+    for nodeid, t in tests.items():
+        g = groups.setdefault(group_of(nodeid), {"tests": 0, "seconds": 0.0})
+        g["tests"] += 1
+        g["seconds"] = round(g["seconds"] + t["seconds"], 1)
+    outcomes = {o: sum(t["outcome"] == o for t in tests.values()) for o in ("passed", "skipped", "failed")}
+    top = sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:30]
+    return {"wall_s": wall_s, "tests": len(tests), "outcomes": outcomes,
+            "test_seconds": round(sum(t["seconds"] for t in tests.values()), 1),
+            "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["seconds"])),
+            "top30": [{"test": n, **t, "group": group_of(n)} for n, t in top], "coverage": cover}
+
+
+def table(r: dict) -> list[str]:
+    wall = f"{r['wall_s'] / 60:.1f} min wall" if r["wall_s"] else "wall time not recorded (run cut short)"
+    lines = [provenance.markdown_line(r), "", f"{r['tests']} tests ({r['outcomes']['passed']} passed, "
+             f"{r['outcomes']['skipped']} skipped, {r['outcomes']['failed']} failed); {wall}; "
+             f"{r['test_seconds'] / 60:.1f} min summed over tests.", "",
+             "| what the tests spend time on | tests | minutes |", "|---|---|---|"]
+    lines += [f"| {g} | {v['tests']} | {v['seconds'] / 60:.1f} |" for g, v in r["groups"].items()]
+    lines += ["", "| line coverage | covered / lines | % |", "|---|---|---|"]
+    lines += [f"| {p} | {v['covered']} / {v['lines']} | {v['percent']} |" for p, v in r["coverage"].items()
+              if p in (*PACKAGES, "all")]
+    low = [m for m, v in r["coverage"]["modules_percent"].items() if v < 50]
+    lines += ["", f"Modules under 50% line coverage: {', '.join(low) or 'none'}."]
+    lines += ["", "| slowest tests | s | group |", "|---|---|---|"]
+    lines += [f"| {t['test']} | {t['seconds']:.1f} | {t['group']} |" for t in r["top30"]]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--inner"]:  # the measured process: pytest with the recorder
+        import pytest
+        return pytest.main(argv[2:], plugins=[Recorder(argv[1])])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--name", default="test_suite")
+    p.add_argument("--work", help="where the run's raw records go (default: <tmp>/<name>-work)")
+    p.add_argument("--from", dest="earlier", help="summarize this earlier run's --work folder instead of running")
+    p.add_argument("--provenance", help="with --from: a JSON file holding that run's provenance")
+    args, pytest_args = p.parse_known_args(argv)
+    started = provenance.start(argv)
+    if args.earlier:
+        work, wall_s = args.earlier, None
+    else:
+        work = os.path.abspath(args.work or os.path.join(tempfile.gettempdir(), f"{args.name}-work"))
+        wall_s = run_suite(work, pytest_args)
+    result = summarize(tests_of(work), wall_s, coverage_of(work))
+    given = {}
+    if args.provenance:  # the run summarized was made earlier: its commit, dates, loads and command
+        with open(args.provenance) as f:
+            given = json.load(f)
+        result["wall_s"] = given.pop("wall_s", None)
+    result = provenance.record(result, args.name, args.out, started)
+    if given:
+        result["provenance"].update(given)
+        runs = os.path.join(args.out, "runs", args.name)
+        newest = max((os.path.join(runs, n) for n in os.listdir(runs)), key=os.path.getmtime)
+        for path in (newest, os.path.join(args.out, args.name + ".json")):
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+                f.write("\n")
+    provenance.write_markdown(args.out, args.name, table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
