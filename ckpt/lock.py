@@ -1,6 +1,7 @@
 """One job per ckpt.dir: rank 0 takes <ckpt.dir>/.lock with the lock class its storage backend names (a folder's
 flock, an object store's compare-and-swap: ckpt/storage/lock.py has both protocols), and every rank raises rank 0's
-refusal. On an object store, rank 0 first proves that the store enforces the create-only writes and the
+refusal. Before it, every rank refuses a storage backend that one process or one node sees alone where the job spans
+more (Storage.sharing_problem). On an object store, rank 0 first proves that the store enforces the create-only writes and the
 compare-and-swap the lock and the commit marker rely on (Storage.check_guarantees, ckpt/storage/base.py).
 
     python -m pytest tests/test_ckpt_unit.py -q -k lock
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from common.dist import on_rank0_then_share
 from .errors import CheckpointError
+from .memory_tier.peers import NodeLayout
 from .storage import storage_for
 from .storage.base import GuaranteeError
 from .storage.lock import STALE_S, DirLock, LockError, ObjectLock, not_writable  # noqa: F401 - imported from here
@@ -22,6 +24,10 @@ def lock_for_job(ckpt_dir: str, group, unchecked_store: bool = False) -> DirLock
     another live job holds it, every rank raises CheckpointError with rank 0's message. Before that, on an object
     store: if the store does not enforce create-only writes or compare-and-swap, every rank raises, unless
     `unchecked_store` (then rank 0 writes one warning line)."""
+    layout = NodeLayout.here()
+    problem = storage_for(ckpt_dir).sharing_problem(ckpt_dir, layout.world_size, layout.nodes)
+    if problem:  # the same verdict on every rank: no collective
+        raise CheckpointError(problem)
     held: list = []
 
     def take() -> None:  # returns nothing: the lock (an open file, a heartbeat thread) stays on rank 0
