@@ -9,9 +9,10 @@ compare-and-swap the lock and the commit marker rely on (Storage.check_guarantee
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from common.dist import on_rank0_then_share
 from .errors import CheckpointError
-from .memory_tier.peers import NodeLayout
 from .storage import storage_for
 from .storage.base import GuaranteeError
 from .storage.lock import STALE_S, DirLock, LockError, ObjectLock, not_writable  # noqa: F401 - imported from here
@@ -19,13 +20,13 @@ from .storage.lock import STALE_S, DirLock, LockError, ObjectLock, not_writable 
 UNCHECKED_STORE = "ckpt.unchecked_store=true"  # how a user runs on a store that fails the probe, for its error line
 
 
-def lock_for_job(ckpt_dir: str, group, unchecked_store: bool = False) -> DirLock | ObjectLock | None:
+def lock_for_job(ckpt_dir: str, group, unchecked_store: bool = False, nodes: int = 1) -> DirLock | ObjectLock | None:
     """Rank 0 takes <ckpt_dir>/.lock and returns it, held until `release()`; the other ranks return None. If
     another live job holds it, every rank raises CheckpointError with rank 0's message. Before that, on an object
     store: if the store does not enforce create-only writes or compare-and-swap, every rank raises, unless
-    `unchecked_store` (then rank 0 writes one warning line)."""
-    layout = NodeLayout.here()
-    problem = storage_for(ckpt_dir).sharing_problem(ckpt_dir, layout.world_size, layout.nodes)
+    `unchecked_store` (then rank 0 writes one warning line). `nodes`: how many nodes the job's ranks run on."""
+    processes = dist.get_world_size() if dist.is_initialized() else 1
+    problem = storage_for(ckpt_dir).sharing_problem(ckpt_dir, processes, nodes)
     if problem:  # the same verdict on every rank: no collective
         raise CheckpointError(problem)
     held: list = []

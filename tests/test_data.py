@@ -407,7 +407,7 @@ def test_too_long_row_with_truncation_off_exits_2_naming_file_and_row(tmp_path):
 
 
 def test_bad_row_stops_both_ranks_with_one_line(tmp_path):
-    """Under torchrun the rank-0 tokenizing error reaches rank 1 through the error file: both stop, one line."""
+    """Under torchrun the rank-0 tokenizing error reaches rank 1 through the store (common/handoff.py): both stop, one line."""
     from conftest import run_train
     rows = _conversations(30)
     rows[6]["messages"][1]["role"] = "assistent"  # a typo in row 7
