@@ -29,7 +29,7 @@ from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, ope
 from ckpt.faults import fault_point
 from ckpt.hf.load import load_hf_weights
 from common.dist import free_port, torchrun_restart
-from common.handoff import one_rank_builds
+from common.handoff import job_store, one_rank_builds
 from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
@@ -360,7 +360,7 @@ def build_data(cfg: Config, tokenizer, model, rank: int, world_size: int, log):
 def watch_progress(cfg: Config, rank: int, world_size: int, device, log) -> tuple[HangWatchdog, StragglerMonitor]:
     """The hang watchdog (finetune/hang.py; its records go to the process group's store, torchrun's, keyed by the
     restart attempt) and the straggler monitor (finetune/stragglers.py)."""
-    store = dist.distributed_c10d._get_default_store()  # the one store every rank reaches, on every node
+    store = job_store()  # the one store every rank reaches, on every node
     watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store)
     return watchdog, StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
 
