@@ -104,11 +104,18 @@ def _remove_token(folder: str, token: str) -> None:
 
 
 def _verdict(name: str, path: str, views: list, places: list, tokens: list[str]) -> str | None:
-    """The problem with `path` as the nodes' first ranks saw it (`views`, by rank), or None."""
-    blind = [(r, view[name]) for r, view in enumerate(views) if view is not None and view[name]]
+    """The problem with `path` as the nodes' first ranks saw it (`views`, by rank), or None. A path no node could
+    write to is no sharing problem: the run's own first write there says what is wrong with it."""
+    got = {r: view[name] for r, view in enumerate(views) if view is not None}
+    failed = {r for r, seen in got.items() if isinstance(seen, str)}
+    if len(failed) == len(got):
+        return None
+    wrote = {f"node-{r}" for r in got if r not in failed}
+    blind = [(r, seen if r in failed else [t for t in seen if t in wrote]) for r, seen in got.items()]
+    blind = [(r, seen) for r, seen in blind if seen]
     if not blind:
         return None
-    named = "; ".join(f"{_node_words(r, places)} {_what_is_wrong(got)}" for r, got in blind[:_MAX_NAMED])
+    named = "; ".join(f"{_node_words(r, places)} {_what_is_wrong(seen)}" for r, seen in blind[:_MAX_NAMED])
     more = f"; and {plural(len(blind) - _MAX_NAMED, 'more node')}" if len(blind) > _MAX_NAMED else ""
     return f"{name}={path} is not one folder on every node ({len(blind)} of {len(tokens)} nodes): {named}{more}"
 

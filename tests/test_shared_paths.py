@@ -96,6 +96,27 @@ def test_a_node_local_data_cache_beside_a_shared_run_dir(tmp_path):
     assert not [n for n in os.listdir(run) if n.startswith(".shared-check")], os.listdir(run)
 
 
+def test_the_verdict_names_the_nodes_that_miss_files_and_leaves_unwritable_paths_to_the_run():
+    """What each node's first rank saw -> the line: 4 nodes x 2 ranks; a path no node can write to is not called
+    unshared (the run's own write names it, as before); a node that cannot write is named, and no other node is
+    called blind for missing its token."""
+    from common.shared_paths import _verdict
+    places = [(str(r // 2), f"n{r // 2}", "x") for r in range(8)]
+    tokens = ["node-0", "node-2", "node-4", "node-6"]
+
+    def views(*seen):
+        return [{"p": s} if r % 2 == 0 else None for r, s in zip(range(8), [x for v in seen for x in (v, None)])]
+    assert _verdict("p", "/a", views([], [], [], []), places, tokens) is None
+    assert _verdict("p", "/a", views(*["cannot write there (Not a directory)"] * 4), places, tokens) is None
+    line = _verdict("p", "/a", views([], ["node-0", "node-4", "node-6"], [], []), places, tokens)
+    assert line == ("p=/a is not one folder on every node (1 of 4 nodes): host n1 (ranks 2-3) does not see the files "
+                    "3 other nodes wrote there (those of ranks 0, 4, 6)"), line
+    line = _verdict("p", "/a", views("cannot write there (Permission denied)", ["node-0"], ["node-0"], ["node-0"]),
+                    places, tokens)
+    assert line == ("p=/a is not one folder on every node (1 of 4 nodes): host n0 (ranks 0-1) cannot write there "
+                    "(Permission denied)"), line
+
+
 def _builds(rank: int, port: int, q) -> None:
     """Worker of test_one_rank_builds_*: the store lives in the test process, so it outlives rank 0."""
     from datetime import timedelta
