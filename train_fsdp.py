@@ -48,8 +48,8 @@ from finetune.metrics import RankZeroLog, StepLog
 from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
 from finetune.model import ModelError, build_mesh, build_sharded_model, init_random, load_tokenizer
 from finetune.model_identity import content_change_since
+from finetune.optim import build_optimizer, follow_config_schedule, optimizer_kind
 from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
-from finetune.schedule import lr_factor
 from finetune.stragglers import StragglerMonitor
 
 EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # and EXIT_HANG, 76, from the watchdog thread (finetune/hang.py)
@@ -121,18 +121,7 @@ def attempt_store(timeout: timedelta) -> dict:
     return {"store": dist.PrefixStore(f"attempt-{torchrun_restart()}/", store), "rank": rank, "world_size": world_size}
 
 
-# ---------------------------------------------------------------- optimizer, schedule, preemption
-
-def build_optimizer(model, cfg: Config):
-    t = cfg.train
-    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters only
-    # fused on CUDA and CPU alike (DTensor shards either way): foreach allocates temporaries the size of the
-    # shards on CPU; fused gives the same update to within 1 ulp (bench/adamw_cpu.py, docs/performance.md)
-    optimizer = torch.optim.AdamW(trainable, lr=t.lr, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay,
-                                  fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t))
-    return optimizer, scheduler
-
+# ---------------------------------------------------------------- preemption
 
 class Preemption:
     """SIGTERM / SIGUSR1 only set a flag; the loop acts on it at a step boundary, on every rank at once."""
@@ -213,20 +202,6 @@ def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
         raise ConfigError(f"resuming {path} with a changed {', '.join(c.key for c in refused)} "
                           f"({'; '.join(f'{c.saved!r} -> {c.current!r}: {c.why}' for c in refused)}); start a new run "
                           "(another ckpt.dir, or ckpt.resume=none) or set ckpt.resume_config_check=warn")
-
-
-def follow_config_schedule(optimizer, scheduler, t, log) -> None:
-    """After a load, the optimizer hyperparameters and the LR schedule are the current config's from this step
-    on (a raised max_steps or a new lr must not keep the checkpoint's schedule). Unchanged config: same floats."""
-    factor = lr_factor(scheduler.last_epoch, t)
-    old_lr = optimizer.param_groups[0]["lr"]
-    for group in optimizer.param_groups:
-        group.update(initial_lr=t.lr, lr=t.lr * factor, betas=(t.beta1, t.beta2), weight_decay=t.weight_decay)
-    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
-    if optimizer.param_groups[0]["lr"] != old_lr:
-        log.info(f"resume: LR at step {scheduler.last_epoch + 1} is {t.lr * factor:.4e} by the current config "
-                 f"(the checkpoint's schedule had {old_lr:.4e})")
 
 
 # ---------------------------------------------------------------- data and validation
@@ -390,8 +365,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
                                         lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
     tokenizer, model = build_model(cfg, device, world_size, log)
-    optimizer, scheduler = build_optimizer(model, cfg)
-    checkpoints.check_staging(model)
+    optimizer, scheduler = build_optimizer(model, cfg.train)
+    checkpoints.check_staging(model, optimizer_kind(cfg.train))  # its state's size
     split, samples, eval_set, stream = build_data(cfg, tokenizer, model, rank, world_size, log)
     progress = TrainProgress()
     eval_loss = {}  # step -> eval loss; the checkpoint of that step records it (ckpt.keep_best)
@@ -404,7 +379,8 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
              f"{plural(world_size, 'rank')} x {split.accum_steps} accum x {split.micro_batch} micro")
 
     # ---- loop: step, log, maybe save (ckpt/ decides whether, and what a failure means)
-    preempt, steps_log, exit_code = Preemption(), StepLog(cfg, log, rank, world_size, split, progress.step), 0
+    preempt, exit_code = Preemption(), 0
+    steps_log = StepLog(cfg, log, rank, world_size, split, progress.step, device)  # + each rank's peak memory
     watch, stragglers = watch_progress(cfg, rank, world_size, device, log)
     model.train()
     with checkpoints.emergency_save_on_error(lambda: progress.step):

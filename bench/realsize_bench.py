@@ -39,6 +39,7 @@ from bench.realsize_phases import overlapped_steps, phase_windows, plan_check, r
 from bench.rss_sampler import RSSSampler  # noqa: E402
 from common.dist import free_port  # noqa: E402
 from finetune.config import CkptConfig, load_config  # noqa: E402
+from finetune.optim import OPTIMIZERS  # noqa: E402
 from finetune.plan import checkpoint_bytes, model_shapes  # noqa: E402
 import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
@@ -167,7 +168,7 @@ def main(argv=None):
     work = a.work_dir or tempfile.mkdtemp(prefix="realsize-")
     model = write_qwen_config(os.path.join(work, "model"), a.layers, a.vocab)
     shapes = model_shapes(load_config(None, [f"model.config_path={model}"]).model)
-    rank_bytes = checkpoint_bytes(shapes, a.nproc)[1]
+    rank_bytes = checkpoint_bytes(shapes, a.nproc, OPTIMIZERS["adamw"].state_bytes)[1]  # its runs' default
     runs = Runs(a, work, model)
     plan = runs.plan()
     probes = [host_probes(work, rank_bytes, a.nproc)]

@@ -27,6 +27,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from finetune.config import load_config  # noqa: E402 - after the path insert
+from finetune.optim import optimizer_kind  # noqa: E402
 from finetune.plan import checkpoint_bytes, model_shapes  # noqa: E402
 import provenance  # noqa: E402 - bench/provenance.py, beside this script
 
@@ -47,9 +48,9 @@ def measured_rates(r: dict) -> dict:
 
 def row(rates: dict, preset: str, nodes: int, per_node: int) -> dict:
     """`preset` on `nodes` x `per_node` ranks: its checkpoint's bytes (exact) and times (at `rates`)."""
-    shapes = model_shapes(load_config(os.path.join(ROOT, preset), []).model)
-    world = nodes * per_node
-    total, rank = checkpoint_bytes(shapes, world)
+    cfg = load_config(os.path.join(ROOT, preset), [])
+    shapes, world = model_shapes(cfg.model), nodes * per_node
+    total, rank = checkpoint_bytes(shapes, world, optimizer_kind(cfg.train).state_bytes)
     node = rank * per_node
     return {"preset": preset, "params": shapes.trainable, "nodes": nodes, "world": world,
             "checkpoint_GB": total / 1e9, "rank_GB": rank / 1e9, "node_GB": node / 1e9,

@@ -115,7 +115,7 @@ def show_checkpoint(path: str, tensors_too: bool = False) -> int:
     print(f"{path}: step {meta.get('step', step_of(path))}, saved by {saved_by}, {status}")
     if "score" in meta:
         print(f"  score (eval loss) {meta['score']:.6f}")
-    lora_line = describe_lora(meta, _dir_bytes(path))
+    lora_line = describe_lora(meta, _dir_bytes(path), schema_of(path))
     if lora_line:
         print(f"  {lora_line}")
     if meta.get("resharded_from"):

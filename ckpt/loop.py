@@ -4,7 +4,7 @@ what a failure means, how to resume, and exports the final checkpoint.
     python -m pytest tests/test_save_errors.py tests/test_faults.py tests/test_ckpt_loop.py -q
 
     checkpoints, log = open_checkpoints(options, max_steps, timeout, open_log)   # the lock, then the log
-    checkpoints.check_staging(model)                 # once, before the data is built
+    checkpoints.check_staging(model, optimizer_state)  # once, before the data is built
     resumed = checkpoints.resume(state, files_for, seed, lora_base, check_config)  # state: what every save writes
     with checkpoints.emergency_save_on_error(lambda: progress.step):
         while ...:
@@ -76,10 +76,11 @@ class TrainingCheckpoints:
         self.mid_step = False  # True from taking a batch until the step's counters moved: the state is half updated
         self.unmeasured: tuple[int, float] | None = None  # (step, blocking s) of a save whose staging wait is to come
 
-    def check_staging(self, model) -> None:
+    def check_staging(self, model, optimizer_state) -> None:
         """Process-mode async saves: fall back to thread mode (all ranks together) if this node cannot stage
-        every local rank's share of `model` + AdamW state in /dev/shm. Once, before the data takes memory."""
-        need, local_ranks = staging_need(model), NodeLayout.here().ranks_per_node
+        every local rank's share of `model` + optimizer state in /dev/shm. Once, before the data takes memory.
+        `optimizer_state`: its size, any object with state_bytes and state_tensors (state.py staging_need)."""
+        need, local_ranks = staging_need(model, optimizer_state), NodeLayout.here().ranks_per_node
         self.mgr.check_staging(*need, local_ranks)
         self.memory.check_budget(need[1], local_ranks, self.mgr.any_rank, self.mgr.async_mode)  # one verdict
 

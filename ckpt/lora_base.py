@@ -64,12 +64,13 @@ def check_same_base(ckpt_path: str, expected: dict | None) -> None:
                               f"({expected['base_fingerprint']}): adapters only fit the weights they were trained on")
 
 
-def describe_lora(meta: dict, ckpt_bytes: int) -> str | None:
-    """One line for `inspect`: a LoRA checkpoint, and its size against a full one (fp32 weights + AdamW)."""
+def describe_lora(meta: dict, ckpt_bytes: int, schema) -> str | None:
+    """One line for `inspect`: a LoRA checkpoint, and its size against a full one (fp32 weights + the optimizer
+    state of `schema`, the checkpoint's CheckpointSchema)."""
     lora = meta.get("lora")
     if not lora:
         return None
-    full = lora["base_params"] * 12  # 4 bytes of fp32 weight + 8 of AdamW moments per parameter
+    full = lora["base_params"] * (4 + schema.optimizer_state_bytes)  # 4 bytes of fp32 weight + the state's
     return (f"LoRA checkpoint: adapters r={lora['r']}, alpha {lora['alpha']}, on base {lora['base']} "
             f"({lora['base_fingerprint']}); {ckpt_bytes / 2**20:.2f} MiB = {100 * ckpt_bytes / full:.2f}% of a full "
-            f"fine-tuning checkpoint of this model (~{full / 2**20:.1f} MiB: fp32 weights + AdamW moments)")
+            f"fine-tuning checkpoint of this model (~{full / 2**20:.1f} MiB: fp32 weights + {schema.optimizer} state)")

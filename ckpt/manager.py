@@ -35,6 +35,10 @@ from .prestage import ReusedStager
 from .saver import StagingWait, start_async, write_sync
 from .uploader import CheckpointWriter, stop_uploader_process
 
+# off: save() returns once committed; thread: staged, then written by a background thread; process: staged in
+# shared memory and written by an uploader process (ckpt.async_mode offers these)
+ASYNC_MODES = ("off", "thread", "process")
+
 
 def _noop(*_args, **_kwargs) -> None:
     pass
@@ -67,8 +71,8 @@ class CheckpointManager:
         on groups[0] (lock_for_job), released by close(); or acquire_lock() later. `committer`, `writer`: the
         memory tier's (memory_tier/replicate.py), made on groups[0]; else the Committer and CheckpointWriter of ckpt.dir.
         `upload_nice`: the upload thread's niceness (uploader.py)."""
-        if async_mode not in ("off", "thread", "process"):
-            raise ValueError(f"async_mode must be off|thread|process, got {async_mode!r}")
+        if async_mode not in ASYNC_MODES:
+            raise ValueError(f"async_mode must be {'|'.join(ASYNC_MODES)}, got {async_mode!r}")
         self.dir, self.async_mode, self.upload_nice = ckpt_dir, async_mode, upload_nice
         self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.pg, self._agree_pg = groups or checkpoint_groups(timeout)

@@ -4,10 +4,12 @@
 
 Process mode (`ckpt.async_mode=process`) stages each rank's state in /dev/shm so the uploader process
 reads it without a copy, and keeps one open file descriptor per staged tensor for the life of the job
-(about 4 per parameter tensor with AdamW: the parameter, exp_avg, exp_avg_sq, step). So per node it
-needs about  12 bytes x params / W x (ranks on the node)  of /dev/shm and of RAM, and per rank about
-4 x (parameter tensors) descriptors. The soft descriptor limit is raised to the hard one first; if
-anything is still short, the caller falls back to thread mode (staging in private memory).
+(per parameter tensor: the parameter and its optimizer state's tensors, 4 with AdamW: exp_avg, exp_avg_sq,
+step; 2 with SGD's momentum). So per node it needs about  (4 + S) bytes x params / W x (ranks on the node)  of
+/dev/shm and of RAM, S the optimizer's state bytes per parameter (AdamW 8: 12 in all; SGD 4: 8), and per rank
+about that many descriptors per parameter tensor (state.py staging_need gives both numbers). The soft
+descriptor limit is raised to the hard one first; if anything is still short, the caller falls back to thread
+mode (staging in private memory).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ world size must divide, and where the model came from. Recorded in meta.json, so
 The trainer builds one (finetune/checkpoint_contents.py `checkpoint_schema`, from the same keys as its
 `checkpoint_state`) and writes `schema.to_meta()` into every meta.json; every field is the trainer's to
 give, none has a default here. `schema_of(path)` reads it back. A checkpoint written before meta.json carried a schema gets
-`schema_of_checkpoint_without_schema`: the one place that knows the old trainer's layout.
+`schema_of_checkpoint_without_schema`: the one place that knows the old trainer's layout; one written before
+the schema named its optimizer gets OLDER_OPTIMIZER (AdamW was the only one then).
 """
 
 from __future__ import annotations
@@ -30,15 +31,21 @@ class CheckpointSchema:
     model_dir: str  # the model folder trained from (config.json; weights when `pretrained`)
     tokenizer_dir: str
     pretrained: bool  # training started from model_dir's weights (export dtype auto follows them)
+    optimizer: str  # whose state is under optim_prefix (the trainer's name for it)
+    optimizer_state_bytes: int  # its state per trained fp32 parameter (`inspect` compares a LoRA checkpoint's size)
 
     def to_meta(self) -> dict:
         return asdict(self)
 
     @staticmethod
     def from_meta(d: dict) -> "CheckpointSchema":
-        d = dict(d)
+        d = {**OLDER_OPTIMIZER, **d}
         d["train_state_keys"] = tuple(d.get("train_state_keys", ()))
         return CheckpointSchema(**d)
+
+
+# Every checkpoint written before the schema named its optimizer holds AdamW's state (exp_avg, exp_avg_sq: 8 bytes).
+OLDER_OPTIMIZER = {"optimizer": "adamw", "optimizer_state_bytes": 8}
 
 
 def schema_of(path: str) -> CheckpointSchema:
@@ -66,4 +73,4 @@ def schema_of_checkpoint_without_schema(path: str, meta: dict) -> CheckpointSche
                             step_key="progress.step", position_key="data.position",
                             divides={"data.global_batch_size": int(batch)} if isinstance(batch, int) else {},
                             model_dir=named, tokenizer_dir=model.get("tokenizer_path") or named,
-                            pretrained=bool(model.get("name_or_path")))
+                            pretrained=bool(model.get("name_or_path")), **OLDER_OPTIMIZER)

@@ -100,13 +100,15 @@ def fit_to_checkpoint(state: dict, saved_keys, path: str) -> tuple[dict, dict[st
     return fitted, filled
 
 
-def staging_need(model: torch.nn.Module) -> tuple[int, int]:
-    """(tensors, bytes) this rank stages per checkpoint with AdamW: each local parameter shard, two
-    moments of its size and dtype, and a step scalar: 12 bytes x params / W for fp32 masters. Frozen
-    parameters (a LoRA base) are not saved, so not staged."""
+def staging_need(model: torch.nn.Module, optimizer_state) -> tuple[int, int]:
+    """(tensors, bytes) this rank stages per checkpoint: each local parameter shard, its optimizer state and a
+    scalar's allowance per parameter tensor. `optimizer_state`: any object with `state_bytes` (per fp32 parameter:
+    AdamW's two moments are 8, so 12 x params / W in all) and `state_tensors` (per parameter tensor: AdamW's 3).
+    Frozen parameters (a LoRA base) are not saved, so not staged."""
     params = [p for p in model.parameters() if p.requires_grad]
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in params)
-    return 4 * len(params), 3 * local + 8 * len(params)
+    shards = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    local_bytes = sum(s.nbytes for s in shards) + optimizer_state.state_bytes * sum(s.numel() for s in shards)
+    return (1 + optimizer_state.state_tensors) * len(params), local_bytes + 8 * len(params)
 
 
 def rng_key(rank: int) -> str:

@@ -22,6 +22,7 @@ from finetune.config import Config, config_hash, to_yaml
 from finetune.data import BATCH_KEY
 from finetune.lora import lora_meta
 from finetune.model_identity import model_content, model_files
+from finetune.optim import optimizer_kind
 
 # checkpoint_state's keys. checkpoint_schema derives from them every key ckpt/'s readers need (recorded in meta.json);
 # "app" and "progress" are the names existing checkpoints were saved under.
@@ -71,7 +72,8 @@ def checkpoint_schema(cfg: Config) -> CheckpointSchema:
                                               f"{SCHEDULER}._last_lr"),  # LambdaLR's state_dict keys
                             step_key=f"{PROGRESS}.step", position_key=f"{DATA}.position",  # TrainProgress, BatchStream
                             divides={BATCH_KEY: cfg.data.global_batch_size}, model_dir=model,
-                            tokenizer_dir=cfg.model.tokenizer_path or model, pretrained=bool(cfg.model.name_or_path))
+                            tokenizer_dir=cfg.model.tokenizer_path or model, pretrained=bool(cfg.model.name_or_path),
+                            optimizer=cfg.train.optimizer, optimizer_state_bytes=optimizer_kind(cfg.train).state_bytes)
 
 
 def checkpoint_files(cfg: Config, step: int, world_size: int, eval_loss: float | None = None) -> dict[str, str]:

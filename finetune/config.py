@@ -1,9 +1,14 @@
 """The one typed config of a fine-tuning run: defaults < YAML preset < `key=value` overrides.
 
     python -c "from finetune.config import load_config; print(load_config('configs/tiny.yaml', ['train.max_steps=5']))"
+    python -m pytest tests/test_config.py -q
 
-Every field has a default and a one-line doc. Unknown keys and wrong types raise `ConfigError`
-naming the key, before any process group exists.
+Every field is declared once, beside its type and default, by `key(...)`: its one-line doc, its choices (from
+the registry that implements them) or range, what a resume with another value does, whether it enters the
+token-cache key (data fields) and whether it is part of the model identity. Validation, `--help-config`, the
+resume rules (finetune/resume_rules.py, docs/resume-rules.md) and the cache key (finetune/data/cache.py) are
+derived from these declarations; tests/test_config.py fails naming a field that leaves a decision out. Unknown
+keys and wrong types raise `ConfigError` naming the key, before any process group exists.
 """
 
 from __future__ import annotations
@@ -14,19 +19,22 @@ import dataclasses
 import hashlib
 import difflib
 import importlib.util
-import inspect
 import json
 import math
 import os
-import re
 import typing
 from dataclasses import dataclass, field
 
 import yaml
 
+from ckpt.manager import ASYNC_MODES
 from ckpt.policy import parse_interval
 from ckpt.storage import is_url, unsupported
+from common.dtypes import DTYPES
+from finetune.config_keys import TAKES_EFFECT, above, applies, at_least, between, key, parsed_by, refused
+from finetune.data.sources import FORMATS
 from finetune.hang import parse_hang_timeout
+from finetune.optim import OPTIMIZERS
 from finetune.schedule import SCHEDULES
 
 
@@ -42,112 +50,193 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (python {self.prog} --help lists the arguments)")
 
 
+# Resume effects several keys share.
+_ANOTHER_DATA_SET = refused("the saved data position counts samples of another data set")
+_ANOTHER_COLUMN = refused("samples would come from another column")
+_OTHER_SAMPLES = refused("the saved data position counts other samples")
+_NEW_SCHEDULE = applies("the LR schedule follows the new config from the resumed step on")
+_IN_OPTIMIZER = applies("set in the restored optimizer")
+
+
+# ---------------------------------------------------------------- the config
+
 @dataclass
 class RunConfig:
-    dir: str = "runs/tiny"  # where metrics.jsonl, config.yaml, checkpoints/ and hf/ go
-    log_interval: int = 10  # print one line every N optimizer steps (metrics.jsonl gets every step)
-    progress_bar: bool = True  # tqdm bar on rank 0, only when stdout is a terminal
-    tensorboard: bool = False  # also write TensorBoard event files to <dir>/tensorboard (needs `tensorboard`)
-    wandb: str = "off"  # off | offline | online: also log to Weights & Biases, files in <dir>/wandb (needs `wandb`)
-    wandb_project: str = "fsdp-finetune"  # W&B project name
+    dir: str = key("runs/tiny", "where metrics.jsonl, config.yaml, checkpoints/ and hf/ go", resume=TAKES_EFFECT)
+    log_interval: int = key(10, "print one line every N optimizer steps (metrics.jsonl gets every step)",
+                            range=at_least(1), resume=TAKES_EFFECT)
+    progress_bar: bool = key(True, "tqdm bar on rank 0, only when stdout is a terminal", resume=TAKES_EFFECT)
+    tensorboard: bool = key(False, "also write TensorBoard event files to <dir>/tensorboard (needs `tensorboard`)",
+                            resume=TAKES_EFFECT)
+    wandb: str = key("off", "also log to Weights & Biases, files in <dir>/wandb (needs `wandb`)",
+                     choices=("off", "offline", "online"), resume=TAKES_EFFECT)
+    wandb_project: str = key("fsdp-finetune", "W&B project name", resume=TAKES_EFFECT)
 
 
 @dataclass
 class LoRAConfig:
-    r: int = 0  # LoRA rank (peft); 0 = off: full fine-tuning. >0 freezes the base from name_or_path
-    alpha: float = 16.0  # LoRA scaling is alpha / r
-    dropout: float = 0.0  # dropout on the adapter's input (uses the per-rank RNG that checkpoints restore)
-    target_modules: str = "all-linear"  # q_proj,v_proj (module names), or all-linear: every block Linear, not lm_head
-    quantize: str = "none"  # none | 4bit: a 4-bit base (QLoRA) needs GPU kernels and is not supported
+    r: int = key(0, "LoRA rank (peft); 0 = off: full fine-tuning. >0 freezes the base from name_or_path",
+                 range=at_least(0), resume=refused("the saved adapters have another rank"))
+    alpha: float = key(16.0, "LoRA scaling is alpha / r", range=above(0),
+                       resume=refused("the saved adapters would be scaled otherwise (alpha / r)"))
+    dropout: float = key(0.0, "dropout on the adapter's input (uses the per-rank RNG that checkpoints restore)",
+                         range=between(0, 1, high_open=True), resume=TAKES_EFFECT)
+    target_modules: str = key("all-linear", "q_proj,v_proj (module names), or all-linear: every block Linear, "
+                              "not lm_head", resume=refused("other modules would carry the adapters"))
+    quantize: str = key("none", "4bit: a 4-bit base (QLoRA) needs GPU kernels and is not supported",
+                        choices=("none", "4bit"), resume=TAKES_EFFECT)
 
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = ""  # local HF model dir (config.json + safetensors + tokenizer), or empty
-    config_path: str = "assets/tiny-llama"  # HF config dir used when name_or_path is empty (random init)
-    tokenizer_path: str = ""  # tokenizer dir; empty = name_or_path, else config_path
-    param_dtype: str = "auto"  # fp32 | bf16 | auto (bf16 on CUDA, fp32 on CPU)
-    reduce_dtype: str = "fp32"  # dtype of the gradient reduce-scatter
-    attn_implementation: str = "sdpa"  # eager | sdpa | flash_attention_2 | flash_attention_3 (CUDA + flash_attn)
-    activation_checkpointing: bool = False  # recompute each decoder block in backward
-    compile: bool = False  # torch.compile each decoder block (inductor; a C++ compiler on CPU): docs/performance.md
-    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU
-    init_std: float = 0.02  # std of the normal init for random-init models
-    replicas: int = 1  # HSDP when > 1: shard within groups of W/replicas ranks (a node), replicate across groups
+    name_or_path: str = key("", "local HF model dir (config.json + safetensors + tokenizer), or empty",
+                            identity=True, resume=refused("the weights trained on are another model's"))
+    config_path: str = key("assets/tiny-llama", "HF config dir used when name_or_path is empty (random init)",
+                           identity=True, resume=refused("the architecture trained is another one"))
+    tokenizer_path: str = key("", "tokenizer dir; empty = name_or_path, else config_path",
+                              identity=True, resume=refused("token ids would mean other tokens"))
+    param_dtype: str = key("auto", "auto: bf16 on CUDA, fp32 on CPU", choices=("auto", "fp32", "bf16"),
+                           resume=TAKES_EFFECT)
+    reduce_dtype: str = key("fp32", "dtype of the gradient reduce-scatter", choices=("fp32", "bf16"),
+                            resume=TAKES_EFFECT)
+    attn_implementation: str = key("sdpa", "attention kernel; flash_attention_* need CUDA and flash_attn",
+                                   choices=("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
+                                   resume=TAKES_EFFECT)
+    activation_checkpointing: bool = key(False, "recompute each decoder block in backward", resume=TAKES_EFFECT)
+    compile: bool = key(False, "torch.compile each decoder block (inductor; a C++ compiler on CPU): "
+                        "docs/performance.md", resume=TAKES_EFFECT)
+    cpu_offload: bool = key(False, "FSDP2 CPUOffloadPolicy: params, grads and optimizer state on CPU",
+                            resume=TAKES_EFFECT)
+    init_std: float = key(0.02, "std of the normal init for random-init models", range=above(0),
+                          resume=applies("no effect: the weights come from the checkpoint"))
+    replicas: int = key(1, "HSDP when > 1: shard within groups of W/replicas ranks (a node), replicate across "
+                        "groups", range=at_least(1), resume=TAKES_EFFECT)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # model.lora.*: adapters instead of full fine-tuning
 
 
 @dataclass
 class DataConfig:
-    path: str = "data/tiny/train.jsonl"  # local jsonl/json/parquet/arrow/txt file(s) (comma separated), a folder, or a hub name
-    name: str = ""  # hub subset (config name) of data.path
-    split: str = "train"  # split of data.path (hub name or a folder saved by `datasets`)
-    revision: str = ""  # hub revision (commit, tag or branch) of data.path
-    mixture: str = ""  # several sources with weights, 'path:weight; path:weight' (replaces data.path)
-    eval_path: str = ""  # eval data: file(s), folder, hub name, or 'split:<name>' of data.path; empty = no eval
-    format: str = "auto"  # text | chat | auto (chat when a `messages` column exists)
-    text_field: str = "text"  # column holding plain text
-    messages_field: str = "messages"  # column holding chat messages [{role, content}, ...]
-    pack: bool = False  # concatenate documents into seq_len chunks (attention stays within each document)
-    truncation: bool = True  # unpacked documents longer than seq_len are cut; false: such a row is an error
-    seq_len: int = 64  # tokens per sample
-    global_batch_size: int = 16  # samples per optimizer step, summed over all ranks
-    micro_batch_size: int = 8  # cap on samples per forward on one rank: lowered to a divisor of the per-rank batch
-    epochs: int = 1  # passes over the data; training ends when they run out, even before max_steps
-    cache_dir: str = ""  # tokenized data, keyed by a hash of its inputs; default <run.dir>/data-cache (shared FS)
-    num_proc: int = 0  # tokenizer processes on rank 0; 0 = the CPU cores available to it
+    path: str = key("data/tiny/train.jsonl", "local jsonl/json/parquet/arrow/txt file(s) (comma separated), a "
+                    "folder, or a hub name", cache="files", resume=_ANOTHER_DATA_SET)
+    name: str = key("", "hub subset (config name) of data.path", cache="files", resume=_ANOTHER_DATA_SET)
+    split: str = key("train", "split of data.path (hub name or a folder saved by `datasets`)", cache="files",
+                     resume=_ANOTHER_DATA_SET)
+    revision: str = key("", "hub revision (commit, tag or branch) of data.path", cache="files",
+                        resume=_ANOTHER_DATA_SET)
+    mixture: str = key("", "several sources with weights, 'path:weight; path:weight' (replaces data.path)",
+                       cache="files", resume=_ANOTHER_DATA_SET)
+    eval_path: str = key("", "eval data: file(s), folder, hub name, or 'split:<name>' of data.path; empty = no "
+                         "eval", cache="files", resume=TAKES_EFFECT)
+    format: str = key("auto", "auto: chat when a `messages` column exists; finetune/data/sources.py",
+                      choices=FORMATS, cache=True, resume=refused("samples would be tokenized otherwise"))
+    text_field: str = key("text", "column holding plain text", cache=True, resume=_ANOTHER_COLUMN)
+    messages_field: str = key("messages", "column holding chat messages [{role, content}, ...]", cache=True,
+                              resume=_ANOTHER_COLUMN)
+    pack: bool = key(False, "concatenate documents into seq_len chunks (attention stays within each document)",
+                     cache=False, resume=_OTHER_SAMPLES)
+    truncation: bool = key(True, "unpacked documents longer than seq_len are cut; false: such a row is an error",
+                           cache=False, resume=TAKES_EFFECT)
+    seq_len: int = key(64, "tokens per sample", range=at_least(2), cache=False,  # the loss needs a next token
+                       resume=_OTHER_SAMPLES)
+    global_batch_size: int = key(16, "samples per optimizer step, summed over all ranks", range=at_least(1),
+                                 cache=False,
+                                 resume=refused("steps, the schedule and the data position count other batches"))
+    micro_batch_size: int = key(8, "cap on samples per forward on one rank: lowered to a divisor of the per-rank "
+                                "batch", range=at_least(1), cache=False, resume=TAKES_EFFECT)
+    epochs: int = key(1, "passes over the data; training ends when they run out, even before max_steps",
+                      range=at_least(1), cache=False, resume=TAKES_EFFECT)
+    cache_dir: str = key("", "tokenized data, keyed by a hash of its inputs; default <run.dir>/data-cache "
+                         "(shared FS)", cache=False, resume=TAKES_EFFECT)
+    num_proc: int = key(0, "tokenizer processes on rank 0; 0 = the CPU cores available to it", range=at_least(0),
+                        cache=False, resume=TAKES_EFFECT)
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 100  # optimizer steps
-    seed: int = 1234  # model init, data order and dropout all derive from it
-    lr: float = 1e-3  # peak learning rate
-    lr_schedule: str = "cosine"  # cosine | wsd (warmup-stable-decay); finetune/schedule.py
-    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
-    warmup_steps: int = 10  # linear warmup from 0
-    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps that decays linearly to lr * min_lr_ratio
-    weight_decay: float = 0.01  # AdamW decoupled weight decay
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.95  # AdamW second-moment decay
-    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
-    collective_timeout_minutes: float = 10.0  # a training collective waiting longer ends the job (a rank stuck or dead)
-    hang_timeout: str = "auto"  # s a step may last before exit 76 naming the stuck rank; auto; 0: off (finetune/hang.py)
-    straggler_margin: float = 0.2  # log a rank computing this fraction over the mean 3 log intervals running (0: off)
-    deterministic: bool = False  # torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little slower
-    reduce_every_micro_batch: bool = True  # false: one reduce-scatter per step, unsharded grads between (small models)
-    eval_interval: int = 0  # eval loss on data.eval_path every N optimizer steps and at the end (0 = off)
-    eval_batches: int = 0  # global batches of the eval set per evaluation (0 = all of it)
-    sample_at_end: bool = True  # greedy-generate from sample_prompts at the end (rank 0 prints)
-    sample_prompts: str = ""  # prompts separated by '|', sent as a user turn when the tokenizer has a chat template
+    max_steps: int = key(100, "optimizer steps", range=at_least(1), resume=_NEW_SCHEDULE)
+    seed: int = key(1234, "model init, data order and dropout all derive from it", range=between(0, 2**32, True),
+                    resume=refused("the saved data position is only meaningful in the order made with its seed",
+                                   then="the data order continues with the checkpoint's seed"))
+    lr: float = key(1e-3, "peak learning rate", range=above(0), resume=_NEW_SCHEDULE)
+    lr_schedule: str = key("cosine", "wsd: warmup-stable-decay; finetune/schedule.py", choices=SCHEDULES,
+                           resume=_NEW_SCHEDULE)
+    min_lr_ratio: float = key(0.1, "the schedule ends at lr * min_lr_ratio", range=between(0, 1),
+                              resume=_NEW_SCHEDULE)
+    warmup_steps: int = key(10, "linear warmup from 0", range=at_least(0), resume=_NEW_SCHEDULE)
+    decay_fraction: float = key(0.2, "wsd: the last fraction of max_steps that decays linearly to lr * "
+                                "min_lr_ratio", range=between(0, 1), resume=_NEW_SCHEDULE)
+    optimizer: str = key("adamw", "sgd: momentum beta1, half AdamW's state; finetune/optim.py", choices=OPTIMIZERS,
+                         resume=refused("the saved optimizer state is another optimizer's (finetune/optim.py)",
+                                        then="the load fails: the checkpoint holds no state of the new optimizer"))
+    weight_decay: float = key(0.01, "weight decay: decoupled (adamw), L2 in the gradient (sgd)", range=at_least(0),
+                              resume=_IN_OPTIMIZER)
+    beta1: float = key(0.9, "adamw's first-moment decay; sgd's momentum", range=between(0, 1, True),
+                       resume=_IN_OPTIMIZER)
+    beta2: float = key(0.95, "adamw's second-moment decay (sgd: unused)", range=between(0, 1, True),
+                       resume=_IN_OPTIMIZER)
+    grad_clip: float = key(1.0, "max global grad norm; 0 disables clipping", range=at_least(0), resume=TAKES_EFFECT)
+    collective_timeout_minutes: float = key(10.0, "a training collective waiting longer ends the job (a rank "
+                                            "stuck or dead)", range=above(0), resume=TAKES_EFFECT)
+    hang_timeout: str = key("auto", "s a step may last before exit 76 naming the stuck rank; auto; 0: off "
+                            "(finetune/hang.py)", range=parsed_by(parse_hang_timeout, "seconds >= 0 (0: off) or auto"),
+                            resume=TAKES_EFFECT)
+    straggler_margin: float = key(0.2, "log a rank computing this fraction over the mean 3 log intervals running "
+                                  "(0: off)", range=at_least(0), resume=TAKES_EFFECT)
+    deterministic: bool = key(False, "torch.use_deterministic_algorithms: bit-identical reruns on GPU, a little "
+                              "slower", resume=TAKES_EFFECT)
+    reduce_every_micro_batch: bool = key(True, "false: one reduce-scatter per step, unsharded grads between "
+                                         "(small models)", resume=TAKES_EFFECT)
+    eval_interval: int = key(0, "eval loss on data.eval_path every N optimizer steps and at the end (0 = off)",
+                             range=at_least(0), resume=TAKES_EFFECT)
+    eval_batches: int = key(0, "global batches of the eval set per evaluation (0 = all of it)", range=at_least(0),
+                            resume=TAKES_EFFECT)
+    sample_at_end: bool = key(True, "greedy-generate from sample_prompts at the end (rank 0 prints)",
+                              resume=TAKES_EFFECT)
+    sample_prompts: str = key("", "prompts separated by '|', sent as a user turn when the tokenizer has a chat "
+                              "template", resume=TAKES_EFFECT)
 
 
 @dataclass
 class CkptConfig:
-    dir: str = ""  # default <run.dir>/checkpoints
-    interval: str = "50"  # save every N optimizer steps (0: none), or auto: Young/Daly sqrt(2 x save cost x MTBF)
-    interval_minutes: float = 0.0  # also save once this many minutes of wall clock passed since the last save (0: off)
-    mtbf_hours: float = 24.0  # the job's mean time between failures, for interval=auto
-    async_mode: str = "process"  # off | thread | process (process: sooner commits at 0.5B; docs/performance.md)
-    upload_nice: int = 19  # niceness 0-19 of async uploads and memory-tier copies: higher slows steps less, commits later
-    keep_last: int = 3  # keep the newest k committed checkpoints (0 keeps all)
-    keep_best: int = 0  # also keep the k checkpoints with the lowest eval loss (needs train.eval_interval)
-    resume: str = "auto"  # auto (newest committed) | none | <path to a step-NNNNNN dir>
-    save_at_end: bool = True  # synchronous final save at max_steps / end of data / exception
-    continue_on_save_error: bool = False  # log a failed periodic save and keep training
-    unchecked_store: bool = False  # run on an object store that ignores create-only/compare-and-swap, at your own risk
-    timeout_minutes: float = 30.0  # checkpoint collectives (save, load) wait this long for a rank
-    resume_config_check: str = "refuse"  # refuse | warn: resume with changed model/data/seed/batch (docs/resume-rules)
-    memory_interval: int = 0  # also save to node-local memory every N steps (0: off; docs/memory-tier.md)
-    memory_dir: str = ""  # default /dev/shm/fsdp-ckpt-<hash of ckpt.dir>-<user>; or node-local NVMe
-    memory_keep: int = 1  # keep the newest 1 or 2 memory steps
-    memory_replicas: int = 1  # copies of each node's memory steps on the next nodes (several nodes; ring by node)
+    dir: str = key("", "default <run.dir>/checkpoints", resume=TAKES_EFFECT)
+    interval: str = key("50", "save every N optimizer steps (0: none), or auto: Young/Daly sqrt(2 x save cost x "
+                        "MTBF)", range=parsed_by(parse_interval, "a step count >= 0 or auto"), resume=TAKES_EFFECT)
+    interval_minutes: float = key(0.0, "also save once this many minutes of wall clock passed since the last save "
+                                  "(0: off)", range=at_least(0), resume=TAKES_EFFECT)
+    mtbf_hours: float = key(24.0, "the job's mean time between failures, for interval=auto", range=above(0),
+                            resume=TAKES_EFFECT)
+    async_mode: str = key("process", "off: each save blocks; else in the background (process: sooner "
+                          "commits at 0.5B; docs/performance.md)", choices=ASYNC_MODES, resume=TAKES_EFFECT)
+    upload_nice: int = key(19, "niceness of async uploads and memory-tier copies: higher slows steps less, "
+                           "commits later", range=between(0, 19), resume=TAKES_EFFECT)
+    keep_last: int = key(3, "keep the newest k committed checkpoints (0 keeps all)", range=at_least(0),
+                         resume=TAKES_EFFECT)
+    keep_best: int = key(0, "also keep the k checkpoints with the lowest eval loss (needs train.eval_interval)",
+                         range=at_least(0), resume=TAKES_EFFECT)
+    resume: str = key("auto", "auto (newest committed) | none | <path to a step-NNNNNN dir>", resume=TAKES_EFFECT)
+    save_at_end: bool = key(True, "synchronous final save at max_steps / end of data / exception",
+                            resume=TAKES_EFFECT)
+    continue_on_save_error: bool = key(False, "log a failed periodic save and keep training", resume=TAKES_EFFECT)
+    unchecked_store: bool = key(False, "run on an object store that ignores create-only/compare-and-swap, at your "
+                                "own risk", resume=TAKES_EFFECT)
+    timeout_minutes: float = key(30.0, "checkpoint collectives (save, load) wait this long for a rank",
+                                 range=above(0), resume=TAKES_EFFECT)
+    resume_config_check: str = key("refuse", "what a resume with changed model/data/seed/batch does "
+                                   "(docs/resume-rules.md)", choices=("refuse", "warn"), resume=TAKES_EFFECT)
+    memory_interval: int = key(0, "also save to node-local memory every N steps (0: off; docs/memory-tier.md)",
+                               range=at_least(0), resume=TAKES_EFFECT)
+    memory_dir: str = key("", "default /dev/shm/fsdp-ckpt-<hash of ckpt.dir>-<user>; or node-local NVMe",
+                          resume=TAKES_EFFECT)
+    memory_keep: int = key(1, "keep the newest 1 or 2 memory steps", range=between(1, 2), resume=TAKES_EFFECT)
+    memory_replicas: int = key(1, "copies of each node's memory steps on the next nodes (several nodes; ring by "
+                               "node)", range=at_least(0), resume=TAKES_EFFECT)
 
 
 @dataclass
 class ExportConfig:
-    at_end: bool = False  # write a HF model folder to <run.dir>/hf after training
-    dtype: str = "auto"  # auto (the source model's torch_dtype, fp32 for random init) | fp32 | bf16 | fp16
+    at_end: bool = key(False, "write a HF model folder to <run.dir>/hf after training", resume=TAKES_EFFECT)
+    dtype: str = key("auto", "auto: the source model's torch_dtype, fp32 for random init", choices=("auto", *DTYPES),
+                     resume=TAKES_EFFECT)
 
 
 @dataclass
@@ -158,72 +247,6 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
-
-
-_CHOICES = {
-    "model.param_dtype": ("auto", "fp32", "bf16"),
-    "model.reduce_dtype": ("fp32", "bf16"),
-    "model.attn_implementation": ("eager", "sdpa", "flash_attention_2", "flash_attention_3"),
-    "data.format": ("auto", "text", "chat"),
-    "ckpt.async_mode": ("off", "thread", "process"),
-    "train.lr_schedule": SCHEDULES,
-    "export.dtype": ("auto", "fp32", "bf16", "fp16"),
-    "ckpt.resume_config_check": ("refuse", "warn"),
-    "run.wandb": ("off", "offline", "online"),
-    "model.lora.quantize": ("none", "4bit"),
-}
-
-
-def _at_least(low):
-    return lambda v: v >= low, f">= {low}"
-
-
-def _above(low):
-    return lambda v: v > low, f"> {low}"
-
-
-def _between(low, high, high_open=False):
-    return (lambda v: low <= v < high) if high_open else (lambda v: low <= v <= high), \
-        f"in [{low}, {high}{')' if high_open else ']'}"
-
-
-# Every int and float field: (check, allowed range in words). tests/test_config.py keeps this complete.
-_RANGES = {
-    "run.log_interval": _at_least(1),
-    "model.init_std": _above(0),
-    "model.replicas": _at_least(1),
-    "model.lora.r": _at_least(0),
-    "model.lora.alpha": _above(0),
-    "model.lora.dropout": _between(0, 1, high_open=True),
-    "data.seq_len": _at_least(2),  # the loss needs a next token
-    "data.global_batch_size": _at_least(1),
-    "data.micro_batch_size": _at_least(1),
-    "data.epochs": _at_least(1),
-    "train.max_steps": _at_least(1),
-    "train.seed": _between(0, 2**32, high_open=True),
-    "train.lr": _above(0),
-    "train.min_lr_ratio": _between(0, 1),
-    "train.warmup_steps": _at_least(0),
-    "train.decay_fraction": _between(0, 1),
-    "train.weight_decay": _at_least(0),
-    "train.beta1": _between(0, 1, high_open=True),
-    "train.beta2": _between(0, 1, high_open=True),
-    "train.grad_clip": _at_least(0),
-    "train.collective_timeout_minutes": _above(0),
-    "train.straggler_margin": _at_least(0),
-    "ckpt.interval_minutes": _at_least(0),
-    "ckpt.mtbf_hours": _above(0),
-    "ckpt.keep_last": _at_least(0),
-    "ckpt.keep_best": _at_least(0),
-    "ckpt.upload_nice": _between(0, 19),
-    "train.eval_interval": _at_least(0),
-    "train.eval_batches": _at_least(0),
-    "data.num_proc": _at_least(0),
-    "ckpt.timeout_minutes": _above(0),
-    "ckpt.memory_interval": _at_least(0),
-    "ckpt.memory_keep": _between(1, 2),
-    "ckpt.memory_replicas": _at_least(0),
-}
 
 
 def _coerce(key: str, value, typ):
@@ -274,27 +297,27 @@ def _fields(section, prefix: str = "") -> list[tuple[str, dataclasses.Field, typ
     return out
 
 
-def _field_docs(section) -> dict[str, str]:
-    """{field name: its one-line doc}: the comment after each field in this file's source."""
-    docs = {}
-    for line in inspect.getsource(section).splitlines():
-        m = re.match(r"\s+(\w+): [^=]+=.*?  # (.*)$", line)
-        if m:
-            docs[m.group(1)] = m.group(2).strip()
-    return docs
-
-
 def all_keys() -> list[str]:
     return [key for key, _, _ in _fields(Config)]
 
 
+def declarations(config_class: type = Config) -> dict[str, typing.Mapping]:
+    """{key: its declaration (doc, choices, range, resume, cache, identity: see `key`)} of every key, in file order."""
+    return {key: f.metadata for key, f, _ in _fields(config_class)}
+
+
+def identity_keys() -> tuple[str, ...]:
+    """The keys naming a model folder that each checkpoint records by content (finetune/model_identity.py)."""
+    return tuple(k for k, d in declarations().items() if d.get("identity"))
+
+
 def config_help() -> str:
-    """`train_fsdp.py --help-config`: every key with its type, default and one-line doc, from the dataclasses."""
+    """`train_fsdp.py --help-config`: every key with its type, default, one-line doc and choices, from `key`."""
     lines, default = [], Config()
     for key, f, typ in _fields(Config):
-        owner = _get(default, key.rsplit(".", 1)[0])
-        doc = _field_docs(type(owner)).get(f.name, "")
-        lines.append(f"{key} ({typ.__name__}, default {getattr(owner, f.name)!r}): {doc}")
+        choices = "|".join(f.metadata.get("choices", ()))
+        kind = f"{typ.__name__}: {choices}" if choices else typ.__name__
+        lines.append(f"{key} ({kind}, default {_get(default, key)!r}): {f.metadata.get('doc', '')}")
     return "\n".join(lines)
 
 
@@ -343,23 +366,12 @@ def validate(cfg: Config) -> None:
         problem = unsupported(_get(cfg, key), f"config key '{key}'", local_only=why)
         if problem:
             raise ConfigError(problem)
-    for key, allowed in _CHOICES.items():
-        if _get(cfg, key) not in allowed:
-            raise ConfigError(f"config key '{key}' must be one of {'|'.join(allowed)}, got {_get(cfg, key)!r}")
-    for key, (ok, allowed) in _RANGES.items():
-        value = _get(cfg, key)
-        if not (math.isfinite(value) and ok(value)):
-            raise ConfigError(f"config key '{key}' must be {allowed}, got {value!r}")
-    try:
-        parse_interval(cfg.ckpt.interval)
-    except ValueError:
-        raise ConfigError(f"config key 'ckpt.interval' must be a step count >= 0 or auto, "
-                          f"got {cfg.ckpt.interval!r}") from None
-    try:
-        parse_hang_timeout(cfg.train.hang_timeout)
-    except ValueError:
-        raise ConfigError(f"config key 'train.hang_timeout' must be seconds >= 0 (0: off) or auto, "
-                          f"got {cfg.train.hang_timeout!r}") from None
+    for key, f, _ in _fields(Config):
+        value, choices, limits = _get(cfg, key), f.metadata.get("choices"), f.metadata.get("range")
+        if choices and value not in choices:
+            raise ConfigError(f"config key '{key}' must be one of {'|'.join(choices)}, got {value!r}")
+        if limits and not ((isinstance(value, str) or math.isfinite(value)) and limits[0](value)):
+            raise ConfigError(f"config key '{key}' must be {limits[1]}, got {value!r}")
     if cfg.ckpt.memory_dir and _nested(cfg.ckpt.memory_dir, cfg.ckpt.dir):
         raise ConfigError(f"config key 'ckpt.memory_dir={cfg.ckpt.memory_dir}' must be a folder apart from ckpt.dir "
                           f"({cfg.ckpt.dir}), neither inside it nor around it: the memory tier removes its step "

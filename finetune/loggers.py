@@ -5,7 +5,8 @@
 
 Rank 0 only, and only when asked (`run.tensorboard=true`, `run.wandb=offline|online`); training never
 needs either package. Scalars: train/loss, train/lr, train/grad_norm, train/tokens_per_s (from consecutive
-step records), eval/loss, checkpoint/blocking_s and checkpoint/committed_s, all against the optimizer step.
+step records), eval/loss, checkpoint/blocking_s and checkpoint/committed_s, and per rank every log interval
+memory/peak_gib/rank_<r> (and memory/peak_reserved_gib/rank_<r> on CUDA), all against the optimizer step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from finetune.config import ConfigError, to_dict
 # field of a metrics.jsonl record -> scalar name; step records and events ("eval", "checkpoint") alike
 SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "eval_loss": "eval/loss",
            "blocking_s": "checkpoint/blocking_s", "committed_s": "checkpoint/committed_s"}
+# field holding a list indexed by rank (finetune/per_rank.py) -> scalar name; each rank's value is <name>/rank_<r>
+PER_RANK = {"peak_memory_gib": "memory/peak_gib", "peak_reserved_gib": "memory/peak_reserved_gib"}
 
 
 class ScalarStream:
@@ -32,6 +35,8 @@ class ScalarStream:
             return []
         out = [(name, float(record[field]), step) for field, name in SCALARS.items()
                if isinstance(record.get(field), (int, float)) and not (field == "loss" and "event" in record)]
+        out += [(f"{name}/rank_{r}", float(v), step) for field, name in PER_RANK.items()
+                for r, v in enumerate(record.get(field) or ())]
         if "event" not in record and "tokens" in record and "time" in record:
             if self._last is not None and record["time"] > self._last[1]:
                 out.append(("train/tokens_per_s", (record["tokens"] - self._last[0]) / (record["time"] - self._last[1]),

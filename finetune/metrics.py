@@ -3,7 +3,8 @@
     python -m finetune.metrics runs/tiny/metrics.jsonl      # -> runs/tiny/loss.png
     python -m finetune.metrics goodput runs/tiny            # goodput account -> runs/tiny/goodput.png
 
-metrics.jsonl holds one JSON object per optimizer step ({"step", "loss", "lr", "tokens", ...}) and
+metrics.jsonl holds one JSON object per optimizer step ({"step", "loss", "lr", "tokens", ...}; at each log interval
+also per-rank lists such as "peak_memory_gib": [rank 0, rank 1, ...], finetune/per_rank.py) and
 event records ({"event": "checkpoint" | "resume" | "eval" | ...}; an eval record has "step" and "eval_loss"). A resumed run appends to the same file, so a
 step can appear twice; the last record of a step is the one that counts.
 """
@@ -15,12 +16,14 @@ import contextlib
 import errno
 import json
 import os
+import statistics
 import sys
 import threading
 import time
 
 from finetune.goodput import plot_timeline, run_account
 from finetune.loggers import ScalarStream
+from finetune.per_rank import RankPeaks
 
 
 class RankZeroLog:
@@ -108,24 +111,29 @@ def progress_bar(enabled: bool, total: int, initial: int):
 
 class StepLog:
     """Per step: one record (metrics.jsonl + loggers), a console line every run.log_interval, the progress bar.
-    `cfg`: the training Config; `split`: its BatchSplit; `progress`: a TrainProgress; `stream`: the BatchStream."""
+    Every log interval the record also holds each rank's peak memory (finetune/per_rank.py: one gather, so every
+    rank calls `step`). `cfg`: the training Config; `split`: its BatchSplit; `progress`: a TrainProgress;
+    `stream`: the BatchStream; `device`: this rank's."""
 
-    def __init__(self, cfg, log, rank: int, world_size: int, split, start_step: int):
+    def __init__(self, cfg, log, rank: int, world_size: int, split, start_step: int, device):
         self.cfg, self.log, self.world_size, self.start_step = cfg, log, world_size, start_step
         self.tokens_per_step = split.global_batch * cfg.data.seq_len
         self.bar = progress_bar(cfg.run.progress_bar and rank == 0, cfg.train.max_steps, start_step)
+        self.peaks = RankPeaks(rank, world_size, device)
         self.t_start = time.perf_counter()
 
     def step(self, progress, stream, rows, loss: float, lr: float, gnorm: float, step_s: float) -> None:
         """`step_s`: the step's own duration (batch to optimizer step), for the goodput account."""
         elapsed, max_steps = time.perf_counter() - self.t_start, self.cfg.train.max_steps
+        interval = progress.step % self.cfg.run.log_interval == 0 or progress.step == max_steps
+        per_rank = self.peaks.gather() if interval else {}  # a collective: every rank is at the same step
         self.log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
                         loss_tokens=progress.loss_tokens, samples=stream.position, world_size=self.world_size,
-                        time=time.time(), step_s=round(step_s, 6), sample_ids=rows)
-        if progress.step % self.cfg.run.log_interval == 0 or progress.step == max_steps:
+                        time=time.time(), step_s=round(step_s, 6), sample_ids=rows, **per_rank)
+        if interval:
             tps = (progress.tokens - self.start_step * self.tokens_per_step) / max(elapsed, 1e-9)
             self.log.info(step_line(progress.step, max_steps, loss, lr, gnorm, tps, elapsed,
-                                    progress.step - self.start_step))
+                                    progress.step - self.start_step) + RankPeaks.warning(per_rank))
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}")
@@ -203,7 +211,8 @@ def plot_metrics(path: str, out: str) -> str:
 
 
 def loss_figure(path: str):
-    """The matplotlib figure of a run's metrics.jsonl: loss, eval loss, event marks, world-size spans."""
+    """The matplotlib figure of a run's metrics.jsonl: loss, eval loss, event marks, world-size spans; below it,
+    when the records hold them, each rank's peak memory (memory_panel)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -214,7 +223,12 @@ def loss_figure(path: str):
     run_dir = os.path.dirname(os.path.abspath(path))
     xs = sorted(steps)
     ys = [steps[s]["loss"] for s in xs]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    peaks = {s: steps[s]["peak_memory_gib"] for s in xs if steps[s].get("peak_memory_gib")}
+    if peaks:  # below the loss: each rank's peak memory per log interval
+        fig, (ax, mem) = plt.subplots(2, 1, figsize=(8, 7), sharex=True, height_ratios=(3, 2))
+        memory_panel(mem, peaks)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(xs, ys, lw=1.2, label="loss")
     evals = {ev["step"]: ev["eval_loss"] for ev in events if ev["event"] == "eval"}  # last record of a step wins
     if evals:
@@ -238,12 +252,34 @@ def loss_figure(path: str):
     n_resume = sum(1 for _, kind in marks if kind == "resume")
     ax.set_title(f"{os.path.basename(run_dir)}: loss over {_count(len(xs), 'step')} (last {ys[-1]:.4f}), "
                  f"{_count(n_ckpt, 'checkpoint')}, {_count(n_resume, 'resume')}", fontsize=10)
-    ax.set_xlabel("optimizer step")
+    fig.axes[-1].set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+PANEL_RANKS = 8  # up to this many ranks, one line each; more: the band of all ranks, its median, and the top rank
+
+
+def memory_panel(ax, peaks: dict[int, list[float]]) -> None:
+    """Each rank's peak memory (GiB) at each log interval: `peaks` is {step: [rank 0, rank 1, ...]}."""
+    xs = sorted(peaks)
+    ranks = max(len(peaks[s]) for s in xs)
+    at = [[peaks[s][r] if r < len(peaks[s]) else float("nan") for s in xs] for r in range(ranks)]  # W changed
+    if ranks <= PANEL_RANKS:
+        for r, ys in enumerate(at):
+            ax.plot(xs, ys, lw=1, marker=".", ms=3, label=f"rank {r}")
+    else:
+        ax.fill_between(xs, [min(peaks[s]) for s in xs], [max(peaks[s]) for s in xs], color="tab:blue", alpha=0.2,
+                        lw=0, label=f"{ranks} ranks: min to max")
+        ax.plot(xs, [statistics.median(peaks[s]) for s in xs], color="tab:blue", lw=1, label="median")
+        top = max((v, r) for s in xs for r, v in enumerate(peaks[s]))[1]
+        ax.plot(xs, at[top], color="tab:red", lw=1, label=f"rank {top} (highest peak)")
+    ax.set_ylabel("peak memory per rank (GiB)")
+    ax.legend(fontsize=7, ncol=4)
+    ax.grid(alpha=0.3)
 
 
 def parse_args(argv: list[str], prog: str, description: str, what: str, what_help: str, png: str):

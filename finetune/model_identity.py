@@ -20,9 +20,10 @@ import os
 from typing import Callable
 
 from ckpt.lora_base import base_fingerprint
+from finetune.config import identity_keys
 from finetune.model import TOKENIZER_FILES
 
-MODEL_PATH_KEYS = ("model.name_or_path", "model.config_path", "model.tokenizer_path")
+MODEL_PATH_KEYS = identity_keys()  # the keys declared identity=True (finetune/config.py); roles: folder_fingerprint
 TOKENIZER_EXTRA = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "merges.txt")
 
 

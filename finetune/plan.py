@@ -27,9 +27,9 @@ from finetune.config import ModelConfig
 from finetune.data import BatchSplit, DataError
 from finetune.lora import add_adapters
 from finetune.model import decoder_blocks
+from finetune.optim import optimizer_kind
 
 GIB = 2 ** 30
-ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32, per trainable parameter
 MASTER_BYTES = 4  # fp32 master weights and fp32 sharded gradients
 LOGITS_COPIES = 3.3  # logits + their gradient + fp32 chunks of the chunked loss (bench/loss_memory.py: 2.3 above them)
 CUDA_OVERHEAD_GIB = 3.0  # CUDA context, NCCL buffers, allocator fragmentation: an assumption, not a measurement
@@ -192,13 +192,14 @@ def compute_bytes(cfg, cpu: bool = False) -> int:
 
 
 def gpu_states(cfg, s: Shapes, world: int) -> list[tuple[str, int]]:
-    """[(what, bytes)] of one rank's shards: parameters, gradients, AdamW state."""
+    """[(what, bytes)] of one rank's shards: parameters, gradients, optimizer state (finetune/optim.py's size)."""
     trainable = shard_numel(s.sharded_trainable, world)
     frozen = shard_numel(s.sharded_frozen, world)
     return [(f"parameters ({'fp32 masters' if not frozen else 'fp32 adapters + frozen base in compute dtype'})",
              MASTER_BYTES * trainable + compute_bytes(cfg) * frozen),
             ("gradients (fp32 shards)", MASTER_BYTES * trainable),
-            ("AdamW state (2 x fp32 shards)", ADAM_BYTES * trainable)]
+            (f"optimizer state ({cfg.train.optimizer}: {optimizer_kind(cfg.train).state_bytes} B per parameter)",
+             optimizer_kind(cfg.train).state_bytes * trainable)]
 
 
 def gpu_items(cfg, s: Shapes, world: int, micro_batch: int, accum: int = 1) -> list[tuple[str, float]]:
@@ -291,9 +292,10 @@ def shard_world(cfg, world: int) -> int:
     return max(1, world // cfg.model.replicas)
 
 
-def checkpoint_bytes(s: Shapes, world: int) -> tuple[int, int]:
-    """(one checkpoint, one rank's part): the trainable fp32 weights and their AdamW state, 12 bytes each."""
-    per_param = MASTER_BYTES + ADAM_BYTES
+def checkpoint_bytes(s: Shapes, world: int, state_bytes: int) -> tuple[int, int]:
+    """(one checkpoint, one rank's part): the trainable fp32 weights and their optimizer state, `state_bytes` per
+    parameter (finetune/optim.py: AdamW 8, so 12 bytes each)."""
+    per_param = MASTER_BYTES + state_bytes
     return per_param * s.trainable, per_param * shard_numel(s.sharded_trainable, world)
 
 
@@ -312,7 +314,7 @@ def host_lines(cfg, rank_bytes: int, offload_bytes: int, ranks_per_node: int,
                  f"{plural(ranks_per_node, 'rank')} x {size(rank_bytes)})"]
     if offloaded:
         lines.append(f"host per node: {size(offloaded)} of pinned RAM for the offloaded parameters, gradients "
-                     "and AdamW state (model.cpu_offload)")
+                     "and optimizer state (model.cpu_offload)")
     problems = []
     if host_gib is not None and staged + offloaded + tier_ram > host_gib * GIB:
         tier = f", memory tier {size(tier_ram)}: its line above" if tier_ram else ""
@@ -359,7 +361,8 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     if s.max_positions and cfg.data.seq_len > s.max_positions:
         problems.append(f"data.seq_len={cfg.data.seq_len} is above the model's max_position_embeddings={s.max_positions}")
 
-    ckpt, rank_bytes = checkpoint_bytes(s, shard_world(cfg, world))  # every replica stages its own shard
+    state_bytes = optimizer_kind(cfg.train).state_bytes
+    ckpt, rank_bytes = checkpoint_bytes(s, shard_world(cfg, world), state_bytes)  # every replica stages its own shard
     items = cpu_items(cfg, s, world, micro, rank_bytes) if args.cpu else gpu_items(cfg, s, world, micro, accum)
     total = sum(b for _, b in items)
     lines.append("per rank (CPU process, VmRSS):" if args.cpu else "per GPU:")
@@ -386,7 +389,8 @@ def make_plan(cfg, args) -> tuple[list[str], list[str]]:
     problems += [] if args.cpu else host_problems
     keep = cfg.ckpt.keep_last
     lines.append(f"checkpoint: {size(ckpt)} per save (fp32 {'adapters' if s.trainable != s.params else 'weights'}"
-                 f" + AdamW: 12 B x {s.trainable:,}), {size(rank_bytes)} per rank; keep_last {keep}: "
+                 f" + {cfg.train.optimizer} state: {MASTER_BYTES + state_bytes} B x {s.trainable:,}), "
+                 f"{size(rank_bytes)} per rank; keep_last {keep}: "
                  f"{'every one kept' if keep == 0 else f'{size(ckpt * (keep + 1))} on disk at peak'}; "
                  f"HF export {size(2 * s.params)} in bf16")
     write_s = ckpt / (args.write_gbps * 1e9)

@@ -1,60 +1,33 @@
 """Which config changes a resume refuses, warns about or applies: the checkpoint's config.yaml against this run's.
 
     python -m pytest tests/test_resume_config.py -q
+    python -m finetune.resume_rules > /tmp/rules.md   # the per-field table of docs/resume-rules.md
 
-The rules (docs/resume-rules.md): a change in RESUME_REFUSED makes the continuation meaningless (another model,
-tokenizer, data set, data order or batch) and is refused unless ckpt.resume_config_check=warn; every other field
-takes effect as the new config says, with what that means where it is more than that (_RESUME_EFFECT). A model
-folder that moved but kept its content is no change (finetune/model_identity.py says whether it did, and what
-changed when it did not).
+Each key declares its rule beside its field (finetune/config.py, `resume=`): refused, when a change makes the
+continuation meaningless (another model, tokenizer, data set, data order or batch), unless
+ckpt.resume_config_check=warn lets it through (then "warned", and what then happens); or applied, with what
+taking effect means where it is more than that. RESUME_REFUSED and the docs table are read from those
+declarations. A model folder that moved but kept its content is no change (finetune/model_identity.py says
+whether it did, and what changed when it did not).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import typing
 from dataclasses import dataclass
 
 import yaml
 
-from finetune.config import Config, ConfigError, flatten, to_dict
+from finetune.config import Config, ConfigError, declarations, flatten, identity_keys, to_dict
+from finetune.config_keys import TAKES_EFFECT, Resume, refused
 
-# Changes that make a continuation meaningless: refused on resume unless ckpt.resume_config_check=warn.
-# Every other field takes effect as the new config says (docs/resume-rules.md).
-RESUME_REFUSED = {
-    "model.name_or_path": "the weights trained on are another model's",
-    "model.config_path": "the architecture trained is another one",
-    "model.tokenizer_path": "token ids would mean other tokens",
-    "model.lora.r": "the saved adapters have another rank",
-    "model.lora.alpha": "the saved adapters would be scaled otherwise (alpha / r)",
-    "model.lora.target_modules": "other modules would carry the adapters",
-    "data.path": "the saved data position counts samples of another data set",
-    "data.name": "the saved data position counts samples of another data set",
-    "data.split": "the saved data position counts samples of another data set",
-    "data.revision": "the saved data position counts samples of another data set",
-    "data.mixture": "the saved data position counts samples of another data set",
-    "data.format": "samples would be tokenized otherwise",
-    "data.text_field": "samples would come from another column",
-    "data.messages_field": "samples would come from another column",
-    "data.pack": "the saved data position counts other samples",
-    "data.seq_len": "the saved data position counts other samples",
-    "data.global_batch_size": "steps, the schedule and the data position count other batches",
-    "train.seed": "the saved data position is only meaningful in the order made with its seed",
-}
-_MOVABLE = ("model.name_or_path", "model.config_path", "model.tokenizer_path")  # compared by content if moved
-_RESUME_EFFECT = {  # what applying a change means, where it is more than "takes effect"
-    "train.lr": "the LR schedule follows the new config from the resumed step on",
-    "train.min_lr_ratio": "the LR schedule follows the new config from the resumed step on",
-    "train.warmup_steps": "the LR schedule follows the new config from the resumed step on",
-    "train.lr_schedule": "the LR schedule follows the new config from the resumed step on",
-    "train.decay_fraction": "the LR schedule follows the new config from the resumed step on",
-    "train.max_steps": "the LR schedule follows the new config from the resumed step on",
-    "train.weight_decay": "set in the restored optimizer",
-    "train.beta1": "set in the restored optimizer",
-    "train.beta2": "set in the restored optimizer",
-    "train.seed": "the data order continues with the checkpoint's seed",
-    "model.init_std": "no effect: the weights come from the checkpoint",
-}
+RULES: dict[str, Resume] = {k: d["resume"] for k, d in declarations().items() if d.get("resume")}
+# A key whose declaration leaves its rule out (tests/test_config.py names it) is refused rather than applied.
+_UNDECLARED = refused("its resume rule is not declared (finetune/config.py key(resume=...))")
+RESUME_REFUSED = {k: rule.why for k, rule in RULES.items() if rule.verdict == "refused"}
+_MOVABLE = identity_keys()  # model folders, compared by content when their path changed
 
 
 @dataclass
@@ -73,7 +46,7 @@ def _same(key: str, a, b) -> bool:
     """Equal values; paths are equal when they name the same files from here."""
     if a == b:
         return True
-    if key in ("model.name_or_path", "model.config_path", "model.tokenizer_path", "data.path") and \
+    if key in (*_MOVABLE, "data.path") and \
             isinstance(a, str) and isinstance(b, str):
         def norm(v):
             return [os.path.realpath(p.strip()) for p in v.split(",") if p.strip()]
@@ -96,15 +69,42 @@ def resume_changes(saved_yaml: str, cfg: Config,
     for key, current in flatten(to_dict(cfg)).items():
         if key not in saved or _same(key, saved[key], current):
             continue
+        rule = RULES.get(key, _UNDECLARED)
         differs = content_change(key, saved[key]) if key in _MOVABLE and content_change is not None else ""
-        refusal = RESUME_REFUSED.get(key, "") + (f" ({differs})" if differs else "")
-        if key not in RESUME_REFUSED:
-            verdict, why = "applied", _RESUME_EFFECT.get(key, "takes effect")
+        refusal = rule.why + (f" ({differs})" if differs else "")
+        if rule.verdict != "refused":
+            verdict, why = "applied", rule.why
         elif differs is None:
             verdict, why = "applied", "the same files at another path (their fingerprints match the checkpoint's)"
         elif cfg.ckpt.resume_config_check == "refuse":
             verdict, why = "refused", refusal
         else:
-            verdict, why = "warned", f"{refusal}; {_RESUME_EFFECT.get(key, 'takes effect')}"
+            verdict, why = "warned", f"{refusal}; {rule.then}"
         changes.append(ConfigChange(key, saved[key], current, verdict, why))
     return changes
+
+
+def rules_table() -> str:
+    """docs/resume-rules.md's table of the rule per key, from the declarations: keys sharing a rule share a row.
+    tests/test_resume_config.py checks that the doc holds it."""
+    rows: dict[Resume, list[str]] = {}
+    for k, rule in RULES.items():
+        rows.setdefault(rule, []).append(f"`{k}`")
+    lines = ["| key | on change | why | with ckpt.resume_config_check=warn |", "|---|---|---|---|"]
+    for rule, keys in sorted(rows.items(), key=lambda row: (row[0].verdict != "refused", row[0] == TAKES_EFFECT)):
+        warned = f"warned; {rule.then}" if rule.verdict == "refused" else "applied"
+        lines.append(f"| {', '.join(keys)} | {rule.verdict} | {rule.why} | {warned} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m finetune.resume_rules",
+                            description="Print the table of what a resume does with each changed config key "
+                                        "(docs/resume-rules.md), from the declarations in finetune/config.py."
+                            ).parse_args(argv)
+    print(rules_table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -3,7 +3,7 @@
     python -m pytest tests/test_schedule.py -q
 
 `lr_factor(step, t)` is the multiple of `train.lr` for the optimizer step that follows `step` finished steps.
-The scheduler (train_fsdp.py build_optimizer) asks it at every step; a resume (follow_config_schedule) asks it
+The scheduler (finetune/optim.py build_optimizer) asks it at every step; a resume (follow_config_schedule) asks it
 once for the resumed step, so a checkpoint continues on the current config's schedule at any world size. A new
 schedule is a new branch here, its name in SCHEDULES (finetune/config.py offers them as train.lr_schedule) and its
 knobs in TrainConfig; nothing else computes an LR.

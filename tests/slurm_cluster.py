@@ -126,6 +126,16 @@ def unavailable_reason(nodes: int = 0) -> str | None:
     return _namespaces_unavailable_reason() if nodes else None
 
 
+def hosts_unavailable_reason() -> str | None:
+    """None if simulated hosts (`SlurmCluster.start_hosts`) can be made here, else why not (no SLURM needed)."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        return "simulated hosts need Linux and root (network, UTS and mount namespaces)"
+    missing = [b for b in NAMESPACE_BINARIES if _which(b) is None]
+    if missing:
+        return f"simulated hosts need {', '.join(missing)} (Debian packages iproute2 util-linux)"
+    return _namespaces_unavailable_reason()
+
+
 def _namespaces_unavailable_reason() -> str | None:
     """Try what the multi-host cluster needs: new net/UTS/mount namespaces, a bridge and a veth pair."""
     try:
@@ -254,6 +264,16 @@ class SlurmCluster:
             want = "\n".join(["idle"] * len(self.nodes))
             _wait(lambda: self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip() == want,
                   timeout, "nodes to become idle", self.logs_tail)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_hosts(self) -> "SlurmCluster":
+        """The hosts and their network only, no munge or SLURM daemons (tests/test_k8s.py runs pods in them);
+        stop() destroys them."""
+        try:
+            self._make_network()
         except BaseException:
             self.stop()
             raise

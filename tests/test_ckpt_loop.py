@@ -151,9 +151,12 @@ def test_finish_saves_without_save_at_end_only_after_a_preemption():
 def test_schema_round_trip_and_batch_rule(tmp_path):
     schema = CheckpointSchema(model_prefix="m.", optim_prefix="o.", train_state_keys=("p.",), step_key="p.step",
                               position_key="d.position", divides={"data.global_batch_size": 6}, model_dir="x",
-                              tokenizer_dir="x", pretrained=False)
+                              tokenizer_dir="x", pretrained=False, optimizer="sgd", optimizer_state_bytes=4)
     (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "schema": schema.to_meta()}))
     assert schema_of(str(tmp_path)) == schema
+    older = {k: v for k, v in schema.to_meta().items() if not k.startswith("optimizer")}  # before it named one
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "schema": older}))
+    assert (schema_of(str(tmp_path)).optimizer, schema_of(str(tmp_path)).optimizer_state_bytes) == ("adamw", 8)
     assert world_size_problem(str(tmp_path), 3) is None
     assert "data.global_batch_size=6 is not divisible by world size 4; world sizes that work: [1, 2, 3, 6]" == \
         world_size_problem(str(tmp_path), 4)

@@ -3,9 +3,14 @@
     python -m pytest tests/test_config.py -q
 """
 
+import dataclasses
+from dataclasses import dataclass, field
+
 import pytest
 
-from finetune.config import ConfigError, load_config
+from finetune.config import Config, ConfigError, DataConfig, declarations, load_config
+from finetune.config_keys import Resume, key, refused
+from finetune.data.cache import cache_key
 
 
 def test_precedence_defaults_yaml_cli(tmp_path):
@@ -87,7 +92,7 @@ def test_every_numeric_field_has_a_range():
     import dataclasses
     import typing
 
-    from finetune.config import _RANGES, Config
+    from finetune.config import Config, declarations
 
     def numeric(cls, prefix=""):  # nested sections too: model.lora.r
         hints = typing.get_type_hints(cls)
@@ -98,7 +103,90 @@ def test_every_numeric_field_has_a_range():
             elif hints[f.name] in (int, float):
                 keys.add(prefix + f.name)
         return keys
-    assert numeric(Config) == set(_RANGES)
+    assert sorted(k for k in numeric(Config) if not declarations()[k].get("range")) == []
+
+
+# ---------------------------------------------------------------- one declaration per key (issue 45)
+
+@dataclass
+class _DataWithResponse(DataConfig):  # what a forker adds for a prompt/response format, declared
+    response_field: str = key("response", "column holding the response", cache=True,
+                              resume=refused("samples would come from another column"))
+
+
+@dataclass
+class _DataForgotten(DataConfig):  # the same field written the old way: no declaration
+    response_field: str = "response"
+
+
+@dataclass
+class _ConfigForgotten(Config):
+    data: _DataForgotten = field(default_factory=_DataForgotten)
+
+
+def undecided(config_class) -> list[str]:
+    """Each key of `config_class` whose declaration leaves out a decision, with what to add."""
+    problems = []
+    for name, d in declarations(config_class).items():
+        if not isinstance(d.get("resume"), Resume):
+            problems.append(f"{name}: no resume rule (key(..., resume=refused(why) or applies(what)))")
+        if name.startswith("data.") and d.get("cache") not in (True, False, "files"):
+            problems.append(f"{name}: no token-cache decision (key(..., cache=True, 'files' or False))")
+    return problems
+
+
+def test_every_key_declares_its_resume_rule_and_every_data_key_its_cache_decision():
+    assert undecided(Config) == []
+    assert undecided(_ConfigForgotten) == [  # the check can fail, and names the field
+        "data.response_field: no resume rule (key(..., resume=refused(why) or applies(what)))",
+        "data.response_field: no token-cache decision (key(..., cache=True, 'files' or False))"]
+
+
+class _Tokenizer:  # what cache_key reads of a tokenizer
+    chat_template = None
+
+    def get_vocab(self):
+        return {"a": 0}
+
+
+def _keys(cfg_data) -> tuple[str, str]:
+    return cache_key(cfg_data, _Tokenizer()), cache_key(cfg_data, _Tokenizer(), eval_set=True)
+
+
+def _another_value(name: str, f, value):
+    if f.metadata.get("choices"):
+        return next(c for c in f.metadata["choices"] if c != value)
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    return {"mixture": "other.jsonl:1"}.get(name, "other.jsonl")
+
+
+def test_the_token_cache_key_changes_exactly_with_the_data_keys_declared_to_enter_it():
+    """cache=True or "files": another value is another token cache; cache=False: the same one."""
+    for f in dataclasses.fields(DataConfig):
+        before = DataConfig()
+        after = dataclasses.replace(before, **{f.name: _another_value(f.name, f, getattr(before, f.name))})
+        assert (_keys(before) != _keys(after)) == bool(f.metadata.get("cache")), f"data.{f.name}"
+
+
+def test_a_declared_new_data_field_enters_the_cache_key_so_no_stale_cache_is_reused():
+    """On main, a new data.response_field was left out of cache_key's hand-kept list: a run with another column
+    trained on the cache tokenized from the first. Declared with cache=True, it enters the key."""
+    assert _keys(_DataWithResponse(response_field="answer")) != _keys(_DataWithResponse())
+    assert _keys(_DataForgotten(response_field="answer")) == _keys(_DataForgotten())  # undeclared: the test above
+
+
+def test_choices_come_from_the_registries_that_implement_them():
+    from ckpt.manager import ASYNC_MODES
+    from finetune.data.sources import FORMATS
+    from finetune.schedule import SCHEDULES
+
+    d = declarations()
+    assert (d["train.lr_schedule"]["choices"], d["data.format"]["choices"], d["ckpt.async_mode"]["choices"]) == \
+        (SCHEDULES, FORMATS, ASYNC_MODES)
+    assert key("b", "doc", choices={"a": 1, "b": 2}).metadata["choices"] == ("a", "b")  # a registry dict: its names
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path):

@@ -20,7 +20,9 @@ import pytest
 
 ROOT = os.environ.get("LAYERS_ROOT") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("common", "ckpt", "finetune")
-MAX_MODULE_LINES, MAX_CKPT_CLASS_LINES, MAX_TRAIN_LINES = 500, 150, 60
+# Guides, not walls: a change that needs room raises a limit here, with its reason in the commit message, rather
+# than move code where it does not belong. train() at 59 of 60 pushed a per-step collective into StepLog.step.
+MAX_MODULE_LINES, MAX_CKPT_CLASS_LINES, MAX_TRAIN_LINES = 500, 150, 70
 
 
 

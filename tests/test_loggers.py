@@ -17,6 +17,7 @@ from conftest import ROOT, events, losses, run_train
 
 import train_fsdp
 from finetune.loggers import ScalarStream
+from finetune.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,18 @@ def test_tensorboard_event_files_hold_the_run(logged_run):
     assert sorted(blocking) == [3, 6]
     for ev in events(logged_run, "checkpoint"):
         assert math.isclose(blocking[ev["step"]], ev["blocking_s"], rel_tol=1e-6)
+    peaks = peak_records(logged_run)  # each rank's peak memory, gathered at every log interval (1 here)
+    for r in (0, 1):
+        assert {e.step: round(e.value, 3) for e in acc.Scalars(f"memory/peak_gib/rank_{r}")} == \
+            {s: round(p[r], 3) for s, p in peaks.items()}
+
+
+def peak_records(run) -> dict[int, list[float]]:
+    """{step: [rank 0's peak, rank 1's]} of the W=2 run: every step is a log interval, every peak a process's."""
+    steps = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
+    peaks = {s: r["peak_memory_gib"] for s, r in steps.items()}
+    assert sorted(peaks) == [1, 2, 3, 4, 5, 6] and all(len(p) == 2 and min(p) > 0.1 for p in peaks.values())
+    return peaks
 
 
 def read_wandb_history(path: str) -> list[dict]:
@@ -85,6 +98,8 @@ def test_wandb_offline_run_holds_the_run_under_run_dir(logged_run):
     loss = {r["train/step"]: r["train/loss"] for r in rows if "train/loss" in r}
     assert loss == losses(logged_run)
     assert {r["train/step"] for r in rows if "checkpoint/blocking_s" in r} == {3, 6}
+    assert {r["train/step"]: r["memory/peak_gib/rank_1"] for r in rows if "memory/peak_gib/rank_1" in r} == \
+        {s: p[1] for s, p in peak_records(logged_run).items()}
     run_id = open(logged_run / "wandb" / "run-id").read().strip()
     assert files[0].endswith(f"run-{run_id}.wandb")  # a resumed job continues the same W&B run
 

@@ -18,6 +18,7 @@ from conftest import ROOT, run_train
 
 import train_fsdp
 from finetune.config import load_config
+from finetune.optim import optimizer_kind
 from finetune.plan import GIB, checkpoint_bytes, model_shapes, shard_numel
 
 PRESETS = sorted(p for p in glob.glob(os.path.join(ROOT, "configs", "*.yaml")) if not p.endswith("tiny.yaml"))
@@ -95,7 +96,7 @@ def test_lora_plan_counts_the_adapters_peft_adds(tmp_path):
     per_layer = 16 * ((3584 + 3584) * 2 + (3584 + 512) * 2 + (3584 + 18944) * 3)  # q, o; k, v; gate, up, down
     assert s.trainable == 28 * per_layer and s.params == PUBLISHED["qwen2.5-7b"]
     full = load_config(os.path.join(ROOT, "configs", "qwen2.5-7b-lora.yaml"), ["model.lora.r=0"])
-    assert checkpoint_bytes(s, 4)[0] * 150 < checkpoint_bytes(model_shapes(full.model), 4)[0]
+    assert checkpoint_bytes(s, 4, 8)[0] * 150 < checkpoint_bytes(model_shapes(full.model), 4, 8)[0]
 
 
 def test_fsdp_shards_are_padded_on_dim0():
@@ -112,7 +113,7 @@ def test_planned_checkpoint_size_is_what_a_run_saves(tmp_path):
     saved = sum(m.properties.dtype.itemsize * m.size.numel() for m in md.values()
                 if isinstance(m, TensorStorageMetadata) and len(m.size))  # not AdamW's 0-dim step counters
     cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [])
-    planned, per_rank = checkpoint_bytes(model_shapes(cfg.model), 2)
+    planned, per_rank = checkpoint_bytes(model_shapes(cfg.model), 2, optimizer_kind(cfg.train).state_bytes)
     assert saved == planned and planned < 2 * per_rank < planned * 1.1
     assert planned < GIB
 

@@ -83,4 +83,6 @@ def test_readme_links_only_existing_docs():
     for name in sorted(set(re.findall(r"docs/[\w.-]+\.md", text))):
         assert os.path.isfile(os.path.join(ROOT, name)), f"README links {name}, which does not exist"
     lines = text.count("\n")
-    assert lines <= 231, f"the README is a manual of about 200 lines, not {lines}"
+    # a guide, not a wall (raise it, with the reason in the commit, when a change needs the room): at 230 of 230, a
+    # forker's first documented option failed here and was squeezed into an existing line
+    assert lines <= 250, f"the README is a manual of about 200 lines (250 at most), not {lines}"

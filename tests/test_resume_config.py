@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, events, run_train
 from finetune.config import load_config, to_yaml
 from finetune.model_identity import content_change_since
-from finetune.resume_rules import ConfigChange, resume_changes
+from finetune.resume_rules import ConfigChange, resume_changes, rules_table
 from finetune.data import GlobalOrder
 from finetune.schedule import lr_factor
 
@@ -43,6 +43,13 @@ def test_rules_per_field(monkeypatch):
     monkeypatch.chdir(ROOT)  # the default's relative path and this absolute one name the same folder from here
     same_path = resume_changes(saved, load_config(None, [f"model.config_path={os.path.abspath('assets/tiny-llama')}"]))
     assert same_path == []
+
+
+def test_the_docs_table_is_the_declared_rules():
+    """docs/resume-rules.md's table per key is generated from the declarations (finetune/config.py resume=)."""
+    with open(os.path.join(ROOT, "docs", "resume-rules.md"), encoding="utf-8") as f:
+        doc = f.read()
+    assert rules_table() in doc, "docs/resume-rules.md is stale: paste `python -m finetune.resume_rules` into it"
 
 
 def test_lr_and_max_steps_changed_on_resume_follow_the_new_schedule(tmp_path):

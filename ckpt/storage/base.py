@@ -269,7 +269,7 @@ class Storage:
 
 class ItemLoader:
     """What every backend's DCP reader does with one item its read_data fetched: `load_item(req, stream, planner)`.
-    A reader variant that changes how items are handed over (export's single copy, ckpt/export.py) overrides this
+    A reader variant that changes how items are handed over (export's single copy, ckpt/hf/export.py) overrides this
     one method, as a mixin over any backend's `reader_class` (ckpt.storage.reader_with)."""
 
     def load_item(self, req, stream, planner) -> None:

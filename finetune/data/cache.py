@@ -12,6 +12,7 @@ The cache does not depend on seq_len or packing: samples are cut from it when it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import hashlib
 import json
@@ -69,10 +70,17 @@ def _sources_fingerprint(pairs) -> list:
     return out
 
 
+def tokenizing_inputs(cfg_data) -> list:
+    """The values of the data fields declared `cache=True` (finetune/config.py `key`): what tokenizing reads
+    besides the files (`cache="files"`: sources() reads those) and the tokenizer. Read from the fields'
+    declarations, so a new field that changes the tokens enters the key where it is declared."""
+    return [getattr(cfg_data, f.name) for f in dataclasses.fields(cfg_data) if f.metadata.get("cache") is True]
+
+
 def cache_key(cfg_data, tokenizer, eval_set: bool = False) -> str:
     vocab = hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
     blob = json.dumps([CACHE_VERSION, _sources_fingerprint(sources(cfg_data, eval_set)), vocab,
-                       str(tokenizer.chat_template), cfg_data.format, cfg_data.text_field, cfg_data.messages_field])
+                       str(tokenizer.chat_template), *tokenizing_inputs(cfg_data)])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

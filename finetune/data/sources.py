@@ -169,6 +169,9 @@ def load_source(src: Source, cache_dir: str | None = None):
     return ds
 
 
+FORMATS = ("auto", "text", "chat")  # data.format: auto is chat when data.messages_field is a column, else text
+
+
 def _resolve_format(cfg_data, ds, path: str) -> tuple[str, str]:
     """(format, column) of a data set, with the clear errors for a missing or non-text column."""
     fmt = cfg_data.format

@@ -1,0 +1,418 @@
+"""Kubernetes without a cluster: every overlay of k8s/ renders and validates against its schema, its failure rules
+restart on 75 and 76 and never on 2, and k8s/entrypoint.sh trains as two pods on two simulated hosts, through an
+in-place restart, a replaced pod and a scale-down.
+
+    python -m pytest tests/test_k8s.py -q -k "render or rules or bad"            # kubectl; seconds
+    flock /tmp/slurm-tests.lock python -m pytest tests/test_k8s.py -q -k pods   # root: the two hosts
+
+Schemas: core kinds (ConfigMap, PVC, RBAC, and each JobSet's Job template as a batch/v1 Job) with
+kubernetes-validate's bundled Kubernetes 1.35 schemas, strict (unknown fields fail); JobSet, TrainingRuntime and
+TrainJob with jsonschema against the CRDs' openAPIV3Schema in k8s/crds/ (k8s/crds/SOURCES.md), with unknown
+fields refused as `kubectl apply`'s strict field validation refuses them.
+
+The pods: tests/slurm_cluster.py's hosts (own network, host name, /etc/hosts and /dev/shm each; no SLURM daemons),
+one entrypoint each, given the environment the operator gives a pod: a JobSet's (JOB_COMPLETION_INDEX and the
+downward-API names) or Kubeflow Trainer's (PET_*). The pods' DNS names (fsdp-node-0-<i>.fsdp, the JobSet's headless
+service) are in each host's /etc/hosts. ckpt.memory_dir is each host's /dev/shm, as the emptyDir{medium: Memory}
+of a pod; run.dir is shared, as the RWX volume. "Every container killed and started again" is SIGKILL to every
+process of both hosts, the hosts (pods) and their /dev/shm kept; "a pod replaced" is its memory folder wiped.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from conftest import FAST, ROOT, events, free_port, run_train, token_cache
+from finetune.metrics import read_metrics
+from test_preemption import metrics_so_far
+
+OVERLAYS = sorted(glob.glob(os.path.join(ROOT, "k8s", "overlays", "*")))
+ENTRYPOINT = os.path.join(ROOT, "k8s", "entrypoint.sh")
+KUBECTL = shutil.which("kubectl")
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl (client) is not installed: it renders k8s/")
+
+
+# ---------------------------------------------------------------- render and validate
+
+def render(overlay: str) -> list[dict]:
+    out = subprocess.run([KUBECTL, "kustomize", overlay], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {overlay}: {out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def closed(schema):
+    """`schema` with unknown fields refused wherever it lists the known ones (an apiserver's strict validation)."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: ({name: closed(s) for name, s in v.items()} if k == "properties" else closed(v))
+           for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> schema, from k8s/crds/<group>_<version>_<Kind>.json."""
+    found = {}
+    for path in glob.glob(os.path.join(ROOT, "k8s", "crds", "*.json")):
+        group, version, kind = os.path.basename(path)[:-len(".json")].rsplit("_", 2)
+        with open(path) as f:
+            found[(f"{group}/{version}", kind)] = closed(json.load(f))
+    return found
+
+
+def schema_errors(doc: dict, crds: dict) -> list[str]:
+    """Why `doc` is invalid ([] if it is valid)."""
+    import jsonschema
+    import kubernetes_validate
+    key = (doc["apiVersion"], doc["kind"])
+    if key in crds:
+        return [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:300]}"
+                for e in jsonschema.Draft7Validator(crds[key]).iter_errors(doc)]
+    try:
+        kubernetes_validate.validate(doc, "1.35.0", strict=True)
+    except (kubernetes_validate.ValidationError, kubernetes_validate.InvalidSchemaError) as e:
+        return [str(e)[:500]]
+    return []
+
+
+def job_templates(doc: dict) -> list[dict]:
+    """The Job template of every replicated job of a JobSet, or of a TrainingRuntime's JobSet template."""
+    spec = doc["spec"] if doc["kind"] == "JobSet" else doc["spec"]["template"]["spec"]
+    return [rj["template"] for rj in spec["replicatedJobs"]]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=os.path.basename)
+def test_every_overlay_renders_and_validates(overlay):
+    crds, docs = crd_schemas(), render(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert kinds & {"JobSet", "TrainJob"}, kinds
+    for doc in docs:
+        assert not schema_errors(doc, crds), (doc["kind"], schema_errors(doc, crds))
+        if doc["kind"] in ("JobSet", "TrainingRuntime"):
+            for template in job_templates(doc):
+                job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "t"}, "spec": template["spec"]}
+                assert not schema_errors(job, crds), schema_errors(job, crds)
+
+
+@needs_kubectl
+def test_the_validators_refuse_what_an_apiserver_refuses():
+    """So that the test above can fail: a wrong enum and an unknown field in a JobSet, a number as a ConfigMap
+    value, an unknown field in the pod of a Job template."""
+    crds = crd_schemas()
+    docs = {d["kind"]: d for d in render(os.path.join(ROOT, "k8s", "overlays", "jobset-recreate"))}
+    jobset = json.loads(json.dumps(docs["JobSet"]))
+    jobset["spec"]["failurePolicy"]["restartStrategy"] = "InPlace"
+    assert any("InPlace" in e for e in schema_errors(jobset, crds))
+    jobset = json.loads(json.dumps(docs["JobSet"]))
+    jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]["terminationGracePeriod"] = 30
+    assert schema_errors(jobset, crds)
+    config = {**docs["ConfigMap"], "data": {"NNODES": 2}}
+    assert schema_errors(config, crds)
+    template = json.loads(json.dumps(job_templates(docs["JobSet"])[0]))
+    template["spec"]["template"]["spec"]["containers"][0]["envFrm"] = []
+    assert schema_errors({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "t"},
+                          "spec": template["spec"]}, crds)
+
+
+# ---------------------------------------------------------------- which exit codes restart
+
+def container_restarts(container: dict, code: int) -> bool:
+    """Whether the kubelet restarts the pod's containers in place when `container` exits `code` (first rule wins)."""
+    for rule in container.get("restartPolicyRules", []):
+        values = rule["exitCodes"].get("values", [])
+        if (code in values) == (rule["exitCodes"]["operator"] == "In"):
+            return rule["action"] == "RestartAllContainers"
+    return False
+
+
+def jobset_action(failure_policy: dict, job: dict, code: int) -> str:
+    """What the JobSet controller does when a pod's container `node` exits `code` and no in-place rule restarts it:
+    the Job's podFailurePolicy names the code in its failure message, the JobSet's first matching rule acts."""
+    for index, rule in enumerate(job["spec"].get("podFailurePolicy", {}).get("rules", [])):
+        on = rule["onExitCodes"]
+        if (code in on["values"]) == (on["operator"] == "In") and rule["action"] == "FailJob":
+            reason = "PodFailurePolicy"
+            message = f"Container node for pod ns/fsdp-node-0-1-x failed with exit code {code} matching FailJob rule " \
+                      f"at index {index}"
+            break
+    else:
+        if job["spec"].get("backoffLimit", 6) > 0:
+            return "pod replaced alone"
+        reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+    for rule in failure_policy.get("rules", []):
+        if (reason in rule.get("onJobFailureReasons", [reason]) and
+                any(re.search(p, message) for p in rule.get("onJobFailureMessagePatterns", [".*"]))):
+            return rule["action"]
+    return "RestartJobSet"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=os.path.basename)
+def test_the_failure_rules_restart_on_75_and_76_and_never_on_2(overlay):
+    docs = {d["kind"]: d for d in render(overlay)}
+    owner = docs.get("JobSet") or docs["TrainingRuntime"]
+    policy = (owner["spec"] if owner["kind"] == "JobSet" else owner["spec"]["template"]["spec"])["failurePolicy"]
+    (job,) = job_templates(owner)
+    (node,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "node"]
+    in_place = policy.get("restartStrategy") == "InPlaceRestart"
+    for code, restarts in ((75, True), (76, True), (1, True), (2, False)):
+        action = "restart in place" if container_restarts(node, code) else jobset_action(policy, job, code)
+        assert action.startswith(("Restart", "restart")) == restarts, (code, action)
+        if restarts and in_place:
+            assert action == "restart in place", (code, action)
+    assert jobset_action(policy, job, 2) == "FailJobSet"
+    if not in_place:  # a preemption does not use up the restarts a hang may take
+        assert jobset_action(policy, job, 75) == "RestartJobSetAndIgnoreMaxRestarts"
+    params = docs["ConfigMap"]["data"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == int(params["GRACE_SECONDS"])
+    (tier,) = [v for v in pod["volumes"] if v["name"] == "memory-tier"]
+    assert tier["emptyDir"] == {"medium": "Memory", "sizeLimit": params["MEMORY_TIER_SIZE"]}
+    assert "ckpt.memory_dir=/mnt/memory-tier" in node["args"]
+    assert node["resources"]["limits"]["nvidia.com/gpu"] == int(params["NPROC_PER_NODE"])
+    if "TrainJob" in docs:
+        assert docs["TrainJob"]["spec"]["trainer"]["numNodes"] == int(params["NNODES"])
+    else:
+        assert job["spec"]["parallelism"] == job["spec"]["completions"] == int(params["NNODES"])
+
+
+def gib(quantity: str) -> float:
+    assert quantity.endswith("Gi"), quantity
+    return float(quantity[:-2])
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=os.path.basename)
+def test_the_pods_command_is_a_valid_config_and_params_cover_its_plan(overlay, capsys, monkeypatch):
+    """The container's args, $(VAR) expanded from the ConfigMap, are a config train_fsdp.py --plan accepts for
+    NNODES x NPROC_PER_NODE; the memory-tier and /dev/shm emptyDirs, the pod's memory and the grace period in
+    params.env cover what the plan says they must hold."""
+    from train_fsdp import main
+    docs = {d["kind"]: d for d in render(overlay)}
+    params = docs["ConfigMap"]["data"]
+    (job,) = job_templates(docs.get("JobSet") or docs["TrainingRuntime"])
+    (node,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "node"]
+    args = [re.sub(r"\$\((\w+)\)", lambda m: params[m.group(1)], a) for a in node["args"]]
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert "run.dir=/mnt/run/fsdp" in args and "persistentVolumeClaim" in volumes["run"], \
+        "run.dir (the tokenized-data cache every pod reads) must be on the shared volume"
+    monkeypatch.chdir(ROOT)
+    assert main(["--config", *args, "--plan", "--nodes", params["NNODES"], "--gpus-per-node",
+                 params["NPROC_PER_NODE"]]) == 0
+    plan = capsys.readouterr().out
+    tier, tier_staging = map(float, re.search(r"memory tier \(ckpt.memory_interval=\d+\): ([\d.]+) GiB per node in "
+                                              r"/mnt/memory-tier .*, and ([\d.]+) GiB of RAM", plan).groups())
+    shm = float(re.search(r"host per node: ([\d.]+) GiB of /dev/shm", plan).group(1))
+    lead = float(re.search(r"preemption lead time >= ~([\d.]+) s", plan).group(1))
+    assert tier <= gib(params["MEMORY_TIER_SIZE"]) and shm <= gib(params["SHM_SIZE"]), plan
+    assert gib(params["POD_MEMORY"]) >= gib(params["MEMORY_TIER_SIZE"]) + gib(params["SHM_SIZE"]) + tier_staging
+    assert int(params["GRACE_SECONDS"]) >= 2 * lead
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2
+
+def entrypoint(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "JOB", "NNODES", "AWS_", "AZURE_"))}
+    return subprocess.run([ENTRYPOINT, "configs/tiny.yaml", *args], env={**keep, "OMP_NUM_THREADS": "1", **env},
+                          capture_output=True, text=True, timeout=timeout, cwd="/")
+
+
+JOBSET_ALONE = {"JOBSET_NAME": "fsdp", "REPLICATED_JOB_NAME": "node", "JOB_COMPLETION_INDEX": "0", "NNODES": "1",
+                "MASTER_ADDR": "127.0.0.1"}
+
+
+@pytest.mark.parametrize("env, args, words", [
+    ({}, [], "no operator's environment"),
+    (JOBSET_ALONE, ["ckpt.dir=s3://bucket/run"],
+     "needs S3 credentials and the pod has none: create the Secret fsdp-s3"),
+    (JOBSET_ALONE, ["ckpt.dir=az://c/run"], "create the Secret fsdp-azure"),
+    ({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "x", "NNODES": "3"}, [],
+     "the TrainJob gives PET_NNODES=2 but k8s/base/params.env says NNODES=3"),
+    ({**JOBSET_ALONE, "JOB_COMPLETION_INDEX": "1"}, [], "this pod's index '1' is not below the number of pods 1"),
+], ids=["no-operator", "s3-no-secret", "az-no-secret", "nnodes-edited", "index-beyond-n"])
+def test_bad_manifest_parameters_are_one_line_and_exit_2(env, args, words):
+    out = entrypoint(env, *args)
+    assert out.returncode == 2, out
+    assert out.stderr.splitlines() == [out.stderr.strip()] and out.stderr.startswith("error: "), out.stderr
+    assert words in out.stderr, out.stderr
+
+
+def test_a_hung_rank_is_exit_76_with_its_line(tmp_path):
+    """Rank 1 SIGSTOPped inside step 3: the watchdog ends the attempt (the workers' 76, torchrun's 1); the hang
+    file turns it into the container's 76, which the failure rules restart."""
+    once = "mid_step:3,rank=1,attempt=0"
+    out = entrypoint({**JOBSET_ALONE, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
+                      "CKPT_FAULT": f"sleep@{once},secs=1;stop@{once}"},
+                     *FAST, f"run.dir={tmp_path}", f"data.cache_dir={token_cache()}", "train.max_steps=6",
+                     "train.hang_timeout=10", timeout=240)
+    assert out.returncode == 76, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "hung (torchrun exit 1): error: hang:" in out.stdout and "exit 76: restarted" in out.stdout, out.stdout
+
+
+def test_a_world_size_the_preset_cannot_take_is_exit_2_not_torchruns_1(tmp_path):
+    """N x G = 3 ranks for tiny.yaml's global batch of 32: the workers' one error line, their exit 2 through
+    torchrun's error file (torchrun itself exits 1), and the entrypoint's line saying it will not restart."""
+    out = entrypoint({**JOBSET_ALONE, "NPROC_PER_NODE": "3", "MASTER_PORT": str(free_port())},
+                     f"run.dir={tmp_path}")
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "not divisible by world size 3" in errors[0], out.stderr[-3000:]
+    assert "bad input (torchrun exit 1, the workers' exit 2" in out.stdout and "not restarting" in out.stdout
+
+
+# ---------------------------------------------------------------- two pods on two hosts
+
+STEPS = ["train.max_steps=20", "ckpt.interval=8", "ckpt.keep_last=0"]
+MEMORY = ["ckpt.memory_interval=1", "ckpt.memory_dir=/dev/shm/fsdp-memory-tier"]
+POD_DNS = "fsdp-node-0-{}.fsdp"
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    from slurm_cluster import SlurmCluster, hosts_unavailable_reason
+    reason = hosts_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    cluster = SlurmCluster(nodes=2).start_hosts()
+    try:
+        for name in cluster.nodes:  # the headless service's names, as the cluster DNS answers them
+            with open(os.path.join(cluster.root, f"hosts.{name}"), "a") as f:  # in place: it is bind-mounted
+                for i, other in enumerate(cluster.nodes):
+                    f.write(f"{cluster.addr(other)} {POD_DNS.format(i)} fsdp-node-0-{i}\n")
+        yield cluster
+    finally:
+        cluster.stop()
+        cluster.cleanup()
+
+
+def operator_env(operator: str, nodes: int, index: int) -> dict:
+    if operator == "jobset":
+        return {"JOBSET_NAME": "fsdp", "REPLICATED_JOB_NAME": "node", "JOB_COMPLETION_INDEX": str(index),
+                "NNODES": str(nodes), "NPROC_PER_NODE": "1"}
+    return {"PET_NNODES": str(nodes), "PET_NPROC_PER_NODE": "1", "PET_NODE_RANK": str(index),
+            "PET_MASTER_ADDR": POD_DNS.format(0), "PET_MASTER_PORT": "29400"}
+
+
+def start_pods(cluster, run, operator: str, nodes: int, fault: str = "") -> list[subprocess.Popen]:
+    """One entrypoint per host (pod i on node<i+1>), with `operator`'s environment and CKPT_FAULT `fault`."""
+    args = [*FAST, f"run.dir={run}", f"data.cache_dir={token_cache()}", *STEPS, *MEMORY]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "JOB", "NNODES", "MASTER_"))}
+    env.update({"SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CKPT_FAULT": fault,
+                "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
+    logs = [open(f"{run}.{operator}-{nodes}-pod{i}.log", "a") for i in range(nodes)]
+    return [subprocess.Popen(cluster.hosts[cluster.nodes[i]].cmd(ENTRYPOINT, "configs/tiny.yaml", *args),
+                             env={**env, **operator_env(operator, nodes, i), "HOSTNAME": POD_DNS.format(i)[:-5]},
+                             stdout=logs[i], stderr=subprocess.STDOUT) for i in range(nodes)]
+
+
+def pod_log(run, operator: str, nodes: int, i: int) -> str:
+    with open(f"{run}.{operator}-{nodes}-pod{i}.log") as f:
+        return f.read()
+
+
+def pause_after_memory_step(run, step: int) -> str:
+    """CKPT_FAULT: after step `step` + 1, wait for this host's marker of memory step `step`, then sleep (the test
+    kills everything meanwhile); the pause file says the rank got there."""
+    return (f"wait_for@after_step:{step + 1},secs=120,file=/dev/shm/fsdp-memory-tier/step-{step:06d}/commit.json;"
+            f"sleep@after_step:{step + 1},secs=600,file={run}.paused-{step}")
+
+
+def kill_every_container(cluster, pods, run, step: int) -> None:
+    """Once both hosts marked memory step `step` and a rank paused: SIGKILL to every process of both hosts."""
+    markers = [f"{cluster.hosts[n].shm}/fsdp-memory-tier/step-{step:06d}/commit.json" for n in cluster.nodes]
+    end = time.monotonic() + 240
+    while not (os.path.exists(f"{run}.paused-{step}") and all(map(os.path.exists, markers))):
+        assert all(p.poll() is None for p in pods) and time.monotonic() < end, \
+            f"pods ended or never paused after step {step + 1}: {[p.poll() for p in pods]}"
+        time.sleep(0.2)
+    for name in cluster.nodes:
+        cluster.hosts[name].kill_all(signal.SIGKILL)
+    for p in pods:
+        p.wait(30)
+
+
+def last_event(run, name: str) -> dict:
+    return events(run, name)[-1]
+
+
+def one_pod_preempted_then_finishing(cluster, run) -> tuple[dict, int]:
+    """Pod 0 alone (NNODES=1) resumes; after step 16 its entrypoint gets SIGTERM, as the kubelet sends a
+    container's PID 1 on a preemption: exit 75 after a committed checkpoint. Started again, it finishes.
+    Returns the first start's resume event and the preempted step."""
+    (one,) = start_pods(cluster, run, "jobset", 1, "sleep@after_step,secs=0.3")
+    end = time.monotonic() + 240
+    while max((r["step"] for r in metrics_so_far(run) if "loss" in r), default=0) < 16 and one.poll() is None:
+        assert time.monotonic() < end, pod_log(run, "jobset", 1, 0)[-4000:]
+        time.sleep(0.2)
+    resumed = last_event(run, "resume")
+    one.send_signal(signal.SIGTERM)
+    assert one.wait(120) == 75, pod_log(run, "jobset", 1, 0)[-4000:]
+    preempted = last_event(run, "preempted")["step"]
+    assert 16 <= preempted < 20
+    for line in ("got SIGTERM: forwarding it to torchrun", "preempted (torchrun exit 1): exit 75"):
+        assert line in pod_log(run, "jobset", 1, 0)
+    (one,) = start_pods(cluster, run, "jobset", 1)  # restarted (the JobSet rule "preempted")
+    assert one.wait(300) == 0, pod_log(run, "jobset", 1, 0)[-4000:]
+    assert "training finished" in pod_log(run, "jobset", 1, 0)
+    return resumed, preempted
+
+
+def test_pods_resume_from_pod_ram_in_place_from_a_peer_and_at_fewer_pods(hosts, tmp_path):
+    """JobSet pods train to step 5 and are killed; started again in place (Kubeflow's environment this time),
+    they resume from memory step 4 reading only their own /dev/shm; killed after step 10, pod 1 replaced (its
+    memory folder wiped), they resume from memory step 9, pod 1's rank fetched from pod 0's replica; killed after
+    step 15, pod 0 alone (N=1) resumes from memory step 14 at world size 1; SIGTERM after step 16 (a preemption):
+    exit 75 after a committed checkpoint, from which the pod started again finishes. Steps 1-14 (W=2) equal an
+    uninterrupted run's bit for bit; steps 15-20 (W=1) train its samples, losses within the world-size tolerance."""
+    reference = tmp_path / "reference"
+    run_train(reference, 2, STEPS)
+    ref = read_metrics(os.path.join(str(reference), "metrics.jsonl"))[0]
+    run = tmp_path / "run"
+
+    pods = start_pods(hosts, run, "jobset", 2, pause_after_memory_step(run, 4))
+    kill_every_container(hosts, pods, run, 4)
+    assert "start (jobset, pod 1 of 2): 2 node(s) x 1 worker(s), rendezvous fsdp-node-0-0.fsdp:29500" in \
+        pod_log(run, "jobset", 2, 1)
+
+    pods = start_pods(hosts, run, "trainjob", 2, pause_after_memory_step(run, 9))  # in place: /dev/shm kept
+    kill_every_container(hosts, pods, run, 9)
+    assert (last_event(run, "resume")["step"], last_event(run, "resume")["tier"]) == (4, "memory")
+    fetched = last_event(run, "memory_fetch")
+    assert (fetched["files"], fetched["bytes"]) == (0, 0), "in place, every rank reads its own pod's memory folder"
+    assert "rendezvous fsdp-node-0-0.fsdp:29400" in pod_log(run, "trainjob", 2, 1)
+
+    hosts.hosts["node2"].sh("rm", "-rf", "/dev/shm/fsdp-memory-tier")  # pod 1 replaced: a new, empty emptyDir
+    pods = start_pods(hosts, run, "jobset", 2, pause_after_memory_step(run, 14))
+    kill_every_container(hosts, pods, run, 14)
+    resumed = last_event(run, "resume")
+    assert (resumed["step"], resumed["tier"], resumed["world_size"]) == (9, "memory", 2)
+    assert last_event(run, "memory_fetch")["files"] > 0, "the replaced pod's rank came from its peer"
+
+    resumed, preempted = one_pod_preempted_then_finishing(hosts, run)
+    assert (resumed["step"], resumed["tier"], resumed["saved_world_size"], resumed["world_size"]) == \
+        (14, "memory", 2, 1)
+    assert (last_event(run, "resume")["step"], last_event(run, "resume")["tier"]) == (preempted, "disk")
+    after = read_metrics(os.path.join(str(run), "metrics.jsonl"))[0]
+    assert sorted(after) == list(range(1, 21))
+    for s in range(1, 15):
+        assert (after[s]["world_size"], after[s]["loss"]) == (2, ref[s]["loss"]), f"step {s}"
+    for s in range(15, 21):
+        assert after[s]["world_size"] == 1
+        assert after[s]["sample_ids"] == ref[s]["sample_ids"], f"step {s}: a different global batch"
+        assert after[s]["loss"] == pytest.approx(ref[s]["loss"], abs=1e-4), f"step {s}"
