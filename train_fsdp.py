@@ -29,7 +29,8 @@ from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, ope
 from ckpt.faults import fault_point, wants
 from ckpt.hf.load import load_hf_weights
 from ckpt.schema import schema_of
-from common.dist import end_process_group, free_port, rank0_builds_others_wait, torchrun_restart
+from common.dist import end_process_group, free_port, torchrun_restart
+from common.handoff import job_store, one_rank_builds
 from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
@@ -40,7 +41,7 @@ from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStre
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.goodput import goodput_line, process_start_time
 from finetune.hang import HangWatchdog, parse_hang_timeout
-from finetune.inputs import check_inputs
+from finetune.inputs import check_inputs, check_shared_folders
 from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
@@ -218,15 +219,25 @@ def check_resume_config(path: str, saved: str | None, cfg: Config, log) -> None:
 # ---------------------------------------------------------------- data and validation
 
 def shared_samples(cfg: Config, tokenizer, model, eval_set: bool = False):
-    """Rank 0 tokenizes into the cache folder (or finds it committed); the other ranks wait for its COMMIT file
-    through the filesystem, with no collective deadline, however long tokenizing takes. Flash attention
-    sees packed documents only in one row (varlen kernels), so packed batches are flattened for it."""
-    ready = os.path.join(cache_path(cfg.data, tokenizer, eval_set), COMMIT_FILE)
-    cache = rank0_builds_others_wait(lambda: build_cache(cfg.data, tokenizer, eval_set), ready,
-                                     f"the {'eval' if eval_set else 'training'} data cache {os.path.dirname(ready)}",
-                                     DataError, log=lambda m: print(m, flush=True))
+    """Rank 0 tokenizes into the cache folder (or finds it committed); the other ranks wait for it through the job's
+    store, with no collective deadline however long tokenizing takes, and no longer than rank 0 lives
+    (common/handoff.py). Flash attention sees packed documents only in one row (varlen kernels), so packed batches
+    are flattened for it."""
+    kind = "eval" if eval_set else "training"
+    folder = cache_path(cfg.data, tokenizer, eval_set)
+    cache = one_rank_builds(lambda: build_cache(cfg.data, tokenizer, eval_set), 0, f"data-cache/{kind}",
+                            f"the {kind} data cache {folder}", DataError, check=cache_not_seen,
+                            log=lambda m: print(m, flush=True))
     flash = (getattr(model.config, "_attn_implementation", None) or "").startswith("flash")
     return open_samples(cache, cfg.data, padding_free=flash)
+
+
+def cache_not_seen(folder: str) -> str | None:
+    """Why this rank cannot open the data cache rank 0 committed in `folder`, or None."""
+    if os.path.exists(os.path.join(folder, COMMIT_FILE)):
+        return None
+    return (f"{folder}/{COMMIT_FILE} is missing here: data.cache_dir must be one folder on every node (a filesystem "
+            "every node mounts)")
 
 
 def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log, watch=None) -> float:
@@ -339,7 +350,7 @@ def watch_progress(cfg: Config, model, rank: int, world_size: int, device, log) 
                                                                                            StragglerMonitor]:
     """The hang watchdog (finetune/hang.py; its records go to the process group's store, torchrun's, keyed by the
     restart attempt) and the straggler monitor (finetune/stragglers.py), which times `model`'s blocks."""
-    store = dist.distributed_c10d._get_default_store()  # the one store every rank reaches, on every node
+    store = job_store()  # the one store every rank reaches, on every node
     watchdog = HangWatchdog.start(parse_hang_timeout(cfg.train.hang_timeout), rank, world_size, cfg.run.dir, log, store,
                                   cap=collective_timeout(cfg.train.collective_timeout_minutes).total_seconds())
     stragglers = StragglerMonitor(cfg.train.straggler_margin, cfg.run.log_interval, rank, world_size, device, log)
@@ -373,6 +384,7 @@ def close_run(cfg: Config, rank: int, log, progress: TrainProgress, exit_code: i
 
 
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
+    check_shared_folders(cfg)  # run.dir, data.cache_dir, a local ckpt.dir: seen alike by every node, or stop now
     checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
                                         lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
     tokenizer, model = build_model(cfg, device, world_size, log)

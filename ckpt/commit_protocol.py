@@ -7,7 +7,9 @@ Order on save: each rank writes and fsyncs its DCP files, checksumming the bytes
 results, digests included, to rank 0, which writes .metadata; then rank 0 writes commit.json from
 those digests and the files .metadata references, never from a directory listing (on NFS a listing
 can miss files other nodes just wrote), via tmp + fsync + rename + directory fsync. Rank 0 reads
-only the small files it wrote itself. A crash at any moment leaves either no marker (ignored on
+only the small files it wrote itself; before the marker it checks, with one listing (sizes only; a lookup by name
+of what the listing lacks), that it sees every file the manifest names (`check_visible`): a folder that the
+writing ranks do not share with it gets no marker. A crash at any moment leaves either no marker (ignored on
 resume) or a complete one.
 
 Verification is in parts so it can be split: `check_marker` and `check_listing` (marker, no stray data
@@ -21,9 +23,11 @@ ckpt verify` checks every file, on `--jobs` threads.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from common.shared_paths import unseen
 from .checksum import ALGORITHM, LEGACY_ALGORITHM, file_digest
 from .layout import COMMIT_FILE, step_of
 from .storage import join, storage_for
@@ -55,11 +59,33 @@ def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files
     return files
 
 
+def check_visible(ckpt_path: str, files: dict[str, dict], names: list[str]) -> None:
+    """Every file of `names` is here with its manifest size, as this rank (the committer) sees the folder: one
+    listing with sizes (an object store: one request per 1,000 objects; a folder: one stat per file), no read; a
+    lookup by name only for what the listing lacks (an NFS listing can lag behind other nodes' writes). Raises
+    VerifyError naming what is missing: the ranks that wrote it do not share this folder with this one."""
+    store = storage_for(ckpt_path)
+    listed = store.sizes(ckpt_path)
+
+    def seen_by_name(name: str) -> bool:
+        try:
+            return store.size(join(ckpt_path, name)) == files[name]["size"]
+        except FileNotFoundError:
+            return False
+    missing = unseen(names, [n for n in names if listed.get(n) == files[n]["size"]], seen_by_name)
+    if missing:
+        raise VerifyError(f"{ckpt_path}: {len(missing)} of the {len(names)} files the manifest names are not visible "
+                          f"with their sizes to the committing rank on {socket.gethostname()} (e.g. "
+                          f"{', '.join(missing[:3])}): the ranks that wrote them do not share this folder; use a folder "
+                          "every node mounts, or an object store. Refusing to commit")
+
+
 def commit_checkpoint(ckpt_path: str, world_size: int, digests: dict[str, dict], metadata,
                       own_files: list[str], **extra) -> dict:
     """Write the commit marker from the gathered digests. Call on one rank after the save finished. `extra`:
     more fields (the memory tier's "held", the files this node's folder holds, memory_tier/replicate.py)."""
     files = build_manifest(ckpt_path, digests, metadata, own_files)
+    check_visible(ckpt_path, files, sorted(extra.get("held") or files))
     marker = {"step": step_of(ckpt_path), "world_size": world_size, "committed_at": time.time(),
               "algorithm": ALGORITHM, "files": files, **extra}
     # seen whole or not at all: a folder's tmp + rename after its entries are durable; an object store's create-only PUT

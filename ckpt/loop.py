@@ -58,7 +58,7 @@ def open_checkpoints(options, max_steps: int, timeout: timedelta | None, open_lo
     `open_log()`, the trainer's log (it writes into the run folder, which that second job must not touch),
     which becomes the handle's event sink. `timeout`: checkpoint collectives' (manager.py checkpoint_groups)."""
     groups = checkpoint_groups(timeout)
-    lock = lock_for_job(options.dir, groups[0], getattr(options, "unchecked_store", False))
+    lock = lock_for_job(options.dir, groups[0], getattr(options, "unchecked_store", False), NodeLayout.here().nodes)
     log = open_log()
     mgr = CheckpointManager(options.dir, options.async_mode, options.keep_last, log.event, log.info,
                             keep_best=options.keep_best, groups=groups, lock=lock,

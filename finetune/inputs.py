@@ -1,7 +1,8 @@
 """The checks of a run's inputs that every rank makes, identically and in milliseconds, before any process group:
 the torch and transformers releases (common/versions.py), the launch, the model and tokenizer folders, the attention
-kernel, model.compile's compiler, the local data files; and the download of Hub model ids, once per node, which is
-not milliseconds (finetune/model_files.py).
+kernel, model.compile's compiler, the local data files; the download of Hub model ids, once per node, which is
+not milliseconds (finetune/model_files.py); and, once the process group exists, that the folders every node writes
+into and reads from are one folder on every node (`check_shared_folders`, common/shared_paths.py).
 
     python -m pytest tests/test_launch.py -q
 
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+from ckpt.storage import is_url
+from common.shared_paths import unshared_path_problem
 from common.versions import unsupported_versions
 from finetune.config import Config, ConfigError
 from finetune.data.errors import DataError
@@ -46,3 +49,16 @@ def check_data_files(cfg: Config) -> None:
         for path in (p.strip() for p in src.path.split(",") if p.strip()):
             if not os.path.exists(path):
                 raise DataError(f"data file not found: {path}")
+
+
+def check_shared_folders(cfg: Config) -> None:
+    """run.dir, data.cache_dir and a local ckpt.dir must be one folder on every node (rank 0 writes the data cache
+    and the commit markers there, every rank reads and writes beside it); ConfigError naming the first that is not.
+    ckpt.memory_dir is node-local by design and not checked (docs/multinode.md has the table). A collective."""
+    folders = {"run.dir": cfg.run.dir, "data.cache_dir": cfg.data.cache_dir}
+    if not is_url(cfg.ckpt.dir):
+        folders["ckpt.dir"] = cfg.ckpt.dir
+    problem = unshared_path_problem(folders, {"ckpt.dir": ", or use an object store (ckpt.dir=s3://bucket/prefix or "
+                                                          "az://container/prefix)"})
+    if problem:
+        raise ConfigError(problem)

@@ -7,12 +7,13 @@ node), `accelerate launch --multi_gpu` (torch's elastic launcher underneath). Ea
 worker. Plain `python train_fsdp.py` is a world of one.
 
 Bad input (config, model folder, data files) is checked by every rank, identically, before any process group.
-Only global rank 0 prints its `error:` line. The others stay silent and wait: torchrun stops every worker as soon
-as one exits, so a silent rank that exited first could cut off the one that prints. Rank 0 in turn waits, up to
-BAD_INPUT_WAIT_S, until every rank has reached the same verdict (each adds itself to a counter in the launcher's
-own TCPStore, no process group needed), so that no rank still checking is stopped by torchrun before it knows.
-A rank that is still alive after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs) prints its own
-line, naming its rank. All ranks exit with the same code. train_fsdp.py reports a user error found after the
+Only global rank 0 prints its `error:` line. The others stay silent and wait: torchrun stops every worker of a node
+as soon as one exits, so a silent rank that exited first could cut off the one that prints. Rank 0 in turn waits, up
+to BAD_INPUT_WAIT_S, until every rank has reached the same verdict (each adds itself to a counter in the launcher's
+own TCPStore, no process group needed), so that no rank still checking is stopped by torchrun before it knows; then
+it says so in the store, and the others exit at once (another node's torchrun would not stop them: it stops only
+its own workers). A rank that is still alive after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs)
+prints its own line, naming its rank. All ranks exit with the same code. train_fsdp.py reports a user error found after the
 process group the same way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late.
 Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does),
 so torchrun's failure summary shows it for each rank instead of a link on how to enable tracebacks.
@@ -20,6 +21,7 @@ so torchrun's failure summary shows it for each rank instead of a link on how to
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,16 +51,17 @@ def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAI
     `exit_code` too (SystemExit), stopped by torchrun or after `wait_s`."""
     rank = launch_rank()
     _write_elastic_error_file(message, exit_code)
-    if rank != 0:  # before counting in: rank 0 may exit, and torchrun stop us, right after
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code))  # torchrun stopping us: the same exit code
+    # before counting in: rank 0 may exit, and torchrun stop us, right after; rank 0 too, once the others exit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code))  # torchrun stopping us: the same exit code
     store = _launcher_store()
     reached = _count_in(store)
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
         _wait_for_every_rank(store, reached, wait_s)
+        _tell(store, _reported_key())
         return
-    time.sleep(wait_s)
-    print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    if not _seen_within(store, _reported_key(), wait_s):  # reported: exit now, also where torchrun would stop nobody
+        print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
 
 
 def _launcher_store() -> TCPStore | None:
@@ -76,6 +79,29 @@ def _launcher_store() -> TCPStore | None:
 def _bad_input_key() -> str:
     """One counter per launch attempt: the agent's store outlives a restart (--max-restarts)."""
     return f"finetune/bad_input/{torchrun_restart()}"
+
+
+def _reported_key() -> str:
+    return f"{_bad_input_key()}/reported"
+
+
+def _tell(store: TCPStore | None, key: str) -> None:
+    if store is not None:
+        with contextlib.suppress(RuntimeError):
+            store.set(key, "1")
+
+
+def _seen_within(store: TCPStore | None, key: str, wait_s: float) -> bool:
+    """Whether `key` appears in the store within `wait_s` (polled; a store gone counts as never)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if store is not None and store.check([key]):
+                return True
+        except RuntimeError:
+            store = None
+        time.sleep(0.1)
+    return False
 
 
 def _count_in(store: TCPStore | None) -> int:

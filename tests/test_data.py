@@ -406,55 +406,8 @@ def test_too_long_row_with_truncation_off_exits_2_naming_file_and_row(tmp_path):
                         r"seq_len or set data.truncation=true", errors[0]), errors[0]
 
 
-def _wait_worker(rank, world, port, tmp, q):
-    import time
-
-    import torch.distributed as dist
-
-    from common.dist import rank0_builds_others_wait
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
-    lines = []
-
-    def build(fail):
-        time.sleep(1.5)
-        if fail:
-            raise DataError("row 3 is bad")
-        os.makedirs(os.path.join(tmp, "c"))
-        open(os.path.join(tmp, "c", "COMMIT"), "w").close()
-        return os.path.join(tmp, "c")
-
-    out = []
-    for fail in (False, True):
-        try:
-            out.append(rank0_builds_others_wait(lambda: build(fail), os.path.join(tmp, "c" if not fail else "d", "COMMIT"),
-                                                "cache", DataError, poll_s=0.05, report_s=0.5, log=lines.append))
-        except DataError as e:
-            out.append(f"DataError: {e}")
-    q.put((rank, out, lines))
-    dist.destroy_process_group()
-
-
-def test_other_ranks_wait_on_the_filesystem_and_get_rank0s_error(tmp_path):
-    import torch.multiprocessing as mp
-
-    from conftest import free_port
-    ctx = mp.get_context("spawn")
-    q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_wait_worker, args=(r, 2, port, str(tmp_path), q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict((r, (out, lines)) for r, out, lines in (q.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(timeout=30)
-    for r in (0, 1):
-        assert results[r][0] == [str(tmp_path / "c"), "DataError: row 3 is bad"]
-    assert results[0][1] == []
-    assert len(results[1][1]) >= 2 and all(line.startswith("rank 1: waiting for rank 0 to build cache")
-                                           for line in results[1][1])
-
-
 def test_bad_row_stops_both_ranks_with_one_line(tmp_path):
-    """Under torchrun the rank-0 tokenizing error reaches rank 1 through the error file: both stop, one line."""
+    """Under torchrun the rank-0 tokenizing error reaches rank 1 through the store (common/handoff.py): both stop, one line."""
     from conftest import run_train
     rows = _conversations(30)
     rows[6]["messages"][1]["role"] = "assistent"  # a typo in row 7

@@ -312,7 +312,8 @@ TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY
           (DATA, "data_bench.md"), (PERF, "realsize_bench.md"),
           (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md"), (PERF, "az_bench.md"),
           (PERF, "compile_bench.md"), (PERF, "goodput_bench.md"),
-          (PERF, "goodput_arithmetic.md"), ("docs/testing.md", "test_suite_quick.md")]
+          (PERF, "goodput_arithmetic.md"), ("docs/testing.md", "test_suite_quick.md"),
+          ("docs/multinode.md", "shared_paths_bench.md")]
 
 
 def value_at(results: dict, path: str) -> float:

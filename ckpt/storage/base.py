@@ -32,6 +32,13 @@ Operations:
   bytes of what was retired, spread over the ranks; `clear_stale(path, marker, on_log)` gets a leftover out of the
   way of a save.
 - The lock: `lock_class`, the class ckpt/lock.py instantiates for `<ckpt.dir>/.lock` (one job per folder).
+- Shared visibility: what one process writes, every process of the job reads, on every node: rank 0 writes the
+  marker from the files every rank wrote, and a resume on other nodes reads them. `visible_to` says who sees a
+  process's writes: "all" (the contract: an object store; a folder, on a filesystem every node mounts, which the
+  trainer proves at start, common/shared_paths.py), "node" (a node-local folder) or "process" (an in-memory
+  store). `sharing_problem` refuses a backend that sees less than a job spans (ckpt/lock.py asks it before the
+  lock, on every rank); and before the marker, the committing rank lists the folder (sizes only, no reads) and
+  commits only if it sees every file the manifest names (commit_protocol.py).
 - The guarantees checked on the store (`check_guarantees`, written here once in terms of create/replace/etag/
   delete, so every backend with compare_and_swap gets it): a probe object proves that a second create is refused
   and that a swap with a stale tag is refused; `location(path)` names the store in its error line (the endpoint and
@@ -119,6 +126,7 @@ class Storage:
     """The operations shared by every backend, in terms of the others; a backend overrides what differs."""
 
     compare_and_swap = False  # offers replace/etag
+    visible_to = "all"  # who sees what one process writes: "all" (every node), "node" or "process" (see above)
     sync_files = False  # DCP must fsync each file it writes
     atomic_rename = False  # a rename is atomic (a folder); on S3 it is a copy plus a delete
     partial_writes = False  # a reader can see a file half written
@@ -139,6 +147,16 @@ class Storage:
     def spelling(path: str) -> str:
         """`path` as one spelling (the URL without a trailing /)."""
         return path.rstrip("/")
+
+    def sharing_problem(self, path: str, processes: int, nodes: int) -> str | None:
+        """Why a checkpoint that `processes` processes on `nodes` nodes write cannot go to `path`, or None: a store
+        that one process or one node sees alone holds a job's checkpoints only where that is the whole job."""
+        spans = {"all": 0, "node": nodes, "process": processes}[self.visible_to]
+        if spans <= 1:
+            return None
+        return (f"{path}: its storage ({type(self).__name__}) shows what a process writes to that {self.visible_to} "
+                f"alone, but {processes} processes on {nodes} node(s) write each checkpoint, and the committing rank "
+                "must see every file: use a folder every node mounts, or an object store (s3://, az://)")
 
     def publish(self, path: str, data: bytes) -> None:
         self.create(path, data)

@@ -139,9 +139,12 @@ class LocalStorage(Storage):
         return [n for n in self.listdir(path) if os.path.isdir(os.path.join(path, n))]
 
     def sizes(self, path: str) -> dict[str, int]:
-        """{name: bytes} of the files (not folders) in `path`."""
-        return {n: os.path.getsize(os.path.join(path, n)) for n in self.listdir(path)
-                if os.path.isfile(os.path.join(path, n))}
+        """{name: bytes} of the files (not folders) in `path`: one listing and one stat per file ({} if no folder)."""
+        try:
+            with os.scandir(path) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
 
     def delete(self, path: str) -> None:
         os.unlink(path)
