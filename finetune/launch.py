@@ -34,6 +34,7 @@ from torch.distributed import TCPStore
 from common.dist import torchrun_restart
 
 BAD_INPUT_WAIT_S = 30.0  # how long a silent rank waits for torchrun to stop it after rank 0's error
+STOPPED_WITHIN_S = 5.0  # once rank 0 reported: how long a silent rank lingers for its torchrun to stop it
 
 
 def launch_rank() -> int:
@@ -60,8 +61,12 @@ def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAI
         _wait_for_every_rank(store, reached, wait_s)
         _tell(store, _reported_key())
         return
-    if not _seen_within(store, _reported_key(), wait_s):  # reported: exit now, also where torchrun would stop nobody
+    if not _seen_within(store, _reported_key(), wait_s):
         print(f"error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    else:  # reported: rank 0's torchrun stops its node's ranks at once (SIGTERM: exit_code, above); exiting on our
+        # own at that moment races it (a SIGTERM during interpreter shutdown is -15); another node's torchrun
+        # stops nobody, so its ranks exit after the grace
+        time.sleep(STOPPED_WITHIN_S)
 
 
 def _launcher_store() -> TCPStore | None:
