@@ -58,6 +58,7 @@ def unshared_path_problem(paths: dict[str, str], fixes: dict[str, str] | None = 
     tokens = [f"node-{r}" for r in sorted(leaders.values())]
     me, lead = dist.get_rank(), leaders[places[dist.get_rank()][0]] == dist.get_rank()
     folders = {name: os.path.join(path, f".shared-check-{nonce}") for name, path in paths.items()}
+    made = _not_there_yet(paths.values()) if lead else []  # the check leaves no folder behind: a refusal writes nothing
     wrote = {name: _write_token(folder, f"node-{me}") for name, folder in folders.items()} if lead else {}
     dist.barrier()
     seen = {name: (wrote[name] or _missing(folder, tokens)) for name, folder in folders.items()} if lead else None
@@ -66,6 +67,10 @@ def unshared_path_problem(paths: dict[str, str], fixes: dict[str, str] | None = 
     if lead:
         for folder in folders.values():
             _remove_token(folder, f"node-{me}")
+    dist.barrier()  # every node's token is gone: the folders this check made are empty again
+    for folder in made:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
     for name, path in paths.items():
         problem = _verdict(name, path, views, places, tokens)
         if problem:
@@ -73,6 +78,17 @@ def unshared_path_problem(paths: dict[str, str], fixes: dict[str, str] | None = 
             tail = f"; so are {', '.join(also)}" if also else ""
             return f"{problem}: {FIX}{(fixes or {}).get(name, '')}{tail}"
     return None
+
+
+def _not_there_yet(paths: Iterable[str]) -> list[str]:
+    """The folders of `paths` and their ancestors that do not exist yet, deepest first."""
+    missing = set()
+    for path in paths:
+        path = os.path.abspath(path)
+        while not os.path.exists(path):
+            missing.add(path)
+            path = os.path.dirname(path)
+    return sorted(missing, key=lambda p: -p.count(os.sep))
 
 
 def _write_token(folder: str, token: str) -> str | None:
