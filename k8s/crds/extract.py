@@ -11,6 +11,7 @@ tests/test_k8s.py maps int-or-string to "integer or string". k8s/crds/SOURCES.md
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -33,16 +34,20 @@ def strip_descriptions(node):
 
 
 def main() -> int:
-    if len(sys.argv) != 2:
-        print("usage: python k8s/crds/extract.py <version> < crd.yaml > schema.json", file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(description="Write the JSON Schema of one version of the CRD read on stdin "
+                                     "(descriptions dropped).", epilog="k8s/crds/SOURCES.md names each file's release")
+    parser.add_argument("version", help="the CRD version whose openAPIV3Schema to write, e.g. v1alpha2")
+    version = parser.parse_args().version
     crd = yaml.safe_load(sys.stdin)
+    if not isinstance(crd, dict) or not isinstance(crd.get("spec"), dict) or "versions" not in crd["spec"]:
+        print("error: stdin holds no CustomResourceDefinition (spec.versions)", file=sys.stderr)
+        return 2
     versions = {v["name"]: v for v in crd["spec"]["versions"]}
-    if sys.argv[1] not in versions:
-        print(f"error: {crd['metadata']['name']} has no version {sys.argv[1]} (it has {sorted(versions)})",
+    if version not in versions:
+        print(f"error: {crd['metadata']['name']} has no version {version} (it has {sorted(versions)})",
               file=sys.stderr)
         return 2
-    json.dump(strip_descriptions(versions[sys.argv[1]]["schema"]["openAPIV3Schema"]), sys.stdout,
+    json.dump(strip_descriptions(versions[version]["schema"]["openAPIV3Schema"]), sys.stdout,
               separators=(",", ":"), sort_keys=True)
     sys.stdout.write("\n")
     return 0
