@@ -149,7 +149,11 @@ class HangWatchdog:
         self._changed.set()  # publish it now, from the watchdog thread
 
     def close(self) -> None:
-        """Main thread, once the loop and its emergency save are over."""
+        """Main thread, once the loop and its emergency save are over. Its record says `done`: a closed watchdog
+        beats no more, and the others must not take that for a frozen rank (a preempted rank's final save may
+        still run on the others)."""
+        self.state = ("done", self.state[1], time.monotonic())
+        self._publish()
         self._stop = True
         self._changed.set()
         if self._signals:  # the pipe stays open: the thread may still read it once, and a closed fd number is reused
@@ -217,6 +221,8 @@ class HangWatchdog:
             if self._signalled():
                 frozen = [] if failure else self._frozen_ranks()
                 blocked = self.state == (phase, step, since)  # a preempted rank moves on meanwhile
+                if self._stop:  # the loop ended meanwhile: this rank is not blocked in a collective
+                    return
                 if failure or (frozen and blocked):  # a peer is gone: the collective this rank waits in never ends
                     self._kill_frozen_here(frozen, self._last_records)
                     sys.stdout.flush()
@@ -292,7 +298,8 @@ class HangWatchdog:
             self._beat()
         after = self._records()
         frozen = [r for r in range(self.world_size) if r != self.rank and
-                  (r not in after or r not in before or after[r]["heartbeat"] == before[r]["heartbeat"])]
+                  (r not in after or r not in before or after[r]["heartbeat"] == before[r]["heartbeat"])
+                  and not (r in after and after[r]["phase"] == "done")]
         self._last_records = after
         return frozen
 
