@@ -37,7 +37,8 @@ import torch.distributed.checkpoint as dcp
 from ckpt.checksum import ChecksummingWriter
 from ckpt.errors import CheckpointError
 from ckpt.commit_protocol import VerifyError, commit_checkpoint, verify_checkpoint
-from ckpt.storage import LocalStorage, S3Storage, join, storage_for, unsupported
+from ckpt.storage import LocalStorage, join, storage_for, unsupported
+from ckpt.storage.s3 import S3Storage
 from ckpt.layout import list_step_dirs
 from conftest import ROOT, events, free_port, losses, run_train, start_on_free_port
 from azurite_server import CONTAINER, azure_env, azurite_server, connection_string  # noqa: F401 - fixtures

@@ -20,7 +20,7 @@ from ckpt.storage import s3_transfer
 from ckpt.layout import list_step_dirs
 from ckpt.commit_protocol import verify_checkpoint
 from ckpt.storage.s3_transfer import PartUploadStream, part_size, read_ranges, s3_filesystem
-from ckpt.storage import S3Storage
+from ckpt.storage.s3 import S3Storage
 from conftest import ROOT, events, losses, run_train
 from test_cli_errors import one_error
 from test_launch import TORCHRUN_EXIT, assert_one_error

@@ -15,7 +15,8 @@ import pytest
 
 from ckpt.commit_protocol import verify_checkpoint
 from ckpt.layout import list_step_dirs
-from ckpt.storage import LocalStorage, S3Storage
+from ckpt.storage import LocalStorage
+from ckpt.storage.s3 import S3Storage
 from ckpt.storage.azure import AzureStorage
 from ckpt.storage import base as storage_base
 from ckpt.storage.base import GuaranteeError

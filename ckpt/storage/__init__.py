@@ -16,12 +16,13 @@ import functools
 import importlib
 import re
 
-from .azure import AzureStorage
 from .base import Storage
 from .local import LocalStorage
-from .s3 import S3Storage
 
-BACKENDS: dict[str | None, type[Storage]] = {None: LocalStorage, "s3": S3Storage, "az": AzureStorage}
+# scheme -> its backend class, or "module:Class" in this package for one imported on first use: the object-store
+# backends load their SDKs (azure-storage-blob with aiohttp, botocore), ~0.5 s of every process's start that a run
+# on a local disk never needs
+BACKENDS: dict[str | None, type[Storage] | str] = {None: LocalStorage, "s3": ".s3:S3Storage", "az": ".azure:AzureStorage"}
 # scheme -> the third-party package its backend needs (pinned in requirements.txt)
 OPTIONAL_PACKAGE = {"s3": "s3fs", "az": "azure.storage.blob"}
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -46,7 +47,7 @@ def unsupported(path: str, what: str, local_only: str = "") -> str | None:
         return (f"{what}: {scheme}:// is not supported, got {path!r} (object storage: s3://bucket/prefix, "
                 "az://container/prefix)")
     if not path[len(scheme) + 3:].strip("/"):
-        word = BACKENDS[scheme].bucket_word
+        word = backend(scheme).bucket_word
         return f"{what}: {path!r} names no {word} ({scheme}://{word}/prefix)"
     package = OPTIONAL_PACKAGE.get(scheme)
     try:
@@ -64,9 +65,19 @@ def is_url(path: str) -> bool:
     return _scheme_of(path) is not None
 
 
+def backend(scheme: str | None) -> type[Storage]:
+    """The backend class of `scheme` (a key of BACKENDS), its module imported the first time it is asked for."""
+    cls = BACKENDS[scheme]
+    if isinstance(cls, str):
+        module, name = cls.split(":")
+        cls = BACKENDS[scheme] = getattr(importlib.import_module(module, __name__), name)
+    return cls
+
+
 def storage_for(path: str) -> Storage:
     """The backend holding `path`."""
-    return BACKENDS.get(_scheme_of(path), LocalStorage)()
+    scheme = _scheme_of(path)
+    return backend(scheme if scheme in BACKENDS else None)()
 
 
 @functools.cache
