@@ -73,11 +73,27 @@ def schedule(args) -> list[tuple[float, str, int]]:
     return sorted(kills + stop)
 
 
-def inject(agent: subprocess.Popen, plan: list, give_up_s: float, t0: float) -> list[dict]:
+def first_step_logged(metrics: str) -> bool:
+    """Whether the run's metrics.jsonl holds a step record yet."""
+    try:
+        with open(metrics) as f:
+            return '"loss"' in f.read()
+    except OSError:
+        return False
+
+
+def inject(agent: subprocess.Popen, plan: list, give_up_s: float, t0: float, after_first_step: str = "") -> list[dict]:
     """Deliver `plan` to the workers of `agent` until it exits; returns what was delivered, when. A stopped rank
-    still there `give_up_s` later (the watchdog SIGKILLs it when it finds the hang) is SIGKILLed here."""
+    still there `give_up_s` later (the watchdog SIGKILLs it when it finds the hang) is SIGKILLed here.
+    `after_first_step`: a metrics.jsonl; the plan's clock starts at its first step record instead of at `t0`
+    (--smoke: its one SIGKILL lands in training however long a loaded machine takes to start)."""
     pending, done, stopped = list(plan), [], None
     while agent.poll() is None:
+        if after_first_step:
+            if not first_step_logged(after_first_step):
+                time.sleep(0.05)
+                continue
+            t0, after_first_step = time.monotonic(), ""
         now = time.monotonic() - t0
         if stopped and now >= stopped[0]:
             if alive(stopped[1]):
@@ -120,7 +136,8 @@ def one_run(name: str, args, plan: list, work: str, i: int) -> dict:
     t0 = time.monotonic()
     with open(os.path.join(work, f"{name}-{i}.log"), "w") as log:
         agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        delivered = inject(agent, plan, args.hang_timeout + 60, t0)
+        delivered = inject(agent, plan, args.hang_timeout + 60, t0,
+                           os.path.join(run_dir, "metrics.jsonl") if args.smoke else "")
     shutil.rmtree(shm, ignore_errors=True)
     g = run_account(run_dir)
     print(f"{name} round {i}: exit {agent.returncode}, {len(delivered)} signals; {g.summary()}", flush=True)
@@ -160,13 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of the three configurations, interleaved")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="short: 300 steps of the preset's batch, one SIGKILL at "
-                   "14 s, no SIGSTOP")
+    p.add_argument("--smoke", action="store_true", help="short: 300 steps of a batch of 32, one SIGKILL 3 s "
+                   "after the first step, no SIGSTOP")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
     started = provenance.start(argv)
     if args.smoke:
-        args.period, args.failures, args.stop_at, args.max_steps, args.batch = 14.0, 1, 0.0, 300, 32
+        args.period, args.failures, args.stop_at, args.max_steps, args.batch = 3.0, 1, 0.0, 300, 32
     plan = schedule(args)
     work = tempfile.mkdtemp(prefix="goodput-bench-")
     runs = {name: [] for name in CONFIGS}
