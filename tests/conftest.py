@@ -141,10 +141,49 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "quick: the quick tier (`-m quick`), every module in a few minutes")
 
 
+# Tests of these files share one machine-wide resource and run one after another in one xdist worker: SLURM's
+# daemons in namespaces on a fixed simulated subnet.
+SERIAL_GROUPS = {"test_slurm.py": "slurm", "test_slurm_multinode.py": "slurm"}
+# Scheduling only (pytest.ini: -n 2, loadgroup): the files that took longest in a full run start first, so that no
+# worker is left with a long file at the end while the other idles (tests/test_suite measurement, docs/testing.md).
+# A file not named here runs after them, in collection order.
+LONGEST_FIRST = ("test_slurm_multinode.py", "test_slurm.py", "test_bench.py", "test_ckpt_resume.py",
+                 "test_memory_replicas.py", "test_memory_tier.py", "test_s3.py", "test_faults.py", "test_bad_input.py",
+                 "test_lora.py", "test_s3_transfer.py", "test_world_size.py", "test_preemption.py", "test_readme.py")
+
+
+def _file_of(item) -> str:
+    return item.nodeid.split("::")[0].removeprefix("tests/")
+
+
+def _shares_a_file_fixture(item) -> bool:
+    """Whether the test uses a fixture of its own file that outlives one test (module, class or session scope):
+    such tests stay in one worker, so the fixture (a training run, a server) is made once, not once per worker."""
+    module = item.nodeid.split("::")[0]
+    return any(d.scope != "function" and d.baseid == module
+               for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
+
+
 def pytest_collection_modifyitems(items):
     for item in items:
         if in_quick_tier(item.nodeid):
             item.add_marker(pytest.mark.quick)
+        file = _file_of(item)
+        if file in SERIAL_GROUPS or _shares_a_file_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUPS.get(file, file)))  # else: any worker
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_file_of(item), len(rank)))  # stable: a file's own order is kept
+
+
+_SESSION_PID = os.getpid()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A process forked by a test (a data-map worker, a spawned rank) whose exception escaped into pytest's own
+    frames would go on to run the rest of the session beside its parent, in the same temp folders: it ends here."""
+    if os.getpid() != _SESSION_PID:
+        os._exit(70)
 
 
 _session: dict[str, str] = {}  # what the session fixtures below made, for the plain helpers (run_train) to use
