@@ -5,6 +5,7 @@ on, and line coverage of ckpt/, finetune/, common/ and train_fsdp.py, subprocess
     python bench/test_suite.py --out bench/results                       # the full suite, as .ci/run runs it
     python bench/test_suite.py --out /tmp/q --name test_suite_quick -m quick    # the quick tier
     python bench/test_suite.py --out bench/results --from WORK --provenance P.json   # a run made before
+    python bench/test_suite.py --out bench/results --name test_suite_plain --no-coverage   # wall time as in CI
 
 Arguments after the options go to pytest. Writes <out>/<name>.{json,md} (bench/provenance.py) and keeps the run's
 raw records (per-test records, coverage data) in --work, by default <tmp>/<name>-work, outside the repository.
@@ -75,13 +76,15 @@ def coverage_rc(work: str) -> str:
     return rc
 
 
-def run_suite(work: str, pytest_args: list[str]) -> float:
-    """The suite under coverage (this script again, --inner, as the measured process); returns its wall time."""
+def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True) -> float:
+    """The suite (this script again, --inner, as the measured process), under coverage unless told not to (then its
+    wall time is what `.ci/run`'s pytest takes); returns its wall time."""
     os.makedirs(work, exist_ok=True)
     for name in os.listdir(work):
         if name.startswith(".coverage") or name == "tests.jsonl":
             os.remove(os.path.join(work, name))
-    cmd = [sys.executable, "-m", "coverage", "run", f"--rcfile={coverage_rc(work)}", os.path.abspath(__file__),
+    wrapper = ["-m", "coverage", "run", f"--rcfile={coverage_rc(work)}"] if measure_coverage else []
+    cmd = [sys.executable, *wrapper, os.path.abspath(__file__),
            "--inner", os.path.join(work, "tests.jsonl"), "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
     if not any(a.startswith("tests") for a in pytest_args):  # no test named: all of them
         cmd.append("tests")
@@ -150,11 +153,12 @@ def table(r: dict) -> list[str]:
              f"{r['test_seconds'] / 60:.1f} min summed over tests.", "",
              "| what the tests spend time on | tests | minutes |", "|---|---|---|"]
     lines += [f"| {g} | {v['tests']} | {v['seconds'] / 60:.1f} |" for g, v in r["groups"].items()]
-    lines += ["", "| line coverage | covered / lines | % |", "|---|---|---|"]
-    lines += [f"| {p} | {v['covered']} / {v['lines']} | {v['percent']} |" for p, v in r["coverage"].items()
-              if p in (*PACKAGES, "all")]
-    low = [m for m, v in r["coverage"]["modules_percent"].items() if v < 50]
-    lines += ["", f"Modules under 50% line coverage: {', '.join(low) or 'none'}."]
+    if r["coverage"]:
+        lines += ["", "| line coverage | covered / lines | % |", "|---|---|---|"]
+        lines += [f"| {p} | {v['covered']} / {v['lines']} | {v['percent']} |" for p, v in r["coverage"].items()
+                  if p in (*PACKAGES, "all")]
+        low = [m for m, v in r["coverage"]["modules_percent"].items() if v < 50]
+        lines += ["", f"Modules under 50% line coverage: {', '.join(low) or 'none'}."]
     lines += ["", "| slowest tests | s | group |", "|---|---|---|"]
     lines += [f"| {t['test']} | {t['seconds']:.1f} | {t['group']} |" for t in r["top30"]]
     return lines
@@ -171,14 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", help="where the run's raw records go (default: <tmp>/<name>-work)")
     p.add_argument("--from", dest="earlier", help="summarize this earlier run's --work folder instead of running")
     p.add_argument("--provenance", help="with --from: a JSON file holding that run's provenance")
+    p.add_argument("--no-coverage", action="store_true", help="time the suite as .ci/run runs it, without coverage")
     args, pytest_args = p.parse_known_args(argv)
     started = provenance.start(argv)
     if args.earlier:
         work, wall_s = args.earlier, None
     else:
         work = os.path.abspath(args.work or os.path.join(tempfile.gettempdir(), f"{args.name}-work"))
-        wall_s = run_suite(work, pytest_args)
-    result = summarize(tests_of(work), wall_s, coverage_of(work))
+        wall_s = run_suite(work, pytest_args, not args.no_coverage)
+    cover = {} if args.no_coverage else coverage_of(work)
+    result = summarize(tests_of(work), wall_s, cover)
     given = {}
     if args.provenance:  # the run summarized was made earlier: its commit, dates, loads and command
         with open(args.provenance) as f:

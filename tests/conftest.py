@@ -164,6 +164,7 @@ def _shares_a_file_fixture(item) -> bool:
                for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(items):
     for item in items:
         if in_quick_tier(item.nodeid):
