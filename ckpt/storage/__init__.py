@@ -4,10 +4,10 @@ one place that knows URL schemes: `BACKENDS` maps a scheme to its backend class;
 
     python -m pytest tests/test_storage_backends.py -q
 
-A new backend: one class (a subclass of base.Storage, in a module of this package), its entry in `BACKENDS` (and,
-if it needs an optional package, in `OPTIONAL_PACKAGE`), and its entry in tests/test_storage_backends.py.
-Only the schemes in BACKENDS are known; any other scheme, or one whose package is not installed, is refused by
-`unsupported`.
+A new backend: one class (a subclass of base.Storage, in a module of this package), its entry in `BACKENDS`
+("module:Class", imported on its scheme's first path; and, if it needs an optional package, in
+`OPTIONAL_PACKAGE`), and its entry in tests/test_storage_backends.py. Only the schemes in BACKENDS are known; any
+other scheme, or one whose package is not installed, is refused by `unsupported`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from .local import LocalStorage
 # scheme -> its backend class, or "module:Class" in this package for one imported on first use: the object-store
 # backends load their SDKs (azure-storage-blob with aiohttp, botocore), ~0.5 s of every process's start that a run
 # on a local disk never needs
-BACKENDS: dict[str | None, type[Storage] | str] = {None: LocalStorage, "s3": ".s3:S3Storage", "az": ".azure:AzureStorage"}
+BACKENDS: dict[str | None, type[Storage] | str] = {
+    None: LocalStorage, "s3": ".s3:S3Storage", "az": ".azure:AzureStorage"}
 # scheme -> the third-party package its backend needs (pinned in requirements.txt)
 OPTIONAL_PACKAGE = {"s3": "s3fs", "az": "azure.storage.blob"}
 _SCHEME = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
@@ -74,10 +75,14 @@ def backend(scheme: str | None) -> type[Storage]:
     return cls
 
 
+def _backend_of(path: str) -> type[Storage]:
+    scheme = _scheme_of(path)
+    return backend(scheme if scheme in BACKENDS else None)
+
+
 def storage_for(path: str) -> Storage:
     """The backend holding `path`."""
-    scheme = _scheme_of(path)
-    return backend(scheme if scheme in BACKENDS else None)()
+    return _backend_of(path)()
 
 
 @functools.cache
@@ -93,4 +98,4 @@ def reader_with(mixin: type, path: str):
 
 def join(path: str, *names: str) -> str:
     """os.path.join for local paths; '/' for URLs, whatever the OS."""
-    return BACKENDS.get(_scheme_of(path), LocalStorage).join(path, *names)
+    return _backend_of(path).join(path, *names)
