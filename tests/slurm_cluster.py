@@ -35,6 +35,7 @@ SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 # Simulated network: 10.77.0.0/24 exists only inside our namespaces, so it cannot clash with the machine's.
 SUBNET, CTL_NAME, NODE_IFNAME = "10.77.0", "slurmctl", "eth0"
+UNFINISHED = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
 
 # ProctrackType=linuxproc and TaskPlugin=none: no cgroups or systemd needed. A node has the machine's
 # real core count; Sockets/Cores must multiply to it or slurmd refuses the layout.
@@ -383,6 +384,17 @@ class SlurmCluster:
         self._start_daemon(f"slurmd-{name}", name, "-D")
         _wait(lambda: self.run("sinfo", "-h", "-n", name, "-o", "%T", check=False).stdout.strip() == "idle",
               timeout, f"{name} to be back in service", self.logs_tail)
+        # "idle" says only that the node reaches slurmctld. In one CI run the next job's step launch, 0.2 s
+        # later, failed on the other node with "Communication connection failure": a job spanning every node
+        # must run before the host counts as back.
+        _wait(self._a_step_runs_on_every_node, timeout, f"a job on every node after {name} came back",
+              self.logs_tail)
+
+    def _a_step_runs_on_every_node(self) -> bool:
+        job_id = self.sbatch(f"--nodes={len(self.nodes)}", "--output=/dev/null", "--chdir=/", "--wrap", "srun true")
+        _wait(lambda: self.job(job_id)["JobState"] not in UNFINISHED, 30, f"probe job {job_id} to end",
+              self.logs_tail)
+        return self.job(job_id)["JobState"] == "COMPLETED"
 
     def cancel_all(self, timeout: float = 30) -> None:
         """Kill every running job and drop every pending one; return once none is left running."""
