@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import resource
 
+from common.procfs import kib_field
 from common.words import plural
 
 FD_MARGIN = 256  # descriptors the rank needs besides staging: sockets, data files, pipes, libraries
@@ -46,11 +47,7 @@ def shm_free_bytes(path: str = SHM_DIR) -> int:
 
 
 def mem_available_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return kib_field("/proc/meminfo", "MemAvailable")
 
 
 def shortfall(n_tensors: int, nbytes: int, local_ranks: int, fd_limit: int, shm_free: int,

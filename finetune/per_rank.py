@@ -26,6 +26,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from common.procfs import kib_field
+
 GIB = 2 ** 30
 FAR_RATIO, FAR_GIB = 1.2, 1.0  # "far above the others": 20% above their median and 1 GiB (not noise on small runs)
 
@@ -41,14 +43,6 @@ def gather_to_rank0(values: list[float], rank: int, world_size: int, device) -> 
     return [t.tolist() for t in bucket] if rank == 0 else None
 
 
-def _read_hwm_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 class PeakMemory:
     """This rank's peak memory since the last `read()`, in GiB, by name (the record's fields)."""
 
@@ -62,7 +56,7 @@ class PeakMemory:
             peaks = [torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)]
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            peaks = [_read_hwm_bytes()]
+            peaks = [kib_field("/proc/self/status", "VmHWM")]
             with contextlib.suppress(OSError):  # refused: the peak since the start, still a peak
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")
