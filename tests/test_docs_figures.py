@@ -313,6 +313,7 @@ TABLES = [(INTEGRITY, "ckpt_bench.md"), (INTEGRITY, "ckpt_scale.md"), (INTEGRITY
           (PERF, "realsize_extrapolate.md"), (MEMORY, "memory_bench.md"), (PERF, "s3_bench.md"), (PERF, "az_bench.md"),
           (PERF, "compile_bench.md"), (PERF, "goodput_bench.md"),
           (PERF, "goodput_arithmetic.md"), ("docs/testing.md", "test_suite_quick.md"),
+          ("docs/testing.md", "test_suite_plain.md"), ("docs/testing.md", "test_suite_quick_plain.md"),
           ("docs/multinode.md", "shared_paths_bench.md")]
 
 
