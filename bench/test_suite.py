@@ -70,7 +70,7 @@ def coverage_rc(work: str) -> str:
     rc = os.path.join(work, "coveragerc")
     omit = "\n    ".join(os.path.join(ROOT, d, "*") for d in ("tests", "bench", "slurm", "data", "configs", "docs"))
     with open(rc, "w") as f:
-        f.write(f"[run]\nparallel = true\nconcurrency = multiprocessing,thread\npatch = subprocess, _exit\n"
+        f.write(f"[run]\nparallel = true\nconcurrency = multiprocessing,thread\npatch = subprocess, _exit, fork\n"
                 f"sigterm = true\ndata_file = {os.path.join(work, '.coverage')}\nsource = {ROOT}\n"
                 f"omit =\n    {omit}\n")
     return rc

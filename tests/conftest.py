@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from finetune.metrics import read_metrics  # noqa: E402
+from forked_run import SERVER_ENV, ForkedRun, can_fork  # noqa: E402
 
 # A small, fast variant of configs/tiny.yaml: a few seconds per run on 2 CPU cores.
 FAST = ["run.log_interval=1", "run.progress_bar=false", "train.sample_at_end=false", "data.seq_len=32",
@@ -82,7 +83,7 @@ QUICK = (
     "test_docs_figures.py", "test_named_files.py", "test_readme.py::test_readme_test_command_is_what_ci_runs",
     "test_readme.py::test_readme_links_only_existing_docs",
     "test_ckpt_resume.py::test_kill_and_resume_is_bit_identical[thread]",
-    "test_bad_input.py::test_bad_config[wrong-type]",
+    "test_bad_input.py::test_bad_config[unknown-key]",
     "test_config.py::test_types_are_coerced_from_strings", "test_config.py::test_every_numeric_field_has_a_range",
     "test_config.py::test_interval_takes_steps_or_auto", "test_config.py::test_unknown_key_in_yaml",
     "test_config.py::test_missing_yaml_file",
@@ -131,7 +132,7 @@ QUICK = (
 
 
 def in_quick_tier(nodeid: str) -> bool:
-    """Whether `nodeid` (e.g. tests/test_bad_input.py::test_bad_config[wrong-type]) is named by QUICK: its file,
+    """Whether `nodeid` (e.g. tests/test_bad_input.py::test_bad_config[unknown-key]) is named by QUICK: its file,
     its test, or itself."""
     name = nodeid.removeprefix("tests/")
     return any(name == q or name.startswith(q + ("[" if "::" in q else "::")) for q in QUICK)
@@ -257,14 +258,20 @@ def gpu_holders(dev: str = "/dev") -> dict[int, set[int]]:
     return found
 
 
-def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None,
-              timeout: float = 300, check: bool = True, restarts: int = 0, script: str = "") -> subprocess.CompletedProcess:
+def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None, timeout: float = 300,
+              check: bool = True, restarts: int = 0, script: str = "", forked: bool = True) -> subprocess.CompletedProcess:
     """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve); `restarts`:
-    torchrun's --max-restarts; `script`: another entry point than train_fsdp.py (a test's changed trainer)."""
+    torchrun's --max-restarts; `script`: another entry point than train_fsdp.py (a test's changed trainer).
+    `forked`: from tests/zygote.py, imports done (a few CPU-seconds less per rank); False execs python or torchrun,
+    for a test of what the launch itself does (a run whose environment changes what imports read is exec'd anyway)."""
     args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}", *overrides]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    with subprocess.Popen(train_cmd(nproc, args, restarts, script), cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) as p:
+    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    cmd = train_cmd(nproc, args, restarts, script)
+    if forked and can_fork(full_env):
+        launch = ForkedRun(cmd[1:], ROOT, full_env)
+    else:
+        launch = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with launch as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -278,6 +285,30 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
         raise AssertionError(f"train_fsdp.py exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_python(args: list[str], env: dict | None = None, cwd=ROOT, timeout: float = 300,
+               forked: bool = True) -> subprocess.CompletedProcess:
+    """`python *args` (a script or `-m module`, e.g. the `python -m ckpt` commands) with ROOT importable, its
+    output captured; forked from tests/zygote.py as run_train's runs are, unless `forked` is False or `env` changes
+    what imports read. subprocess.TimeoutExpired after `timeout` seconds, the process killed."""
+    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    if not (forked and can_fork(full_env)):
+        return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+    with ForkedRun(list(args), str(cwd), full_env) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.communicate()
+            raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def ckpt_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m ckpt *args` (verify, inspect, reshard, export) through run_python."""
+    return run_python(["-m", "ckpt", *args], env, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

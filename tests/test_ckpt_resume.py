@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ckpt import verify_checkpoint
-from conftest import ROOT, events, kill_after_commit, losses, run_train, train_cmd
+from conftest import ROOT, ckpt_cli, events, kill_after_commit, losses, run_train, train_cmd
 
 RESUME_RUN = ["train.max_steps=12", "ckpt.interval=6", "ckpt.keep_last=0"]
 
@@ -169,9 +168,9 @@ def test_resume_with_other_model_shape_is_clear_error(tmp_path, two_step_run):
 
 def test_verify_cli(two_step_run):
     path = two_step_run / "checkpoints" / "step-000002"
-    ok = subprocess.run([sys.executable, "-m", "ckpt", "verify", str(path)], cwd=ROOT, capture_output=True, text=True)
+    ok = ckpt_cli("verify", str(path))
     assert ok.returncode == 0 and ok.stdout.startswith("OK")
     with open(path / "meta.json", "a") as f:
         f.write(" ")
-    bad = subprocess.run([sys.executable, "-m", "ckpt", "verify", str(path)], cwd=ROOT, capture_output=True, text=True)
+    bad = ckpt_cli("verify", str(path))
     assert bad.returncode == 1 and "meta.json: size" in bad.stderr and not bad.stdout

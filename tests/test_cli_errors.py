@@ -13,12 +13,12 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 
 def cli(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    """`python *args` exec'd (not forked): everything the command prints, its imports' included, is under test."""
+    return run_python(list(args), cwd=cwd, timeout=120, forked=False)
 
 
 def one_error(proc, needle: str, code: int = 2) -> None:

@@ -6,12 +6,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, events, kill_after_commit, run_train
+from conftest import events, kill_after_commit, run_python, run_train
 from finetune.goodput import account, read_records, run_account
 
 
@@ -80,14 +78,12 @@ def test_killed_and_rerun_has_two_attempts_and_counts_the_redone_steps(tmp_path)
     assert g.lost["downtime"] > 0 and g.lost["startup"] > 0 and g.lost["ckpt"] > 0
     assert g.attempts[0].start < g.attempts[0].steps[0][0] < g.attempts[1].start
 
-    cli = subprocess.run([sys.executable, "-m", "finetune.metrics", "goodput", str(run)], cwd=ROOT,
-                         capture_output=True, text=True)
+    cli = run_python(["-m", "finetune.metrics", "goodput", str(run)])
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.count("lost ") == 6 and g.summary() in cli.stdout
     assert os.path.getsize(run / "goodput.png") > 10_000
 
 
 def test_goodput_of_a_folder_without_metrics_is_one_error_line(tmp_path):
-    cli = subprocess.run([sys.executable, "-m", "finetune.metrics", "goodput", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True)
+    cli = run_python(["-m", "finetune.metrics", "goodput", str(tmp_path)])
     assert cli.returncode == 2 and cli.stderr.startswith("error: cannot account") and "Traceback" not in cli.stderr

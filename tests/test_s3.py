@@ -23,8 +23,6 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 import time
 import warnings
 
@@ -40,7 +38,7 @@ from ckpt.commit_protocol import VerifyError, commit_checkpoint, verify_checkpoi
 from ckpt.storage import LocalStorage, join, storage_for, unsupported
 from ckpt.storage.s3 import S3Storage
 from ckpt.layout import list_step_dirs
-from conftest import ROOT, events, free_port, losses, run_train, start_on_free_port
+from conftest import ROOT, ckpt_cli, events, free_port, losses, run_train, start_on_free_port
 from azurite_server import CONTAINER, azure_env, azurite_server, connection_string  # noqa: F401 - fixtures
 from s3_server import BUCKET, s3_client, s3_env, s3_proxy, s3_server  # noqa: F401 - fixtures
 
@@ -197,10 +195,6 @@ def test_training_never_writes_a_url_into_a_local_folder(key, value, needle, tmp
     assert not (tmp_path / "run").exists()
 
 
-def _ckpt_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=120)
-
 
 def test_verify_reads_a_checkpoint_on_the_store_and_catches_a_flipped_byte(store, tmp_path):
     from test_ckpt_unit import DATA, fake_checkpoint
@@ -209,28 +203,28 @@ def test_verify_reads_a_checkpoint_on_the_store_and_catches_a_flipped_byte(store
     root = f"{store.root}/verify-{tmp_path.name}"
     url = f"{root}/step-000005"
     storage_for(url).put_folder(local, url)
-    ok = _ckpt_cli("verify", url, "--jobs", "2", env=store.env)
+    ok = ckpt_cli("verify", url, "--jobs", "2", env=store.env)
     assert ok.returncode == 0 and ok.stdout.startswith(f"OK: {url}: step 5, 3 files"), ok.stderr[-2000:]
-    assert "a checkpoints folder (1 step-* folder)" in _ckpt_cli("verify", root, env=store.env).stderr
+    assert "a checkpoints folder (1 step-* folder)" in ckpt_cli("verify", root, env=store.env).stderr
 
     objects = storage_for(url)
     data = bytearray(objects.read(f"{url}/{DATA}"))
     data[-7] ^= 0xFF
     _overwrite(f"{url}/{DATA}", bytes(data))  # same size, one byte changed
-    bad = _ckpt_cli("verify", url, env=store.env)
+    bad = ckpt_cli("verify", url, env=store.env)
     assert bad.returncode == 1 and bad.stderr.strip() == f"INVALID: {url}/{DATA}: checksum mismatch (xxh3_128)"
     objects.delete(f"{url}/{DATA}")
-    gone = _ckpt_cli("verify", url, env=store.env)
+    gone = ckpt_cli("verify", url, env=store.env)
     assert gone.returncode == 1 and gone.stderr.strip().endswith(f"{url}/{DATA}: missing"), gone.stderr
     objects.delete(f"{url}/commit.json")
-    unmarked = _ckpt_cli("verify", url, env=store.env)
+    unmarked = ckpt_cli("verify", url, env=store.env)
     assert unmarked.returncode == 1 and "missing commit marker (checkpoint never committed)" in unmarked.stderr
 
 
 def test_verify_with_the_server_unreachable_is_one_error_line(store):
     started = time.monotonic()  # Azure's production retries, waited out once here; the other cases try once
     default_retries = {**store.unreachable, "CKPT_AZURE_MAX_ATTEMPTS": ""}
-    proc = _ckpt_cli("verify", f"{store.root}/run/step-000002", env=default_retries)
+    proc = ckpt_cli("verify", f"{store.root}/run/step-000002", env=default_retries)
     _one_error_line(proc, f"cannot read {store.root}/run/step-000002")
     assert time.monotonic() - started < 60  # retries are bounded: the line comes in seconds, not minutes
     with pytest.MonkeyPatch.context() as mp:
@@ -379,7 +373,7 @@ def test_resume_from_the_store_skips_a_flipped_byte_and_a_second_job_is_refused(
     data = bytearray(objects.read(shard))
     data[len(data) // 2] ^= 0x01
     _overwrite(shard, bytes(data))
-    bad = _ckpt_cli("verify", f"{url}/step-000004", env=store.env)
+    bad = ckpt_cli("verify", f"{url}/step-000004", env=store.env)
     assert bad.returncode == 1 and bad.stderr.strip() == f"INVALID: {shard}: checksum mismatch (xxh3_128)"
 
     run_train(run, nproc=0, overrides=["train.max_steps=6", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.dir={url}"],
@@ -429,16 +423,16 @@ def test_retention_on_the_store_deletes_marker_then_objects_and_sweeps_unmarked_
 
 def _inspect_reshard_and_export(store: ObjectStore, step: str, tmp_path) -> None:
     """`python -m ckpt` inspect, reshard and export, reading from the store and writing to it."""
-    listing = _ckpt_cli("inspect", step.rsplit("/", 1)[0], env=store.env)
+    listing = ckpt_cli("inspect", step.rsplit("/", 1)[0], env=store.env)
     assert listing.returncode == 0 and "committed, verified" in listing.stdout.splitlines()[1], listing.stderr[-2000:]
-    shown = _ckpt_cli("inspect", step, env=store.env)
+    shown = ckpt_cli("inspect", step, env=store.env)
     assert shown.returncode == 0 and f"{step}: step 6, saved by 1 rank, committed, verified" in shown.stdout
     resharded = f"{store.root}/{tmp_path.name}/resharded/step-000006"
-    proc = _ckpt_cli("reshard", "--world-size", "2", step, resharded, env=store.env)
+    proc = ckpt_cli("reshard", "--world-size", "2", step, resharded, env=store.env)
     assert proc.returncode == 0 and verify_checkpoint(resharded)["world_size"] == 2, proc.stderr[-2000:]
     hf, local = f"{store.root}/{tmp_path.name}/hf", tmp_path / "hf"
     for out in (hf, str(local)):
-        proc = _ckpt_cli("export", step, out, env=store.env)
+        proc = ckpt_cli("export", step, out, env=store.env)
         assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {step} -> {out}"), proc.stderr[-2000:]
     assert storage_for(hf).listdir(hf) == sorted(os.listdir(local))
     assert storage_for(hf).read(f"{hf}/model.safetensors") == (local / "model.safetensors").read_bytes()

@@ -21,15 +21,11 @@ from ckpt.layout import list_step_dirs
 from ckpt.commit_protocol import verify_checkpoint
 from ckpt.storage.s3_transfer import PartUploadStream, part_size, read_ranges, s3_filesystem
 from ckpt.storage.s3 import S3Storage
-from conftest import ROOT, events, losses, run_train
+from conftest import ROOT, ckpt_cli, events, losses, run_train
 from test_cli_errors import one_error
 from test_launch import TORCHRUN_EXIT, assert_one_error
 from s3_server import BUCKET, S3Proxy, s3_env, s3_proxy, s3_server  # noqa: F401 - fixtures
 
-
-def _ckpt_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=300)
 
 
 # ---------------------------------------------------------------- uploads and reads, in this process
@@ -170,17 +166,17 @@ def trained_on_s3(s3_server, tmp_path_factory):
 
 def test_inspect_reshard_and_export_read_and_write_s3(trained_on_s3, s3_env, tmp_path):
     url, run = trained_on_s3
-    listing = _ckpt_cli("inspect", url, env=s3_env)
+    listing = ckpt_cli("inspect", url, env=s3_env)
     assert listing.returncode == 0 and [line.split()[0] for line in listing.stdout.splitlines()[1:]] == ["2", "4"] \
         and listing.stdout.count("committed, verified") == 2, listing.stdout + listing.stderr
-    shown = _ckpt_cli("inspect", f"{url}/step-000004", env=s3_env)
+    shown = ckpt_cli("inspect", f"{url}/step-000004", env=s3_env)
     assert shown.returncode == 0 and shown.stdout.startswith(f"{url}/step-000004: step 4, saved by 2 ranks, committed, "
                                                              "verified") and "train state:" in shown.stdout, shown.stderr
-    dry = _ckpt_cli("inspect", f"{url}/step-000004", "--world-size", "1", env=s3_env)
+    dry = ckpt_cli("inspect", f"{url}/step-000004", "--world-size", "1", env=s3_env)
     assert dry.returncode == 0 and "OK: resume with 1 rank" in dry.stdout, dry.stdout + dry.stderr
 
     resharded = f"s3://{BUCKET}/{tmp_path.name}/resharded"
-    proc = _ckpt_cli("reshard", f"{url}/step-000004", resharded, "--world-size", "1", env=s3_env)
+    proc = ckpt_cli("reshard", f"{url}/step-000004", resharded, "--world-size", "1", env=s3_env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     marker = verify_checkpoint(f"{resharded}/step-000004")
     assert marker["world_size"] == 1 and "__0_0.distcp" in marker["files"] and "__1_0.distcp" not in marker["files"]
@@ -189,14 +185,14 @@ def test_inspect_reshard_and_export_read_and_write_s3(trained_on_s3, s3_env, tmp
 
     # the end-of-run export read the S3 checkpoint into run.dir/hf (local); the CLI writes the same folder to S3
     hf_url = f"s3://{BUCKET}/{tmp_path.name}/hf"
-    proc = _ckpt_cli("export", f"{url}/step-000004", hf_url, env=s3_env)
+    proc = ckpt_cli("export", f"{url}/step-000004", hf_url, env=s3_env)
     assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {url}/step-000004 -> {hf_url}: "), proc.stderr[-2000:]
     local = sorted(os.listdir(run / "hf"))
     assert S3Storage().listdir(hf_url) == local and "config.json" in local
     S3Storage().fs.get(f"{hf_url}/model.safetensors", str(tmp_path / "from-s3.safetensors"))
     a, b = load_file(str(run / "hf" / "model.safetensors")), load_file(str(tmp_path / "from-s3.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    again = _ckpt_cli("export", f"{url}/step-000004", hf_url, env=s3_env)
+    again = ckpt_cli("export", f"{url}/step-000004", hf_url, env=s3_env)
     one_error(again, f"{hf_url} is not empty; choose a new prefix")
 
 

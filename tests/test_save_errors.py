@@ -40,7 +40,7 @@ def test_full_disk_one_error_line(tmp_path, small_run_dir, async_mode):
     every rank's traceback before handing it to the worker (uploader.reported_by_the_worker)."""
     run, env, how = small_run_dir
     ckpt_dir = run / "checkpoints"
-    proc = run_train(run, nproc=2, check=False, env=env, timeout=TIMEOUT, overrides=[
+    proc = run_train(run, nproc=2, check=False, env=env, timeout=TIMEOUT, forked=False, overrides=[  # as launched
         "train.max_steps=12", "ckpt.interval=2", "ckpt.keep_last=0", f"ckpt.async_mode={async_mode}"])
     ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
     assert proc.returncode != 0

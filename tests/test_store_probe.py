@@ -7,9 +7,6 @@ that strips those headers (tests/s3_server.py `S3Proxy.strip`), a server that re
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -20,7 +17,7 @@ from ckpt.storage.s3 import S3Storage
 from ckpt.storage.azure import AzureStorage
 from ckpt.storage import base as storage_base
 from ckpt.storage.base import GuaranteeError
-from conftest import ROOT, losses, run_train
+from conftest import ckpt_cli, losses, run_train
 from azurite_server import CONTAINER, azure_env, azurite_server  # noqa: F401 - fixtures
 from s3_server import BUCKET, s3_env, s3_proxy, s3_server  # noqa: F401 - fixtures
 from test_launch import TORCHRUN_EXIT, assert_one_error
@@ -100,10 +97,6 @@ def test_with_the_risk_key_training_goes_on_and_says_what_is_no_longer_guarantee
     assert verify_checkpoint(f"{url}/step-000002")["step"] == 2
 
 
-def _ckpt_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ckpt", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=120)
-
 
 def test_verify_and_reshard_on_a_store_that_ignores_the_conditions_say_so(s3_env, s3_proxy, tmp_path):
     """verify trusts a marker, reshard writes one: on such a store each stops with one line (exit 2), or with
@@ -115,25 +108,25 @@ def test_verify_and_reshard_on_a_store_that_ignores_the_conditions_say_so(s3_env
     env = _stripping(s3_env, s3_proxy)
     needle = f"error: the object store at {s3_proxy.endpoint} (s3://{BUCKET}) does not keep the checkpoint guarantees"
     for args in (["verify", url], ["reshard", url, f"{url}-w1", "--world-size", "1"]):
-        proc = _ckpt_cli(*args, env=env)
+        proc = ckpt_cli(*args, env=env)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(needle), proc.stderr
         assert "set --unchecked-store to run at your own risk" in lines[0] and "Traceback" not in proc.stderr
     assert S3Storage().list_objects(f"{url}-w1") == []
-    risky = _ckpt_cli("verify", url, "--unchecked-store", env=env)
+    risky = ckpt_cli("verify", url, "--unchecked-store", env=env)
     assert risky.returncode == 0 and risky.stdout.startswith(f"OK: {url}: step 5"), risky.stderr
     assert [line[:9] for line in risky.stderr.strip().splitlines()] == ["warning: "]
-    assert _ckpt_cli("verify", url, env=s3_env).returncode == 0  # the server itself enforces both: no line
+    assert ckpt_cli("verify", url, env=s3_env).returncode == 0  # the server itself enforces both: no line
 
 
 def _read_only_verify_warns_and_reshard_stops(url: str, env: dict) -> str:
     """With credentials that may only read: verify says in one warning that it could not probe and verifies step 5;
     reshard, which writes, stops (exit 2). Returns both commands' stderr."""
-    proc = _ckpt_cli("verify", url, env=env)
+    proc = ckpt_cli("verify", url, env=env)
     assert proc.returncode == 0 and proc.stdout.startswith(f"OK: {url}: step 5"), proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: could not check the store's create-only writes"), lines
-    resharded = _ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
+    resharded = ckpt_cli("reshard", url, f"{url}-w1", "--world-size", "1", env=env)
     assert resharded.returncode == 2 and resharded.stderr.startswith("error: "), resharded.stderr
     return proc.stderr + resharded.stderr
 

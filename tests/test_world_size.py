@@ -11,13 +11,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import ROOT, run_train
+from conftest import ckpt_cli, run_train
 from ckpt import verify_checkpoint
 from ckpt.describe import inspect_path
 from ckpt.reading import read_items
@@ -88,8 +87,7 @@ def test_resume_at_another_world_size_continues_exactly(root, world_size):
 
 def test_offline_reshard_then_resume_equals_resuming_the_original(root):
     src, out = b_step8(root), root / "resharded"
-    proc = subprocess.run([sys.executable, "-m", "ckpt", "reshard", src, str(out), "--world-size", "3"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = ckpt_cli("reshard", src, str(out), "--world-size", "3")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     dst = str(out / "step-000008")  # a plain folder as dst is taken as a ckpt.dir
     verify_checkpoint(dst)

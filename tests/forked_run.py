@@ -1,0 +1,110 @@
+"""The client of tests/zygote.py: a run of train_fsdp.py forked from a server that has its imports done, used
+like subprocess.Popen (pid, communicate, kill, returncode) by conftest.run_train.
+
+    python -m pytest tests -q      (used by the tests; see tests/zygote.py for why)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ZYGOTE = os.path.join(ROOT, "tests", "zygote.py")
+# Read when torch, transformers or huggingface_hub are imported, so the server's values would stand: a run whose
+# environment sets one of these differently is exec'd (e.g. tests/test_hub.py's HF_ENDPOINT).
+READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "OMP_", "MKL_", "PYTHON", "CUDA", "LD_", "CC", "CXX")
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}  # what every forked run gets
+
+_server: dict = {}  # this pytest process's server: {"proc": Popen, "path": socket path, "env": its environment}
+
+
+def can_fork(env: dict[str, str]) -> bool:
+    """Whether a run with environment `env` may be forked from the server: no variable read at import differs."""
+    server_env = server()["env"]
+    keys = {k for k in (*env, *server_env) if k.startswith(READ_AT_IMPORT)}
+    return all(env.get(k) == server_env.get(k) for k in keys)
+
+
+def server() -> dict:
+    """This pytest process's server, started on first use (its imports take a few seconds, once)."""
+    if _server and _server["proc"].poll() is None:
+        return _server
+    path = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "socket")
+    env = {**os.environ, **SERVER_ENV}
+    proc = subprocess.Popen([sys.executable, ZYGOTE, path], cwd=ROOT, env=env, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"tests/zygote.py did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    _server.update(proc=proc, path=path, env=env)
+    return _server
+
+
+class ForkedRun:
+    """`argv` (after python: a script and its arguments, or -m torch.distributed.run ...) run by the server in
+    `cwd` with environment `env`; its stdout and stderr come back through pipes, as from Popen(..., PIPE)."""
+
+    def __init__(self, argv: list[str], cwd: str, env: dict[str, str]):
+        self.args = [sys.executable, *argv]
+        self.returncode: int | None = None
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self._sock = socket.socket(socket.AF_UNIX)
+        self._sock.connect(server()["path"])
+        socket.send_fds(self._sock, [json.dumps({"argv": argv, "cwd": cwd, "env": env}).encode()], [out_w, err_w])
+        self._sock.shutdown(socket.SHUT_WR)
+        os.close(out_w)
+        os.close(err_w)
+        self._pipes = {out_r: [], err_r: []}
+        self._reply = self._sock.makefile("r")
+        self.pid = int(self._reply.readline())
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Read stdout and stderr until the run and every process it started have closed them, then its exit
+        status; subprocess.TimeoutExpired after `timeout` seconds (call again after kill() for the rest)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            for fd in self._pipes:
+                if not self._closed(fd):
+                    sel.register(fd, selectors.EVENT_READ)
+            while sel.get_map():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                for key, _ in sel.select(left):
+                    chunk = os.read(key.fd, 1 << 16)
+                    self._pipes[key.fd].append(chunk)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        os.close(key.fd)
+        if self.returncode is None:
+            self.returncode = int(self._reply.readline())
+            self._sock.close()
+        out, err = (b"".join(chunks).decode(errors="replace") for chunks in self._pipes.values())
+        return out, err
+
+    def _closed(self, fd: int) -> bool:
+        return bool(self._pipes[fd]) and self._pipes[fd][-1] == b""
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.returncode is None:
+            self.kill()
+            self.communicate()
