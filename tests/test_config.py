@@ -68,6 +68,8 @@ def test_missing_yaml_file():
 
 @pytest.mark.parametrize("override,needle", [
     ("run.log_interval=0", "config key 'run.log_interval' must be >= 1, got 0"),
+    ("train.max_steps=ten", "config key 'train.max_steps' must be int, got 'ten'"),
+    ("ckpt.timeout_minutes=-1", "config key 'ckpt.timeout_minutes' must be > 0, got -1.0"),
     ("train.lr=-1e-3", "config key 'train.lr' must be > 0, got -0.001"),
     ("train.lr=nan", "config key 'train.lr' must be > 0, got nan"),
     ("train.min_lr_ratio=1.5", "config key 'train.min_lr_ratio' must be in [0, 1], got 1.5"),

@@ -142,6 +142,28 @@ def test_missing_and_empty_data_are_clear_errors(tmp_path, tok):
         open_samples(build_cache(cfg, tok), cfg)
 
 
+def _chat_rows(path, n: int) -> None:
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"reverse: w{i}"},
+                                                     {"role": "assistant", "content": f"{i}w"}]}) + "\n"
+                            for i in range(n)))
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda p: p.write_text(""), "data file is empty: {p}"),
+    (lambda p: p.write_text("\n\n"), "cannot read data file(s) {p}"),
+    (lambda p: (_chat_rows(p, 30), p.write_bytes(p.read_bytes().replace(b'reverse: w2"', b'reverse: w\xff2"', 1))),
+     "data file {p} line 3 is not valid UTF-8: byte b'\\xff' at column"),
+], ids=["empty", "blank-lines", "not-utf8"])
+def test_a_bad_data_file_is_one_error_naming_it(tmp_path, tok, make, needle):
+    """Each message, raised where the file is read; how a DataError reaches the user (one `error:` line, exit 2,
+    no traceback) is tests/test_bad_input.py's test_bad_data_file, run for a missing file."""
+    data = tmp_path / "train.jsonl"
+    make(data)
+    with pytest.raises(DataError) as e:
+        build_cache(DataConfig(path=str(data), epochs=1, cache_dir=str(tmp_path / "cache")), tok)
+    assert needle.format(p=data) in str(e.value) and "\n" not in str(e.value)
+
+
 # ---------------------------------------------------------------- the tokenizing pipeline (issue 13)
 
 def _conversations(n: int, seed: int = 0) -> list[dict]:
@@ -366,14 +388,10 @@ def json_row(messages) -> str:
 
 def test_prepare_ahead_then_training_reuses_the_cache(tmp_path):
     """`python -m finetune.data prepare` with the training overrides; the run then finds both caches committed."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT, run_train
+    from conftest import run_python, run_train
     run = tmp_path / "run"
     args = [f"run.dir={run}", "data.seq_len=32"]
-    out = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml", *args],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = run_python(["-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml", *args])
     assert out.returncode == 0, out.stderr[-2000:]
     assert "train: " in out.stdout and "eval: " in out.stdout and "4,096 documents" in out.stdout
     caches = sorted((run / "data-cache").iterdir())
@@ -381,24 +399,20 @@ def test_prepare_ahead_then_training_reuses_the_cache(tmp_path):
     stamp = {c: (c / "tokens.bin").stat().st_mtime_ns for c in caches}
     run_train(run, nproc=0, overrides=["train.max_steps=1", "data.cache_dir=", "ckpt.interval=0"], timeout=300)
     assert {c: (c / "tokens.bin").stat().st_mtime_ns for c in caches} == stamp  # not rebuilt
-    bad = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
-                          f"data.path={tmp_path}/nope.jsonl"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    bad = run_python(["-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
+                      f"data.path={tmp_path}/nope.jsonl"])
     assert bad.returncode == 2 and bad.stderr.strip() == f"error: data file not found: {tmp_path}/nope.jsonl"
 
 
 def test_too_long_row_with_truncation_off_exits_2_naming_file_and_row(tmp_path):
     """`prepare` opens the samples as training will: data.truncation=false and a row longer than seq_len is one
     `error:` line naming the file and the row, exit 2."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from conftest import run_python
     rows = [{"messages": [{"role": "user", "content": f"reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
             for w in ("abc", "hello", "x" * 90, "qwerty", "y" * 80)]  # rows 3 and 5 are too long for 64 tokens
     path = _write_jsonl(tmp_path / "long.jsonl", rows)
-    proc = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
-                           f"run.dir={tmp_path / 'run'}", f"data.path={path}", "data.seq_len=64",
-                           "data.truncation=false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_python(["-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
+                       f"run.dir={tmp_path / 'run'}", f"data.path={path}", "data.seq_len=64", "data.truncation=false"])
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error")]  # the rest: progress bars
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
@@ -524,16 +538,12 @@ def test_tokenizing_in_a_run_says_what_and_how_long_without_a_bar_in_a_log(readm
 def test_a_line_that_is_not_json_is_one_error_line_with_file_and_line(tmp_path):
     """datasets reports it as 'row 50' (0-based) on a line of its own; the one `error:` line gives the file and
     the 1-based line an editor shows. A .json file that is one document over many lines is parsed as such."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
+    from conftest import run_python
     from finetune.data.sources import first_bad_line
     path = tmp_path / "bad.jsonl"
     path.write_text("".join('{"text": "row %d"}\n' % i if i != 50 else '{"text": oops}\n' for i in range(60)))
-    proc = subprocess.run([sys.executable, "-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
-                           f"run.dir={tmp_path / 'run'}", f"data.path={path}"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = run_python(["-m", "finetune.data", "prepare", "--config", "configs/tiny.yaml",
+                       f"run.dir={tmp_path / 'run'}", f"data.path={path}"])
     assert proc.returncode == 2
     assert [line for line in proc.stderr.splitlines() if line.strip()] == [
         f"error: data file {path} line 51 is not valid JSON: Expecting value at column 10"], proc.stderr
