@@ -2,7 +2,7 @@
 
     python bench/goodput_bench.py                      # a rank SIGKILLed every 120 s, one SIGSTOPped
     python bench/goodput_bench.py --failures 3 --stop-at 180 --rounds 2   # the docs' run: 54 min on 2 cores
-    python bench/goodput_bench.py --smoke --out /tmp/g # the mechanics in ~2 min (tests/test_bench.py)
+    python bench/goodput_bench.py --smoke --out /tmp/g # the mechanics in ~1 min (tests/test_bench.py)
 
 The same tiny training (configs/tiny.yaml, 2 ranks, `torchrun --max-restarts`) runs under the same failure
 schedule in three configurations, interleaved round by round: `disk` (the preset's ckpt.interval), `auto`
@@ -177,13 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=1, help="rounds of the three configurations, interleaved")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="short: 300 steps of a batch of 32, one SIGKILL 3 s "
+    p.add_argument("--smoke", action="store_true", help="short: 150 steps of a batch of 32, one SIGKILL 3 s "
                    "after the first step, no SIGSTOP")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = p.parse_args(argv)
     started = provenance.start(argv)
     if args.smoke:
-        args.period, args.failures, args.stop_at, args.max_steps, args.batch = 3.0, 1, 0.0, 300, 32
+        args.period, args.failures, args.stop_at, args.max_steps, args.batch = 3.0, 1, 0.0, 150, 32
     plan = schedule(args)
     work = tempfile.mkdtemp(prefix="goodput-bench-")
     runs = {name: [] for name in CONFIGS}
