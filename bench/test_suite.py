@@ -6,6 +6,7 @@ on, and line coverage of ckpt/, finetune/, common/ and train_fsdp.py, subprocess
     python bench/test_suite.py --out /tmp/q --name test_suite_quick -m quick    # the quick tier
     python bench/test_suite.py --out bench/results --from WORK --provenance P.json   # a run made before
     python bench/test_suite.py --out bench/results --name test_suite_plain --no-coverage   # wall time as in CI
+    python bench/test_suite.py --out bench/results --name X_exec --no-coverage --exec-all tests/test_x.py  # no forks
 
 Arguments after the options go to pytest. Writes <out>/<name>.{json,md} (bench/provenance.py) and keeps the run's
 raw records (per-test records, coverage data) in --work, by default <tmp>/<name>-work, outside the repository.
@@ -76,7 +77,7 @@ def coverage_rc(work: str) -> str:
     return rc
 
 
-def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True) -> float:
+def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True, exec_all: bool = False) -> float:
     """The suite (this script again, --inner, as the measured process), under coverage unless told not to (then its
     wall time is what `.ci/run`'s pytest takes); returns its wall time."""
     os.makedirs(work, exist_ok=True)
@@ -89,7 +90,8 @@ def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True) 
     if not any(a.startswith("tests") for a in pytest_args):  # no test named: all of them
         cmd.append("tests")
     started = time.monotonic()
-    subprocess.run(cmd, cwd=ROOT, check=False)
+    env = {**os.environ, "TESTS_EXEC_ALL": "1"} if exec_all else None  # tests/forked_run.py: no run forked
+    subprocess.run(cmd, cwd=ROOT, check=False, env=env)
     return round(time.monotonic() - started, 1)
 
 
@@ -176,13 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="earlier", help="summarize this earlier run's --work folder instead of running")
     p.add_argument("--provenance", help="with --from: a JSON file holding that run's provenance")
     p.add_argument("--no-coverage", action="store_true", help="time the suite as .ci/run runs it, without coverage")
+    p.add_argument("--exec-all", action="store_true", help="exec every run the tests start instead of forking "
+                   "it from tests/zygote.py (to time what the forks save, side by side)")
     args, pytest_args = p.parse_known_args(argv)
     started = provenance.start(argv)
     if args.earlier:
         work, wall_s = args.earlier, None
     else:
         work = os.path.abspath(args.work or os.path.join(tempfile.gettempdir(), f"{args.name}-work"))
-        wall_s = run_suite(work, pytest_args, not args.no_coverage)
+        wall_s = run_suite(work, pytest_args, not args.no_coverage, args.exec_all)
     cover = {} if args.no_coverage else coverage_of(work)
     result = summarize(tests_of(work), wall_s, cover)
     given = {}
