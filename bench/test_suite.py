@@ -6,7 +6,7 @@ on, and line coverage of ckpt/, finetune/, common/ and train_fsdp.py, subprocess
     python bench/test_suite.py --out /tmp/q --name test_suite_quick -m quick    # the quick tier
     python bench/test_suite.py --out bench/results --from WORK --provenance P.json   # a run made before
     python bench/test_suite.py --out bench/results --name test_suite_plain --no-coverage   # wall time as in CI
-    python bench/test_suite.py --out bench/results --name subset_exec --no-coverage --exec-all tests/test_faults.py  # no forks
+    python bench/test_suite.py --out bench/results --name x --no-coverage --exec-all tests/test_faults.py  # exec'd
 
 Arguments after the options go to pytest. Writes <out>/<name>.{json,md} (bench/provenance.py) and keeps the run's
 raw records (per-test records, coverage data) in --work, by default <tmp>/<name>-work, outside the repository.

@@ -259,7 +259,8 @@ def gpu_holders(dev: str = "/dev") -> dict[int, set[int]]:
 
 
 def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None, timeout: float = 300,
-              check: bool = True, restarts: int = 0, script: str = "", forked: bool = True) -> subprocess.CompletedProcess:
+              check: bool = True, restarts: int = 0, script: str = "",
+              forked: bool = True) -> subprocess.CompletedProcess:
     """Run the tiny config into `run_dir` (cwd = repo root so relative asset paths resolve); `restarts`:
     torchrun's --max-restarts; `script`: another entry point than train_fsdp.py (a test's changed trainer).
     `forked`: from tests/zygote.py, imports done (a few CPU-seconds less per rank); False execs python or torchrun,
@@ -270,7 +271,8 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
     if forked and can_fork(full_env):
         launch = ForkedRun(cmd[1:], ROOT, full_env)
     else:
-        launch = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        launch = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
     with launch as p:
         try:
             out, err = p.communicate(timeout=timeout)
