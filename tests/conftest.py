@@ -266,14 +266,7 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
     `forked`: from tests/zygote.py, imports done (a few CPU-seconds less per rank); False execs python or torchrun,
     for a test of what the launch itself does (a run whose environment changes what imports read is exec'd anyway)."""
     args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}", *overrides]
-    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
-    cmd = train_cmd(nproc, args, restarts, script)
-    if forked and can_fork(full_env):
-        launch = ForkedRun(cmd[1:], ROOT, full_env)
-    else:
-        launch = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
-    with launch as p:
+    with start_python(train_cmd(nproc, args, restarts, script)[1:], env, ROOT, forked) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -289,16 +282,22 @@ def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | No
     return proc
 
 
+def start_python(args: list[str], env: dict | None, cwd, forked: bool) -> subprocess.Popen | ForkedRun:
+    """`python *args` started with ROOT importable, one OpenMP thread and unbuffered output (SERVER_ENV) on top of
+    pytest's environment and `env`, stdout and stderr piped: forked from tests/zygote.py unless `forked` is False
+    or `env` changes what imports read, else exec'd."""
+    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
+    if forked and can_fork(full_env):
+        return ForkedRun(list(args), str(cwd), full_env)
+    return subprocess.Popen([sys.executable, *args], cwd=cwd, env=full_env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
 def run_python(args: list[str], env: dict | None = None, cwd=ROOT, timeout: float = 300,
                forked: bool = True) -> subprocess.CompletedProcess:
-    """`python *args` (a script or `-m module`, e.g. the `python -m ckpt` commands) with ROOT importable, its
-    output captured; forked from tests/zygote.py as run_train's runs are, unless `forked` is False or `env` changes
-    what imports read. subprocess.TimeoutExpired after `timeout` seconds, the process killed."""
-    full_env = {**os.environ, **SERVER_ENV, **(env or {})}
-    if not (forked and can_fork(full_env)):
-        return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                              timeout=timeout)
-    with ForkedRun(list(args), str(cwd), full_env) as p:
+    """`python *args` (a script or `-m module`, e.g. the `python -m ckpt` commands) through start_python, its
+    output captured; subprocess.TimeoutExpired after `timeout` seconds, the process killed."""
+    with start_python(args, env, cwd, forked) as p:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

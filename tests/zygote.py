@@ -7,9 +7,9 @@ process, against under a second of training), and the suite runs hundreds of the
 server is forked from it with those imports done: `python -m torch.distributed.run ...` becomes torchrun's own
 main() in the fork, with `--start-method fork --run-path`, so its agent, rendezvous, environment and restarts are
 torchrun's and only its ranks are forked instead of exec'd; `python script.py ...` and `python -m module ...` (the
-`python -m ckpt` commands) become runpy's. Each run gets the
-client's stdout and stderr (passed over the socket), its cwd and environment, a process group of its own, and
-ends as the python it stands for would: atexit handlers run, an escaping exception prints its traceback and exits 1.
+`python -m ckpt` commands) become runpy's. Each run gets the client's stdout and stderr (passed over the socket),
+its cwd and environment, a process group of its own, and ends as the python it stands for would: atexit handlers
+run, an escaping exception prints its traceback and exits 1.
 
 Tests of the launch itself (what torchrun or python print, signals to the launcher) exec the real thing
 (conftest.run_train(..., forked=False)). docs/testing.md says which.
@@ -40,6 +40,13 @@ import train_fsdp  # noqa: E402,F401  everything a run imports, imported once he
 MAX_REQUEST = 1 << 20  # argv, cwd and environment as JSON
 
 
+def run_exit_hooks() -> None:
+    """What Py_Finalize does before the process ends: join non-daemon threads, then run the atexit handlers (the
+    process-mode uploader's stop is one)."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+
+
 def end_like_python(run) -> None:
     """Call `run` and leave the process as `python` would after it: exit status from SystemExit (a message
     printed), an escaping exception's traceback on stderr and status 1, then non-daemon threads joined and atexit
@@ -54,8 +61,7 @@ def end_like_python(run) -> None:
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
-    threading._shutdown()  # what Py_Finalize does first
-    atexit._run_exitfuncs()
+    run_exit_hooks()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)
@@ -72,8 +78,7 @@ def rank_main(script: str, *args: str) -> None:
     except SystemExit as e:
         code = e.code
     finally:
-        threading._shutdown()
-        atexit._run_exitfuncs()
+        run_exit_hooks()
     if code not in (0, None):
         raise SystemExit(code)
 
