@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from concurrent.futures import Future
 from typing import Callable
 
@@ -33,7 +34,7 @@ from .errors import SAVE_ERRORS, save_failure
 from .faults import fault_at
 from .retention import clear_stale
 from .storage import join, storage_for
-from .uploader import save_planner, preemption_signals_blocked, CheckpointWriter
+from .uploader import save_planner, preemption_signals_blocked, uploader_store, CheckpointWriter
 
 
 def prepare_step_dir(ckpt_dir: str, path: str, files: dict[str, str], on_log: Callable[[str], None]) -> bool:
@@ -131,7 +132,7 @@ def start_async(state: dict, path: str, step: int, pg, stager: AsyncStager, asyn
     recorded = _Recorded(stager)
     wait_for_state_writes()
     try:
-        with preemption_signals_blocked():
+        with preemption_signals_blocked(), uploader_store(pg) if async_mode == "process" else nullcontext():
             resp = dcp.async_save(state, storage_writer=writer(path, step, upload_nice), process_group=pg,
                                   async_stager=recorded, planner=save_planner(ckpt_dir, pg, writer.dedup_to_lowest_rank),
                                   async_checkpointer_type=kind)

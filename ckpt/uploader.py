@@ -12,12 +12,16 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore
+from torch.distributed.checkpoint import _async_process_executor as dcp_uploader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .checksum import ChecksummingWriter
@@ -127,19 +131,54 @@ def preemption_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+_UPLOADER_STORE: TCPStore | None = None  # rank 0: the store the process-mode uploaders meet at, kept while they run
+
+
+@contextlib.contextmanager
+def uploader_store(pg) -> Iterator[None]:
+    """Around the dcp.async_save that starts the process-mode uploaders (the first, or the first after one died):
+    they meet at a store rank 0 has already bound, not at a port DCP picks.
+
+    DCP's own way asks the kernel for a free port, lets go of it and binds it again in the spawned uploader
+    seconds later (after its imports); any outbound connection on the node can take that port meanwhile. In
+    CI a storage client's connection took it, and the save failed with EADDRINUSE. With DCP_USE_PREFIX_STORE
+    (read by every rank) DCP takes MASTER_ADDR/MASTER_PORT from rank 0 and broadcasts them, so rank 0's are
+    pointed, for this call, at a store of its own: bound to port 0, it holds its port from the start, and it is
+    new per uploader, so no key of an earlier one (a torchrun restart) is read by the next."""
+    global _UPLOADER_STORE
+    if dcp_uploader._CHECKPOINT_PROCESS is not None or not dist.is_initialized():
+        yield
+        return
+    meet = {"DCP_USE_PREFIX_STORE": "1"}
+    if dist.get_rank(pg) == 0:
+        addr = os.environ.get("MASTER_ADDR") or socket.getfqdn()
+        _UPLOADER_STORE = TCPStore(addr, 0, is_master=True, wait_for_workers=False)
+        meet.update(MASTER_ADDR=addr, MASTER_PORT=str(_UPLOADER_STORE.port))
+    saved = {k: os.environ.get(k) for k in meet}
+    os.environ.update(meet)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def stop_uploader_process() -> None:
     """Stop DCP's process-mode uploader: ask it to exit, SIGKILL it if it doesn't within 30 s.
 
     It has SIGTERM blocked (above), so `Process.terminate()` in multiprocessing's own exit hook would
     wait forever. DCP keeps it in a private module global; this is the one place that touches it."""
-    from torch.distributed.checkpoint import _async_process_executor as uploader
-    proc = getattr(uploader, "_CHECKPOINT_PROCESS", None)
+    global _UPLOADER_STORE
+    proc, _UPLOADER_STORE = dcp_uploader._CHECKPOINT_PROCESS, None
     if proc is None:
         return
-    uploader._CHECKPOINT_PROCESS = None
+    dcp_uploader._CHECKPOINT_PROCESS = None
     try:
         if proc._save_process.is_alive():
-            proc._send(uploader._CheckpointSaveProcessControlOpts.TERMINATE)
+            proc._send(dcp_uploader._CheckpointSaveProcessControlOpts.TERMINATE)
             proc._save_process.join(timeout=30)
     except (OSError, EOFError):  # pipe already gone: the process is dead or dying
         pass

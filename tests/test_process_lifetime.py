@@ -1,4 +1,5 @@
-"""Process lifetime: workers (and their uploader processes) die with their torchrun agent, and a frozen rank ends the job after a set time.
+"""Process lifetime: uploader processes start on a port nothing can take first, workers (and their uploaders) die
+with their torchrun agent, and a frozen rank ends the job after a set time.
 
     python -m pytest tests/test_process_lifetime.py -q
 
@@ -13,8 +14,32 @@ import signal
 import subprocess
 import time
 
-from conftest import ROOT, kill_workers, token_cache, train_cmd, FAST
+from ckpt import latest_committed_step
+from conftest import ROOT, kill_workers, run_train, token_cache, train_cmd, FAST
 from test_preemption import worker_pid
+
+
+PORT_TAKEN_TRAINER = """\
+import socket, sys
+sys.path.insert(0, {root!r})
+from torch.distributed.checkpoint import _async_process_executor
+taken = socket.socket()
+taken.bind(("", 0))
+# the port DCP would hand its uploaders is bound by someone else before they bind it (in CI: the local end of a
+# storage client's connection)
+_async_process_executor.get_free_port = lambda: taken.getsockname()[1]
+import train_fsdp
+if __name__ == "__main__":
+    sys.exit(train_fsdp.main())
+"""
+
+
+def test_process_mode_uploaders_meet_on_a_port_bound_before_they_start(tmp_path):
+    script = tmp_path / "train_port_taken.py"
+    script.write_text(PORT_TAKEN_TRAINER.format(root=ROOT))
+    run = tmp_path / "run"
+    run_train(run, 2, ["train.max_steps=4", "ckpt.interval=2", "ckpt.async_mode=process"], script=str(script))
+    assert latest_committed_step(str(run / "checkpoints")) == 4
 
 
 def children(pid: int) -> list[int]:
