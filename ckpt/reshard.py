@@ -30,7 +30,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
-from common.dist import free_port
 from common.words import plural
 from .checksum import ChecksummingWriter
 from .commit_protocol import VerifyError, commit_checkpoint, verify_checkpoint
@@ -132,7 +131,8 @@ def write_files_and_commit(src: str, dst: str, world_size: int, metadata: Metada
 def _reshard_rank(rank: int, world_size: int, port: int, src: str, dst: str) -> None:
     """One of the W' processes: load this rank's slices from src, save them to dst."""
     torch.set_num_threads(1)  # W' processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # reshard's own, bound before this process started
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
         metadata = storage_for(src).dcp_reader(src).read_metadata()
@@ -155,8 +155,11 @@ def reshard(src: str, dst: str, world_size: int) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
+    # the processes meet at a store bound here first: a port only picked here would be free again until the
+    # first of them binds it, after its imports, and any connection on the machine can take it meanwhile
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
-        mp.start_processes(_reshard_rank, args=(world_size, free_port(), src, dst), nprocs=world_size,
+        mp.start_processes(_reshard_rank, args=(world_size, store.port, src, dst), nprocs=world_size,
                            start_method="spawn")
     except mp.ProcessException as e:
         print(f"error: reshard to {dst} failed (left uncommitted, so never resumed from): {e}", file=sys.stderr)
