@@ -63,7 +63,8 @@ class Recorder:
     def pytest_runtest_logreport(self, report):
         with open(self.path, "a") as f:
             f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                                "duration": round(report.duration, 3), "end": round(time.time(), 1)}) + "\n")
+                                "duration": round(report.duration, 3), "end": round(time.time(), 1),
+                                "cpu_s": dict(report.user_properties).get("cpu_s")}) + "\n")
 
 
 def coverage_rc(work: str) -> str:
@@ -77,9 +78,17 @@ def coverage_rc(work: str) -> str:
     return rc
 
 
-def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True, exec_all: bool = False) -> float:
+def machine_cpu_seconds() -> float:
+    """CPU-seconds the whole machine has spent busy since boot (/proc/stat: user, nice, system, irq, softirq)."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:8]]
+    return (sum(ticks[:3]) + sum(ticks[5:7])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True,
+              exec_all: bool = False) -> tuple[float, float]:
     """The suite (this script again, --inner, as the measured process), under coverage unless told not to (then its
-    wall time is what `.ci/run`'s pytest takes); returns its wall time."""
+    wall time is what `.ci/run`'s pytest takes); returns its wall time and the machine's CPU-seconds meanwhile."""
     os.makedirs(work, exist_ok=True)
     for name in os.listdir(work):
         if name.startswith(".coverage") or name == "tests.jsonl":
@@ -89,20 +98,21 @@ def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True, 
            "--inner", os.path.join(work, "tests.jsonl"), "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
     if not any(a.startswith("tests") for a in pytest_args):  # no test named: all of them
         cmd.append("tests")
-    started = time.monotonic()
+    started, cpu = time.monotonic(), machine_cpu_seconds()
     env = {**os.environ, "TESTS_EXEC_ALL": "1"} if exec_all else None  # tests/forked_run.py: no run forked
     subprocess.run(cmd, cwd=ROOT, check=False, env=env)
-    return round(time.monotonic() - started, 1)
+    return round(time.monotonic() - started, 1), round(machine_cpu_seconds() - cpu, 1)
 
 
 def tests_of(work: str) -> dict[str, dict]:
-    """nodeid -> {seconds (setup + call + teardown), outcome} from the run's records."""
+    """nodeid -> {seconds, cpu_s (setup + call + teardown), outcome} from the run's records."""
     out: dict[str, dict] = {}
     with open(os.path.join(work, "tests.jsonl")) as f:
         for line in f:
             r = json.loads(line)
-            t = out.setdefault(r["nodeid"], {"seconds": 0.0, "outcome": "passed"})
+            t = out.setdefault(r["nodeid"], {"seconds": 0.0, "cpu_s": 0.0, "outcome": "passed"})
             t["seconds"] = round(t["seconds"] + r["duration"], 2)
+            t["cpu_s"] = round(t["cpu_s"] + (r.get("cpu_s") or 0.0), 2)  # absent in records made before it was
             if r["outcome"] == "failed" or (r["outcome"] == "skipped" and t["outcome"] == "passed"):
                 t["outcome"] = r["outcome"]  # a skip is reported at setup, a failure at any phase
     return out
@@ -134,16 +144,20 @@ def coverage_of(work: str) -> dict[str, dict]:
     return {**out, "modules_percent": {m: round(v, 1) for m, v in sorted(modules.items())}}
 
 
-def summarize(tests: dict[str, dict], wall_s: float | None, cover: dict) -> dict:
+def summarize(tests: dict[str, dict], wall_s: float | None, cover: dict, machine_cpu_s: float | None = None) -> dict:
     groups: dict[str, dict] = {}
     for nodeid, t in tests.items():
-        g = groups.setdefault(group_of(nodeid), {"tests": 0, "seconds": 0.0})
+        g = groups.setdefault(group_of(nodeid), {"tests": 0, "seconds": 0.0, "cpu_s": 0.0})
         g["tests"] += 1
         g["seconds"] = round(g["seconds"] + t["seconds"], 1)
+        g["cpu_s"] = round(g["cpu_s"] + t["cpu_s"], 1)
     outcomes = {o: sum(t["outcome"] == o for t in tests.values()) for o in ("passed", "skipped", "failed")}
     top = sorted(tests.items(), key=lambda kv: -kv[1]["seconds"])[:30]
-    return {"wall_s": wall_s, "tests": len(tests), "outcomes": outcomes,
+    return {"wall_s": wall_s, "machine_cpu_s": machine_cpu_s, "tests": len(tests), "outcomes": outcomes,
             "test_seconds": round(sum(t["seconds"] for t in tests.values()), 1),
+            "test_cpu_s": round(sum(t["cpu_s"] for t in tests.values()), 1),
+            "top30_cpu": [{"test": n, **t, "group": group_of(n)}
+                          for n, t in sorted(tests.items(), key=lambda kv: -kv[1]["cpu_s"])[:30]],
             "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["seconds"])),
             "top30": [{"test": n, **t, "group": group_of(n)} for n, t in top], "coverage": cover}
 
@@ -152,9 +166,14 @@ def table(r: dict) -> list[str]:
     wall = f"{r['wall_s'] / 60:.1f} min wall" if r["wall_s"] else "wall time not recorded (run cut short)"
     lines = [provenance.markdown_line(r), "", f"{r['tests']} tests ({r['outcomes']['passed']} passed, "
              f"{r['outcomes']['skipped']} skipped, {r['outcomes']['failed']} failed); {wall}; "
-             f"{r['test_seconds'] / 60:.1f} min summed over tests.", "",
-             "| what the tests spend time on | tests | minutes |", "|---|---|---|"]
-    lines += [f"| {g} | {v['tests']} | {v['seconds'] / 60:.1f} |" for g, v in r["groups"].items()]
+             f"{r['test_seconds'] / 60:.1f} min summed over tests.", ""]
+    if r.get("machine_cpu_s"):
+        lines += [f"CPU: {r['machine_cpu_s'] / 60:.1f} CPU-min used by the machine while the suite ran, "
+                  f"{r['test_cpu_s'] / 60:.1f} of them counted to a test (forked_run.cpu_seconds: not the servers, "
+                  "SLURM's daemons or its job steps).", ""]
+    lines += ["| what the tests spend time on | tests | minutes | CPU-min |", "|---|---|---|---|"]
+    lines += [f"| {g} | {v['tests']} | {v['seconds'] / 60:.1f} | {v.get('cpu_s', 0) / 60:.1f} |"
+              for g, v in r["groups"].items()]
     if r["coverage"]:
         lines += ["", "| line coverage | covered / lines | % |", "|---|---|---|"]
         lines += [f"| {p} | {v['covered']} / {v['lines']} | {v['percent']} |" for p, v in r["coverage"].items()
@@ -163,6 +182,9 @@ def table(r: dict) -> list[str]:
         lines += ["", f"Modules under 50% line coverage: {', '.join(low) or 'none'}."]
     lines += ["", "| slowest tests | s | group |", "|---|---|---|"]
     lines += [f"| {t['test']} | {t['seconds']:.1f} | {t['group']} |" for t in r["top30"]]
+    if r.get("top30_cpu"):
+        lines += ["", "| most CPU | CPU-s | s |", "|---|---|---|"]
+        lines += [f"| {t['test']} | {t['cpu_s']:.1f} | {t['seconds']:.1f} |" for t in r["top30_cpu"]]
     return lines
 
 
@@ -183,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     args, pytest_args = p.parse_known_args(argv)
     started = provenance.start(argv)
     if args.earlier:
-        work, wall_s = args.earlier, None
+        work, wall_s, cpu_s = args.earlier, None, None
     else:
         work = os.path.abspath(args.work or os.path.join(tempfile.gettempdir(), f"{args.name}-work"))
-        wall_s = run_suite(work, pytest_args, not args.no_coverage, args.exec_all)
+        wall_s, cpu_s = run_suite(work, pytest_args, not args.no_coverage, args.exec_all)
     cover = {} if args.no_coverage else coverage_of(work)
-    result = summarize(tests_of(work), wall_s, cover)
+    result = summarize(tests_of(work), wall_s, cover, cpu_s)
     given = {}
     if args.provenance:  # the run summarized was made earlier: its commit, dates, loads and command
         with open(args.provenance) as f:

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from finetune.metrics import read_metrics  # noqa: E402
-from forked_run import SERVER_ENV, ForkedRun, can_fork  # noqa: E402
+from forked_run import SERVER_ENV, ForkedRun, can_fork, cpu_seconds  # noqa: E402
 
 # A small, fast variant of configs/tiny.yaml: a few seconds per run on 2 CPU cores.
 FAST = ["run.log_interval=1", "run.progress_bar=false", "train.sample_at_end=false", "data.seq_len=32",
@@ -186,6 +186,18 @@ def pytest_runtest_protocol(item, nextitem):
     frames would go on to run the rest of the session beside its parent, in the same temp folders: it ends here."""
     if os.getpid() != _SESSION_PID:
         os._exit(70)
+    item.cpu_mark = cpu_seconds()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report (setup, call, teardown) carries the CPU-seconds it used (forked_run.cpu_seconds), for
+    bench/test_suite.py: on 2 cores the suite's wall time has a floor of half its CPU time."""
+    outcome = yield
+    now = cpu_seconds()
+    report = outcome.get_result()
+    report.user_properties = [*report.user_properties, ("cpu_s", round(now - item.cpu_mark, 2))]
+    item.cpu_mark = now
 
 
 _session: dict[str, str] = {}  # what the session fixtures below made, for the plain helpers (run_train) to use

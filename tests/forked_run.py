@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import selectors
 import signal
 import socket
@@ -24,6 +25,15 @@ READ_AT_IMPORT = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "TORCH", "OMP_", "MKL_",
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": ROOT}  # what every forked run gets
 
 _server: dict = {}  # this pytest process's server: {"proc": Popen, "path": socket path, "env": its environment}
+_forked_cpu = [0.0]  # CPU-seconds of the runs forked for this pytest process that have ended
+
+
+def cpu_seconds() -> float:
+    """CPU-seconds used so far by this pytest process, the processes it waited for (exec'd runs, spawned ranks)
+    and the runs the server forked for it. Not counted: servers still running (Azurite, SLURM's daemons and the
+    job steps they start)."""
+    own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime + _forked_cpu[0]
 
 
 def can_fork(env: dict[str, str]) -> bool:
@@ -91,7 +101,9 @@ class ForkedRun:
                         sel.unregister(key.fd)
                         os.close(key.fd)
         if self.returncode is None:
-            self.returncode = int(self._reply.readline())
+            code, cpu_s = self._reply.readline().split()
+            self.returncode = int(code)
+            _forked_cpu[0] += float(cpu_s)
             self._sock.close()
         out, err = (b"".join(chunks).decode(errors="replace") for chunks in self._pipes.values())
         return out, err

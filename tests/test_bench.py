@@ -288,8 +288,9 @@ def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_
 
 
 def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subprocesses(tmp_path):
-    """bench/test_suite.py on two tests: their records, their group, coverage of the four packages (one test runs
-    `python -m ckpt` in a subprocess: its lines count), a skip counted from its setup report."""
+    """bench/test_suite.py on two tests: their records, their group, their CPU-seconds, coverage of the four
+    packages (one test runs `python -m ckpt` in a subprocess: its lines count), a skip counted from its setup
+    report."""
     from test_suite import tests_of
 
     picked = ["tests/test_cli_errors.py::test_verify_of_a_folder_that_is_no_checkpoint_says_so",
@@ -302,8 +303,12 @@ def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subpro
     assert sum(g["tests"] for g in r["groups"].values()) == 2
     assert r["coverage"]["modules_percent"]["ckpt/__main__.py"] > 0  # run only as `python -m ckpt`, a subprocess
     assert 0 < r["coverage"]["all"]["covered"] < r["coverage"]["all"]["lines"]
+    cpu = {t["test"].split("::")[0]: t["cpu_s"] for t in r["top30_cpu"]}
+    assert cpu["tests/test_cli_errors.py"] > 1  # an exec'd `python -m ckpt` (imports torch), counted when reaped
+    assert r["test_cpu_s"] <= r["machine_cpu_s"]
     (tmp_path / "skip").mkdir()
     (tmp_path / "skip" / "tests.jsonl").write_text("".join(json.dumps(
         {"nodeid": "tests/test_x.py::t", "when": when, "outcome": outcome, "duration": 0.5}) + "\n"
         for when, outcome in (("setup", "skipped"), ("teardown", "passed"))))
-    assert tests_of(str(tmp_path / "skip")) == {"tests/test_x.py::t": {"seconds": 1.0, "outcome": "skipped"}}
+    assert tests_of(str(tmp_path / "skip")) == {"tests/test_x.py::t":
+                                                {"seconds": 1.0, "cpu_s": 0.0, "outcome": "skipped"}}

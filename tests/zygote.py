@@ -133,7 +133,7 @@ def fork_run(conn: socket.socket, listener: socket.socket, others: list[socket.s
 
 def serve(path: str) -> None:
     """Fork a run per connection; tell each client its run's pid, then its exit status (Popen's returncode: minus
-    the signal that killed it). Ends when the pytest process that started it is gone."""
+    the signal that killed it) and the CPU-seconds it used. Ends when the pytest process that started it is gone."""
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
@@ -144,13 +144,14 @@ def serve(path: str) -> None:
             conn, _ = listener.accept()
             running[fork_run(conn, listener, list(running.values()))] = conn
         while running:
-            pid, status = os.waitpid(-1, os.WNOHANG)
+            pid, status, usage = os.wait4(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = running.pop(pid, None)
             if conn is not None:
+                cpu_s = usage.ru_utime + usage.ru_stime  # the run and every process it waited for (ranks, uploaders)
                 try:
-                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)} {cpu_s:.3f}\n".encode())
                 except OSError:  # the client gave up on it
                     pass
                 conn.close()
