@@ -35,7 +35,8 @@ SBIN = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 # Simulated network: 10.77.0.0/24 exists only inside our namespaces, so it cannot clash with the machine's.
 SUBNET, CTL_NAME, NODE_IFNAME = "10.77.0", "slurmctl", "eth0"
-UNFINISHED = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING")
+# the states a job ends in (a requeued job is PENDING again, not ended)
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 # ProctrackType=linuxproc and TaskPlugin=none: no cgroups or systemd needed. A node has the machine's
 # real core count; Sockets/Cores must multiply to it or slurmd refuses the layout.
@@ -392,7 +393,7 @@ class SlurmCluster:
 
     def _a_step_runs_on_every_node(self) -> bool:
         job_id = self.sbatch(f"--nodes={len(self.nodes)}", "--output=/dev/null", "--chdir=/", "--wrap", "srun true")
-        _wait(lambda: self.job(job_id)["JobState"] not in UNFINISHED, 30, f"probe job {job_id} to end",
+        _wait(lambda: self.job(job_id)["JobState"] in FINAL_STATES, 30, f"probe job {job_id} to end",
               self.logs_tail)
         return self.job(job_id)["JobState"] == "COMPLETED"
 

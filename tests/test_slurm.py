@@ -20,12 +20,11 @@ import pytest
 
 from ckpt import latest_committed_step, step_dir, verify_checkpoint
 from conftest import FAST, ROOT, events, free_port, losses, run_train, token_cache
-from slurm_cluster import SlurmCluster, running, unavailable_reason
+from slurm_cluster import FINAL_STATES, SlurmCluster, running, unavailable_reason
 from test_preemption import metrics_so_far
 
 STEPS = ["train.max_steps=30", "ckpt.interval=10"]
 SLOW_STEPS = "sleep@after_step,secs=0.1"  # ~0.2 s a step: the signal lands long before the last step
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 
 
 @pytest.fixture(scope="module")

@@ -30,12 +30,11 @@ from ckpt.lock import STALE_S
 from ckpt.memory_tier.tier import default_memory_dir
 from conftest import FAST, ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
-from slurm_cluster import Host, SlurmCluster, SlurmError, running, unavailable_reason
+from slurm_cluster import FINAL_STATES, Host, SlurmCluster, SlurmError, running, unavailable_reason
 from test_preemption import metrics_so_far
 
 STEPS = ["train.max_steps=24", "ckpt.interval=8"]
 SLOW_STEPS = "sleep@after_step,secs=0.1"  # a signal sent after step 4 lands long before the last step
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
 SCRIPT = os.path.join(ROOT, "slurm", "train.sbatch")
 RDZV_PORT = 29411  # test 1's: not the script's default (20000 + job id % 10000) for any job id this cluster gives
 
