@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ from ckpt.layout import list_step_dirs
 from ckpt.commit_protocol import verify_checkpoint
 from ckpt.storage.s3_transfer import PartUploadStream, part_size, read_ranges, s3_filesystem
 from ckpt.storage.s3 import S3Storage
-from conftest import ROOT, ckpt_cli, events, losses, run_train
+from conftest import ROOT, ckpt_cli, events, free_port, losses, run_train, start_python
 from test_cli_errors import one_error
 from test_launch import TORCHRUN_EXIT, assert_one_error
 from s3_server import BUCKET, S3Proxy, s3_env, s3_proxy, s3_server  # noqa: F401 - fixtures
@@ -202,17 +200,14 @@ def test_checkpoint_commands_on_s3_say_what_is_wrong_in_one_line(problem, s3_env
     if problem == "no such bucket":
         path = "s3://no-such-bucket-i28/run/step-000002"
     elif problem == "unreachable":
-        from conftest import free_port
         env.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_MAX_ATTEMPTS="1")
     else:
         proxy = S3Proxy(s3_env["AWS_ENDPOINT_URL"])
         proxy.refuse = lambda method, p: (403, "AccessDenied")
         env["AWS_ENDPOINT_URL"] = proxy.endpoint
     commands = (["inspect", path], ["export", path, "out-hf"], ["reshard", path, f"{path}-2", "--world-size", "2"])
-    try:  # the three at once: each is mostly a Python start
-        running = [subprocess.Popen([sys.executable, "-m", "ckpt", *args], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": ROOT, **env})
-                   for args in commands]
+    try:  # the three at once
+        running = [start_python(["-m", "ckpt", *args], env, ROOT, forked=True) for args in commands]
         for args, proc in zip(commands, running):
             _, err = proc.communicate(timeout=300)
             assert proc.returncode in (1, 2) and err.startswith("error: ") and err.strip().count("\n") == 0, (args, err)
