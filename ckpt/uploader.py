@@ -9,7 +9,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import multiprocessing
 import os
 import signal
 import socket
@@ -131,6 +130,9 @@ def preemption_signals_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# the worker's pid, as its uploader reads it: spawn records the parent as getppid() when the uploader starts, which
+# is already another process if the worker was killed first
+WORKER_PID_ENV = "CKPT_UPLOADER_WORKER_PID"
 _UPLOADER_STORE: TCPStore | None = None  # rank 0: the store the process-mode uploaders meet at, kept while they run
 
 
@@ -146,6 +148,7 @@ def uploader_store(pg) -> Iterator[None]:
     pointed, for this call, at a store of its own: bound to port 0, it holds its port from the start, and it is
     new per uploader, so no key of an earlier one (a torchrun restart) is read by the next."""
     global _UPLOADER_STORE
+    os.environ[WORKER_PID_ENV] = str(os.getpid())  # kept: DCP may spawn the uploader after this block has ended
     if dcp_uploader._CHECKPOINT_PROCESS is not None or not dist.is_initialized():
         yield
         return
@@ -196,18 +199,41 @@ def setup_uploader_process() -> None:
     - the uploader must not outlive its worker: with the worker gone nothing can commit what it writes, and it
       would keep writing a large save and holding its shared memory. It has SIGTERM blocked (see above), and a
       parent-death signal (prctl) cannot be used: Linux sends it when the *thread* that spawned the process exits,
-      and DCP spawns it from a thread pool it shuts down after the first save. So a daemon thread checks once a
-      second that the parent is still the worker, and ends the process when it is not (also mid-write)."""
+      and DCP spawns it from a thread pool it shuts down after the first save. So a guard process, forked here,
+      checks once a second that the uploader's parent is still the worker, and SIGKILLs it when it is not (also
+      mid-write). A thread in the uploader would need its GIL, which the uploader's main thread holds while it
+      connects to rank 0's store (uploader_store): a worker killed then would leave its uploader retrying for
+      the store's 5-minute timeout."""
     logging.disable(logging.INFO)
     logging.getLogger().addFilter(reported_by_the_worker)
-    # the worker's pid as spawn recorded it: if the worker died before this ran, getppid() already differs
-    parent = multiprocessing.parent_process().pid if multiprocessing.parent_process() else os.getppid()
+    worker = int(os.environ.get(WORKER_PID_ENV) or os.getppid())
+    uploader = os.getpid()
+    if os.fork() == 0:
+        _guard(uploader, worker)
 
-    def exit_when_orphaned() -> None:
-        while os.getppid() == parent:
+
+def _guard(uploader: int, worker: int) -> None:
+    """The uploader's guard process (setup_uploader_process): SIGKILL the uploader once its parent is no longer
+    `worker`; end once the uploader has ended. It holds none of the uploader's descriptors, so the worker still
+    sees the uploader's pipe close when the uploader dies."""
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    try:
+        while os.getppid() == uploader:
+            if _parent_of(uploader) not in (worker, None):
+                os.kill(uploader, signal.SIGKILL)
+                break
             time.sleep(1.0)
-        os._exit(1)
-    threading.Thread(target=exit_when_orphaned, name="ckpt-uploader-watchdog", daemon=True).start()
+    finally:
+        os._exit(0)
+
+
+def _parent_of(pid: int) -> int | None:
+    """`pid`'s parent (/proc/PID/stat), None if `pid` is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def reported_by_the_worker(record: logging.LogRecord) -> bool:

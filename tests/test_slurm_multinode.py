@@ -476,8 +476,9 @@ def test_agent_killed_alone_takes_its_workers_with_it(cluster, tmp_path):
     ranks = workers(cluster, node)
     assert sorted(ranks) == [0, 1], ranks
 
-    def uploaders() -> list[int]:  # DCP's process-mode uploader: a multiprocessing spawn child of a worker
-        return [p for p in descendants(ranks.values()) if "spawn_main" in cmdline(p)]
+    def uploaders() -> list[int]:  # DCP's process-mode uploader: a multiprocessing spawn child of a worker (its
+        # guard, a child of the uploader, shows the same command line)
+        return [p for p in descendants(ranks.values()) if "spawn_main" in cmdline(p) and parent(p) in ranks.values()]
     job.wait_for("each worker's uploader process", lambda: len(uploaders()) == 2 or
                  job.info()["JobState"] in FINAL_STATES, 180)
     assert len(uploaders()) == 2, job.explain()
