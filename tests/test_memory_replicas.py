@@ -24,7 +24,8 @@ import pytest
 
 from ckpt import verify_checkpoint
 from ckpt.reading import read_items
-from conftest import FAST, ROOT, events, free_port, kill_workers, port_was_taken, run_train
+from conftest import (FAST, ROOT, events, free_port, kill_workers, port_was_taken, run_train, start_on_free_port,
+                      start_python)
 from finetune.metrics import read_metrics
 from test_memory_tier import damage_step, same_item
 from torch.distributed.checkpoint import FileSystemReader
@@ -55,18 +56,17 @@ def run_nodes(run_dir, nodes: int, overrides: list[str] = (), faults: list[str] 
     args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={os.path.join(str(run_dir), '..', '.tok-cache')}", *RUN,
             *MEMORY, *overrides]
     for attempt in range(3):
-        port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        agents = [subprocess.Popen(node_cmd(nodes, i, port, [*args, f"ckpt.memory_dir={mem(run_dir, i)}"]), cwd=ROOT,
-                                   env={**env, "CKPT_FAULT": (faults or [""] * nodes)[i]}, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True) for i in range(nodes)]
+        port = free_port()
+        agents = [start_python(node_cmd(nodes, i, port, [*args, f"ckpt.memory_dir={mem(run_dir, i)}"])[1:],
+                               {"CKPT_FAULT": (faults or [""] * nodes)[i]}, ROOT, forked=True) for i in range(nodes)]
         side = threading.Thread(target=killer, args=(agents,), daemon=True) if killer else None
         if side:
             side.start()
         try:
-            outs = [a.communicate(timeout=timeout)[0] for a in agents]
+            outs = ["".join(a.communicate(timeout=timeout)) for a in agents]  # stdout, then stderr
         finally:
             for a in agents:
-                if a.poll() is None:
+                if a.returncode is None:  # its communicate did not finish
                     kill_workers(a.pid)
                     a.kill()
                     a.communicate()
@@ -156,7 +156,6 @@ def _exchange(rank: int, port: int, folder: str) -> None:
 
 def test_a_file_moves_whole_and_checked_and_a_missing_one_never_hangs_the_receiver(tmp_path):
     import json
-    from conftest import start_on_free_port
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "a.distcp").write_bytes(bytes(range(200)) * 3)
     start_on_free_port(_exchange, lambda port: (port, str(tmp_path)), nprocs=2, start_method="fork")
@@ -171,7 +170,6 @@ def test_a_file_moves_whole_and_checked_and_a_missing_one_never_hangs_the_receiv
 def test_a_file_arriving_over_one_of_its_name_is_written_over_its_pages(tmp_path):
     """A step folder made from the spare already holds the file (longer, stale): it is overwritten in place."""
     import json
-    from conftest import start_on_free_port
     (tmp_path / "src").mkdir()
     (tmp_path / "mem" / "dst").mkdir(parents=True)
     (tmp_path / "src" / "a.distcp").write_bytes(bytes(range(200)) * 3)
