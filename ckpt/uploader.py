@@ -23,6 +23,8 @@ from torch.distributed import TCPStore
 from torch.distributed.checkpoint import _async_process_executor as dcp_uploader
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from common.procfs import stat_fields
+
 from .checksum import ChecksummingWriter
 from .faults import TornWriteFileSystem, fault_at, wants
 from .storage import storage_for
@@ -228,10 +230,9 @@ def _guard(uploader: int, worker: int) -> None:
 
 
 def _parent_of(pid: int) -> int | None:
-    """`pid`'s parent (/proc/PID/stat), None if `pid` is gone."""
+    """`pid`'s parent, None if `pid` is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
+        return int(stat_fields(pid)[1])
     except (OSError, IndexError, ValueError):
         return None
 

@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import Callable
 
+from common.procfs import stat_fields
+
 PID_WAIT_S = 120.0  # local rank 0 writes its pid within a second of starting; torchrun starts the node's ranks at once
 
 
@@ -51,8 +53,7 @@ def _process_gone(pid: int) -> str | None:
     except PermissionError:
         pass  # exists, another user's: cannot be ours, but alive
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return gone if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X") else None
+        return gone if stat_fields(pid)[0] in ("Z", "X") else None
     except (OSError, IndexError):
         return None
 

@@ -1,5 +1,5 @@
 """One reader of Linux's `Key:   123 kB` files (/proc/meminfo, /proc/self/status): the memory tier's preflight
-reads MemAvailable, the per-rank report VmHWM.
+reads MemAvailable, the per-rank report VmHWM. One reader of /proc/PID/stat: a process's state, parent and start.
 
     python -c "from common.procfs import kib_field; print(kib_field('/proc/meminfo', 'MemAvailable'))"
 """
@@ -14,3 +14,10 @@ def kib_field(path: str, key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def stat_fields(pid: int | str = "self") -> list[str]:
+    """/proc/PID/stat's fields after "(comm)" (which may hold spaces): [0] is field 3, the state (R, S, Z, ...),
+    [1] the parent pid, [19] the start time in clock ticks since boot. OSError if there is no such process."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()

@@ -31,6 +31,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from common.procfs import stat_fields
+
 CAUSES = ("startup", "ckpt", "eval", "rollback", "downtime", "hang")
 _WHAT = {"startup": "process start to first step", "ckpt": "checkpoint blocking", "eval": "evaluation",
          "rollback": "steps trained again after a failure", "downtime": "between attempts",
@@ -42,8 +44,7 @@ def process_start_time() -> float:
     """This process's start, wall clock, from the kernel (Linux: /proc/self/stat field 22, clock ticks since
     boot, against /proc/uptime; 10 ms resolution). Elsewhere: when this module was imported."""
     try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # fields after "(comm)" start at field 3
+        ticks = int(stat_fields()[19])
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])
         return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
