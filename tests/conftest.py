@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from contextlib import contextmanager
 
@@ -23,6 +24,7 @@ import torch.multiprocessing
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from common.procfs import stat_fields  # noqa: E402
 from finetune.metrics import read_metrics  # noqa: E402
 from forked_run import SERVER_ENV, ForkedRun, can_fork, cpu_seconds  # noqa: E402
 
@@ -180,13 +182,25 @@ def pytest_collection_modifyitems(items):
 _SESSION_PID = os.getpid()
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """A process forked by a test (a data-map worker, a spawned rank) whose exception escaped into pytest's own
-    frames would go on to run the rest of the session beside its parent, in the same temp folders: it ends here."""
+    """Before each test: a process forked by a test (a data-map worker, a spawned rank) whose exception escaped
+    into pytest's own frames would go on to run the rest of the session beside its parent, in the same temp
+    folders: it ends here. After it: a copy of this pytest process the test forked and left running is killed,
+    with a line naming the test; it holds this worker's pipe to pytest-xdist's controller, so at the session's end
+    the controller would wait for it forever (a CI run hung so, past its time limit)."""
     if os.getpid() != _SESSION_PID:
         os._exit(70)
     item.cpu_mark = cpu_seconds()
+    yield
+    if os.getpid() != _SESSION_PID:
+        os._exit(70)
+    end_strays(f"{item.nodeid} left")
+
+
+@pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
+def pytest_sessionfinish(session):
+    end_strays("the session left")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -218,28 +232,51 @@ def token_cache() -> str:
 
 def kill_workers(parent_pid: int) -> None:
     """SIGKILL the process group of every child of `parent_pid` (ranks and their uploader processes)."""
-    for stat in glob.glob("/proc/[0-9]*/stat"):
+    for pid in children(parent_pid):
+        try:  # never our own group: a child of plain `python train_fsdp.py` shares pytest's
+            group = int(stat_fields(pid)[2])  # state, ppid, pgrp, ...
+            os.killpg(group, signal.SIGKILL) if group != os.getpgrp() else os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            pass
+
+
+def end_strays(who: str, forks_only: bool = True) -> None:
+    """SIGKILL this process's children that are forks of it (`forks_only`; else every child), after 2 s to end on
+    their own; print a line on stderr if any had to be killed. Not reaped: multiprocessing reaps its own."""
+    deadline = time.monotonic() + 2.0
+    while (strays := _children_to_end(forks_only)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid, cmdline in strays:
         try:
-            with open(stat) as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        print(f"conftest: {who} process {pid} running ({cmdline[:120]}); killed it", file=sys.__stderr__, flush=True)
+
+
+def _children_to_end(forks_only: bool) -> list[tuple[int, str]]:
+    """This process's live children (zombies are ended) as (pid, command line); only its forks if `forks_only`."""
+    with open("/proc/self/cmdline", "rb") as f:
+        mine = f.read()
+    found = []
+    for pid in children(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
         except OSError:
             continue
-        if int(fields[1]) == parent_pid:  # fields after "(comm)": state, ppid, pgrp, ...
-            pid, group = int(stat.split("/")[2]), int(fields[2])
-            try:  # never our own group: a child of plain `python train_fsdp.py` shares pytest's
-                os.killpg(group, signal.SIGKILL) if group != os.getpgrp() else os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        if cmdline and (cmdline == mine or not forks_only):  # a zombie's is empty
+            found.append((pid, cmdline.replace(b"\0", b" ").decode(errors="replace").strip()))
+    return found
 
 
 def children(parent_pid: int) -> list[int]:
     """The pids whose parent is `parent_pid`."""
     out = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
         try:
-            with open(stat) as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == parent_pid:
-                    out.append(int(stat.split("/")[2]))
+            if int(stat_fields(pid)[1]) == parent_pid:
+                out.append(pid)
         except (OSError, IndexError, ValueError):
             continue
     return out
