@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, run_train
+from conftest import ROOT, run_train, start_python
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -37,12 +36,12 @@ def command_lines() -> list[list[str]]:
 
 
 def test_every_command_has_working_help(tmp_path, capsys):
-    """Run from an empty folder: --help must print usage and exit 0 without doing any work."""
+    """Run from an empty folder: --help must print usage and exit 0 without doing any work. Each command is forked
+    from tests/zygote.py (torch and transformers imported once, not once per command: ~100 CPU-s a run); its own
+    modules are still run as `python` would, as __main__."""
     cmds = command_lines()
     assert len(cmds) >= 6, cmds
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    procs = [(cmd, subprocess.Popen([*cmd, "--help"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)) for cmd in cmds]  # ~3 s of imports each
+    procs = [(cmd, start_python([*cmd[1:], "--help"], {}, tmp_path, forked=True)) for cmd in cmds]
     for cmd, proc in procs:
         out, err = proc.communicate(timeout=300)
         shown = " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd[1:])
