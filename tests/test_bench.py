@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, run_python
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
@@ -35,8 +35,9 @@ def check_provenance(out, name: str, args: list[str], script: str | None = None)
 
 
 def run(name: str, args: list[str], timeout: int) -> None:
-    proc = subprocess.run([sys.executable, f"bench/{name}.py", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    """`python bench/<name>.py *args`, forked from tests/zygote.py (its imports done): the runs it starts are exec'd
+    by the bench itself, as a user's would be."""
+    proc = run_python([f"bench/{name}.py", *args], timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
