@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import glob
 import os
 import re
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -201,6 +203,22 @@ def pytest_runtest_protocol(item, nextitem):
 @pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
 def pytest_sessionfinish(session):
     end_strays("the session left")
+
+
+def pytest_unconfigure(config):
+    """An xdist worker whose exit is stuck (interpreter shutdown joins non-daemon threads and multiprocessing's
+    children) would leave the controller waiting without end if it could not report its finish: after 60 s its
+    threads' stacks are printed and it exits."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.getpid() == _SESSION_PID:
+        threading.Thread(target=_exit_if_stuck, args=(60.0,), daemon=True).start()
+
+
+def _exit_if_stuck(after_s: float) -> None:
+    time.sleep(after_s)
+    print(f"conftest: worker {os.environ['PYTEST_XDIST_WORKER']} still exiting after {after_s:.0f} s; its threads:",
+          file=sys.__stderr__, flush=True)
+    faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+    os._exit(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
