@@ -190,14 +190,26 @@ def pytest_runtest_protocol(item, nextitem):
     into pytest's own frames would go on to run the rest of the session beside its parent, in the same temp
     folders: it ends here. After it: a copy of this pytest process the test forked and left running is killed,
     with a line naming the test; it holds this worker's pipe to pytest-xdist's controller, so at the session's end
-    the controller would wait for it forever (a CI run hung so, past its time limit)."""
+    the controller would wait for it forever. And the signal handlers a test's in-process code installed are put
+    back (RESTORED_SIGNALS)."""
     if os.getpid() != _SESSION_PID:
         os._exit(70)
     item.cpu_mark = cpu_seconds()
+    handlers = {sig: signal.getsignal(sig) for sig in RESTORED_SIGNALS}
     yield
     if os.getpid() != _SESSION_PID:
         os._exit(70)
+    for sig, handler in handlers.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
     end_strays(f"{item.nodeid} left")
+
+
+# An in-process train_fsdp.main() that reports bad input installs a SIGTERM handler (finetune/launch.py: exit with
+# the bad-input code). Left in the pytest worker, every process a later test forks inherits it: a data map's pool
+# worker then handles Pool.terminate()'s SIGTERM in Python, and one in a few dozen never exits, so the map waits
+# for it forever (a .ci/run here hung 10+ minutes in test_data's bad-conversation test; reproduced outside pytest).
+RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 @pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
