@@ -270,11 +270,11 @@ def kill_workers(parent_pid: int) -> None:
             pass
 
 
-def end_strays(who: str, forks_only: bool = True) -> None:
-    """SIGKILL this process's children that are forks of it (`forks_only`; else every child), after 2 s to end on
-    their own; print a line on stderr if any had to be killed. Not reaped: multiprocessing reaps its own."""
+def end_strays(who: str) -> None:
+    """SIGKILL this process's children that are forks of it, after 2 s to end on their own; print a line on stderr
+    for each that had to be killed. Not reaped: multiprocessing reaps its own."""
     deadline = time.monotonic() + 2.0
-    while (strays := _children_to_end(forks_only)) and time.monotonic() < deadline:
+    while (strays := _live_forks()) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid, cmdline in strays:
         try:
@@ -284,19 +284,19 @@ def end_strays(who: str, forks_only: bool = True) -> None:
         print(f"conftest: {who} process {pid} running ({cmdline[:120]}); killed it", file=sys.__stderr__, flush=True)
 
 
-def _children_to_end(forks_only: bool) -> list[tuple[int, str]]:
-    """This process's live children (zombies are ended) as (pid, command line); only its forks if `forks_only`."""
+def _live_forks() -> list[tuple[int, str]]:
+    """This process's live children that are copies of it (its command line; a zombie's is empty, an exec'd
+    child's differs), as (pid, command line)."""
     with open("/proc/self/cmdline", "rb") as f:
         mine = f.read()
     found = []
     for pid in children(os.getpid()):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read()
+                if f.read() == mine:
+                    found.append((pid, mine.replace(b"\0", b" ").decode(errors="replace").strip()))
         except OSError:
             continue
-        if cmdline and (cmdline == mine or not forks_only):  # a zombie's is empty
-            found.append((pid, cmdline.replace(b"\0", b" ").decode(errors="replace").strip()))
     return found
 
 
