@@ -40,7 +40,8 @@ import provenance  # bench/provenance.py, beside this script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from finetune.goodput import CAUSES, run_account  # noqa: E402  (the repo root is on the path only now)
+from common.procfs import running as alive, stat_fields  # noqa: E402  (the repo root is on the path only now)
+from finetune.goodput import CAUSES, run_account  # noqa: E402
 
 CONFIGS = {"disk": [], "auto": ["ckpt.interval=auto"], "memory": ["ckpt.memory_interval=1"]}
 
@@ -52,9 +53,7 @@ def worker_pids(agent: int) -> dict[int, int]:
         if not stat.isdigit():
             continue
         try:
-            with open(f"/proc/{stat}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            if ppid != agent:
+            if int(stat_fields(stat)[1]) != agent:
                 continue
             with open(f"/proc/{stat}/environ", "rb") as f:
                 env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
@@ -111,15 +110,6 @@ def inject(agent: subprocess.Popen, plan: list, give_up_s: float, t0: float, aft
                     stopped = (now + give_up_s, pid)
         time.sleep(0.05)
     return done
-
-
-def alive(pid: int) -> bool:
-    """`pid` still exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
 
 
 def one_run(name: str, args, plan: list, work: str, i: int) -> dict:

@@ -37,6 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common.dist import free_port  # noqa: E402 - after the path insert
+from common.procfs import stat_fields  # noqa: E402
 
 import ckpt_bench  # noqa: E402 - bench/ckpt_bench.py, beside this script: the same model and training step
 from finetune.config import CkptConfig  # noqa: E402 - the default ckpt.upload_nice
@@ -64,8 +65,7 @@ def parse_args(argv=None):
 
 def process_age_s() -> float:
     """Seconds since this process started (Linux /proc): imports, process group and model build included."""
-    with open("/proc/self/stat") as f:
-        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    start_ticks = int(stat_fields()[19])
     with open("/proc/uptime") as f:
         uptime = float(f.read().split()[0])
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")

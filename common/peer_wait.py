@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Callable
 
-from common.procfs import stat_fields
+from common.procfs import running
 
 PID_WAIT_S = 120.0  # local rank 0 writes its pid within a second of starting; torchrun starts the node's ranks at once
 
@@ -43,19 +43,8 @@ def wait_for_file(path: str, what: str, timeout_s: float, peer_gone: Callable[[]
 
 
 def _process_gone(pid: int) -> str | None:
-    """Why local rank 0 (`pid`, on this node) is gone, or None while it runs. A dead child its launcher has not
-    reaped yet is a zombie, which signal 0 still reaches: /proc tells."""
-    gone = f"local rank 0 (pid {pid}) has ended"
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return gone
-    except PermissionError:
-        pass  # exists, another user's: cannot be ours, but alive
-    try:
-        return gone if stat_fields(pid)[0] in ("Z", "X") else None
-    except (OSError, IndexError):
-        return None
+    """Why local rank 0 (`pid`, on this node) is gone, or None while it runs (a zombie has ended)."""
+    return None if running(pid) else f"local rank 0 (pid {pid}) has ended"
 
 
 def _launch_files(what: str) -> str:

@@ -1,5 +1,5 @@
 """One reader of Linux's `Key:   123 kB` files (/proc/meminfo, /proc/self/status): the memory tier's preflight
-reads MemAvailable, the per-rank report VmHWM. One reader of /proc/PID/stat: a process's state, parent and start.
+reads MemAvailable, the per-rank report VmHWM. One reader of /proc/PID/stat: a process's state, parent and start, and whether it still runs.
 
     python -c "from common.procfs import kib_field; print(kib_field('/proc/meminfo', 'MemAvailable'))"
 """
@@ -21,3 +21,12 @@ def stat_fields(pid: int | str = "self") -> list[str]:
     [1] the parent pid, [19] the start time in clock ticks since boot. OSError if there is no such process."""
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()
+
+
+def running(pid: int) -> bool:
+    """`pid` exists and has not ended: a child that ended and that its parent has not reaped yet is a zombie (Z),
+    which signal 0 still reaches, so /proc tells."""
+    try:
+        return stat_fields(pid)[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

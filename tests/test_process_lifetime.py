@@ -15,7 +15,8 @@ import subprocess
 import time
 
 from ckpt import latest_committed_step
-from conftest import ROOT, kill_workers, run_train, token_cache, train_cmd, FAST
+from common.procfs import running as alive
+from conftest import ROOT, children, kill_workers, run_train, token_cache, train_cmd, FAST
 from test_preemption import worker_pid
 
 
@@ -40,29 +41,6 @@ def test_process_mode_uploaders_meet_on_a_port_bound_before_they_start(tmp_path)
     run = tmp_path / "run"
     run_train(run, 2, ["train.max_steps=4", "ckpt.interval=2", "ckpt.async_mode=process"], script=str(script))
     assert latest_committed_step(str(run / "checkpoints")) == 4
-
-
-def children(pid: int) -> list[int]:
-    kids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                kids.append(int(name))
-    return kids
-
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def newest_step(run) -> int:

@@ -28,6 +28,7 @@ from ckpt import latest_committed_step, step_dir, verify_checkpoint
 from ckpt.layout import LOCK_FILE
 from ckpt.lock import STALE_S
 from ckpt.memory_tier.tier import default_memory_dir
+from common.procfs import running as alive, stat_fields
 from conftest import FAST, ROOT, events, losses, run_train
 from finetune.metrics import read_metrics
 from slurm_cluster import FINAL_STATES, Host, SlurmCluster, SlurmError, running, unavailable_reason
@@ -112,8 +113,7 @@ class Job:
 # ---------------------------------------------------------------- where the workers run and whom they talk to
 
 def parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+    return int(stat_fields(pid)[1])
 
 
 def workers(cluster: SlurmCluster, node: str) -> dict[int, int]:
@@ -428,15 +428,6 @@ def test_wedged_rank_ends_the_job_within_the_training_timeout(cluster, tmp_path)
 
 
 # ---------------------------------------------------------------- 6. the agent killed alone
-
-def alive(pid: int) -> bool:
-    """Running, not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def descendants(pids) -> set[int]:
     """Every process below `pids` (children, their children, ...), from the parent links in /proc."""
