@@ -149,7 +149,7 @@ def pytest_configure(config):
 # Tests of these files share one machine-wide resource and run one after another in one xdist worker: SLURM's
 # daemons in namespaces on a fixed simulated subnet.
 SERIAL_GROUPS = {"test_slurm.py": "slurm", "test_slurm_multinode.py": "slurm"}
-# Scheduling only (pytest.ini: -n 2, loadgroup): the files that took longest in a full run start first, so that no
+# Scheduling only (pytest.ini: -n 3, loadgroup): the files that took longest in a full run start first, so that no
 # worker is left with a long file at the end while the other idles (tests/test_suite measurement, docs/testing.md).
 # A file not named here runs after them, in collection order.
 LONGEST_FIRST = ("test_slurm_multinode.py", "test_slurm.py", "test_bench.py", "test_ckpt_resume.py",
@@ -190,18 +190,22 @@ def pytest_runtest_protocol(item, nextitem):
     into pytest's own frames would go on to run the rest of the session beside its parent, in the same temp
     folders: it ends here. After it: a copy of this pytest process the test forked and left running is killed,
     with a line naming the test; it holds this worker's pipe to pytest-xdist's controller, so at the session's end
-    the controller would wait for it forever. And the signal handlers a test's in-process code installed are put
-    back (RESTORED_SIGNALS)."""
+    the controller would wait for it forever. And the signal handlers and environment variables a test's
+    in-process code set are put back (RESTORED_SIGNALS; the environment: see below)."""
     if os.getpid() != _SESSION_PID:
         os._exit(70)
     item.cpu_mark = cpu_seconds()
     handlers = {sig: signal.getsignal(sig) for sig in RESTORED_SIGNALS}
+    environ = dict(os.environ)
     yield
     if os.getpid() != _SESSION_PID:
         os._exit(70)
     for sig, handler in handlers.items():
         if signal.getsignal(sig) is not handler:
             signal.signal(sig, handler)
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     end_strays(f"{item.nodeid} left")
 
 
@@ -210,6 +214,10 @@ def pytest_runtest_protocol(item, nextitem):
 # worker then handles Pool.terminate()'s SIGTERM in Python, and one in a few dozen never exits, so the map waits
 # for it forever (a .ci/run here hung 10+ minutes in test_data's bad-conversation test; reproduced outside pytest).
 RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# The environment too: torch's inductor sets TORCHINDUCTOR_CACHE_DIR in os.environ the first time in-process code
+# asks for its cache folder (two quick-tier tests do). Left in the worker, every later run differed from
+# tests/zygote.py's environment in a variable read at import, so forked_run.can_fork refused, and each run of the
+# worker's remaining tests was exec'd: a full run here took 34.8 min instead of 24.2, its runs' CPU tripled.
 
 
 @pytest.hookimpl(trylast=True)  # after the session's fixtures are torn down
