@@ -7,6 +7,7 @@ on, and line coverage of ckpt/, finetune/, common/ and train_fsdp.py, subprocess
     python bench/test_suite.py --out bench/results --from WORK --provenance P.json   # a run made before
     python bench/test_suite.py --out bench/results --name test_suite_plain --no-coverage   # wall time as in CI
     python bench/test_suite.py --out bench/results --name x --no-coverage --exec-all tests/test_faults.py  # exec'd
+    python bench/test_suite.py --out bench/results --before OLD.json     # coverage beside an earlier run's
 
 Arguments after the options go to pytest. Writes <out>/<name>.{json,md} (bench/provenance.py) and keeps the run's
 raw records (per-test records, coverage data) in --work, by default <tmp>/<name>-work, outside the repository.
@@ -121,8 +122,8 @@ def tests_of(work: str) -> dict[str, dict]:
 def coverage_of(work: str) -> dict[str, dict]:
     """Line coverage per package (and all four together) from the run's combined coverage data."""
     rc = os.path.join(work, "coveragerc")
-    subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", "--keep", f"--rcfile={rc}"], cwd=ROOT,
-                   check=True)
+    if any(name.startswith(".coverage.") for name in os.listdir(work)):  # else combined already (--from)
+        subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", f"--rcfile={rc}"], cwd=ROOT, check=True)
     report = os.path.join(work, "coverage.json")
     subprocess.run([sys.executable, "-m", "coverage", "json", "-q", f"--rcfile={rc}", "-o", report], cwd=ROOT,
                    check=True)
@@ -174,7 +175,16 @@ def table(r: dict) -> list[str]:
     lines += ["| what the tests spend time on | tests | minutes | CPU-min |", "|---|---|---|---|"]
     lines += [f"| {g} | {v['tests']} | {v['seconds'] / 60:.1f} | {v.get('cpu_s', 0) / 60:.1f} |"
               for g, v in r["groups"].items()]
-    if r["coverage"]:
+    if r["coverage"] and r.get("coverage_before"):
+        before = r["coverage_before"]
+        o = before["outcomes"]
+        lines += ["", f"Coverage before: {provenance.markdown_line(before)} {before['tests']} tests ({o['passed']} "
+                  f"passed, {o['skipped']} skipped, {o['failed']} failed).", "",
+                  "| line coverage | before: covered / lines | % | now: covered / lines | % |", "|---|---|---|---|---|"]
+        lines += [f"| {p} | {before['coverage'][p]['covered']} / {before['coverage'][p]['lines']} | "
+                  f"{before['coverage'][p]['percent']} | {v['covered']} / {v['lines']} | {v['percent']} |"
+                  for p, v in r["coverage"].items() if p in (*PACKAGES, "all")]
+    elif r["coverage"]:
         lines += ["", "| line coverage | covered / lines | % |", "|---|---|---|"]
         lines += [f"| {p} | {v['covered']} / {v['lines']} | {v['percent']} |" for p, v in r["coverage"].items()
                   if p in (*PACKAGES, "all")]
@@ -200,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="earlier", help="summarize this earlier run's --work folder instead of running")
     p.add_argument("--provenance", help="with --from: a JSON file holding that run's provenance")
     p.add_argument("--no-coverage", action="store_true", help="time the suite as .ci/run runs it, without coverage")
+    p.add_argument("--before", help="an earlier run's results JSON: its coverage and provenance are recorded "
+                   "beside this run's (coverage_before), the table shows both")
     p.add_argument("--exec-all", action="store_true", help="exec every run the tests start instead of forking "
                    "it from tests/zygote.py (to time what the forks save, side by side)")
     args, pytest_args = p.parse_known_args(argv)
@@ -211,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         wall_s, cpu_s = run_suite(work, pytest_args, not args.no_coverage, args.exec_all)
     cover = {} if args.no_coverage else coverage_of(work)
     result = summarize(tests_of(work), wall_s, cover, cpu_s)
+    if args.before:
+        with open(args.before) as f:
+            earlier = json.load(f)
+        result["coverage_before"] = {k: earlier[k] for k in ("coverage", "provenance", "tests", "outcomes")}
     given = {}
     if args.provenance:  # the run summarized was made earlier: its commit, dates, loads and command
         with open(args.provenance) as f:

@@ -291,7 +291,7 @@ def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_
 def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subprocesses(tmp_path):
     """bench/test_suite.py on two tests: their records, their group, their CPU-seconds, coverage of the four
     packages (one test runs `python -m ckpt` in a subprocess: its lines count), a skip counted from its setup
-    report."""
+    report; the run summarized again with an earlier run's coverage beside its own (--before)."""
     from test_suite import tests_of
 
     picked = ["tests/test_cli_errors.py::test_verify_of_a_folder_that_is_no_checkpoint_says_so",
@@ -307,6 +307,13 @@ def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subpro
     cpu = {t["test"].split("::")[0]: t["cpu_s"] for t in r["top30_cpu"]}
     assert cpu["tests/test_cli_errors.py"] > 1  # an exec'd `python -m ckpt` (imports torch), counted when reaped
     assert r["test_cpu_s"] <= r["machine_cpu_s"]
+    again = ["--out", str(tmp_path / "again"), "--from", str(tmp_path / "work"), "--before",
+             str(tmp_path / "test_suite.json")]  # the same run summarized again, beside itself as "before"
+    run("test_suite", again, 600)
+    r2 = json.loads((tmp_path / "again" / "test_suite.json").read_text())
+    assert r2["coverage_before"]["coverage"]["all"] == r["coverage"]["all"] == r2["coverage"]["all"]
+    assert r2["coverage_before"]["provenance"]["command"] == r["provenance"]["command"]
+    assert "| line coverage | before: covered / lines |" in (tmp_path / "again" / "test_suite.md").read_text()
     (tmp_path / "skip").mkdir()
     (tmp_path / "skip" / "tests.jsonl").write_text("".join(json.dumps(
         {"nodeid": "tests/test_x.py::t", "when": when, "outcome": outcome, "duration": 0.5}) + "\n"
