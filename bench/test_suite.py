@@ -5,6 +5,7 @@ on, and line coverage of ckpt/, finetune/, common/ and train_fsdp.py, subprocess
     python bench/test_suite.py --out bench/results                       # the full suite, as .ci/run runs it
     python bench/test_suite.py --out /tmp/q --name test_suite_quick -m quick    # the quick tier
     python bench/test_suite.py --out bench/results --from WORK --provenance P.json   # a run made before
+    python bench/test_suite.py --out bench/results --name test_suite_ci --ci    # `bash .ci/run` itself, timed
     python bench/test_suite.py --out bench/results --name test_suite_plain --no-coverage   # wall time as in CI
     python bench/test_suite.py --out bench/results --name x --no-coverage --exec-all tests/test_faults.py  # exec'd
     python bench/test_suite.py --out bench/results --before OLD.json     # coverage beside an earlier run's
@@ -68,6 +69,14 @@ class Recorder:
                                 "cpu_s": dict(report.user_properties).get("cpu_s")}) + "\n")
 
 
+def pytest_runtest_logreport(report):
+    """As a plugin of a pytest this script did not start (--ci: `.ci/run`'s own; PYTEST_ADDOPTS="-p test_suite",
+    bench/ on PYTHONPATH, TEST_SUITE_RECORD=<work>/tests.jsonl): each phase recorded as --inner records it, by
+    the controller only (xdist's workers report to it)."""
+    if os.environ.get("TEST_SUITE_RECORD") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        Recorder(os.environ["TEST_SUITE_RECORD"]).pytest_runtest_logreport(report)
+
+
 def coverage_rc(work: str) -> str:
     """A .coveragerc with absolute paths: subprocesses start in other folders and read the same settings."""
     rc = os.path.join(work, "coveragerc")
@@ -87,9 +96,10 @@ def machine_cpu_seconds() -> float:
 
 
 def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True,
-              exec_all: bool = False) -> tuple[float, float]:
+              exec_all: bool = False, ci: bool = False) -> tuple[float, float]:
     """The suite (this script again, --inner, as the measured process), under coverage unless told not to (then its
-    wall time is what `.ci/run`'s pytest takes); returns its wall time and the machine's CPU-seconds meanwhile."""
+    wall time is what `.ci/run`'s pytest takes), or `ci`: `bash .ci/run` itself, its installs included, each test
+    recorded through this module as a plugin; returns its wall time and the machine's CPU-seconds meanwhile."""
     os.makedirs(work, exist_ok=True)
     for name in os.listdir(work):
         if name.startswith(".coverage") or name == "tests.jsonl":
@@ -99,8 +109,12 @@ def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True,
            "--inner", os.path.join(work, "tests.jsonl"), "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
     if not any(a.startswith("tests") for a in pytest_args):  # no test named: all of them
         cmd.append("tests")
-    started, cpu = time.monotonic(), machine_cpu_seconds()
     env = {**os.environ, "TESTS_EXEC_ALL": "1"} if exec_all else None  # tests/forked_run.py: no run forked
+    if ci:
+        cmd = ["bash", os.path.join(ROOT, ".ci", "run")]
+        env = {**os.environ, "PYTEST_ADDOPTS": "-p test_suite", "TEST_SUITE_RECORD": os.path.join(work, "tests.jsonl"),
+               "PYTHONPATH": os.pathsep.join(filter(None, (os.path.dirname(__file__), os.environ.get("PYTHONPATH"))))}
+    started, cpu = time.monotonic(), machine_cpu_seconds()
     subprocess.run(cmd, cwd=ROOT, check=False, env=env)
     return round(time.monotonic() - started, 1), round(machine_cpu_seconds() - cpu, 1)
 
@@ -210,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from", dest="earlier", help="summarize this earlier run's --work folder instead of running")
     p.add_argument("--provenance", help="with --from: a JSON file holding that run's provenance")
     p.add_argument("--no-coverage", action="store_true", help="time the suite as .ci/run runs it, without coverage")
+    p.add_argument("--ci", action="store_true", help="run `bash .ci/run` itself (its installs, its pytest "
+                   "command, no coverage) and time it, each test recorded")
     p.add_argument("--before", help="an earlier run's results JSON: its coverage and provenance are recorded "
                    "beside this run's (coverage_before), the table shows both")
     p.add_argument("--exec-all", action="store_true", help="exec every run the tests start instead of forking "
@@ -220,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         work, wall_s, cpu_s = args.earlier, None, None
     else:
         work = os.path.abspath(args.work or os.path.join(tempfile.gettempdir(), f"{args.name}-work"))
-        wall_s, cpu_s = run_suite(work, pytest_args, not args.no_coverage, args.exec_all)
-    cover = {} if args.no_coverage else coverage_of(work)
+        wall_s, cpu_s = run_suite(work, pytest_args, not (args.no_coverage or args.ci), args.exec_all, args.ci)
+    cover = {} if args.no_coverage or args.ci else coverage_of(work)
     result = summarize(tests_of(work), wall_s, cover, cpu_s)
     if args.before:
         with open(args.before) as f:
@@ -232,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.provenance) as f:
             given = json.load(f)
         result["wall_s"] = given.pop("wall_s", None)
+        result["machine_cpu_s"] = given.pop("machine_cpu_s", None)
     result = provenance.record(result, args.name, args.out, started)
     if given:
         result["provenance"].update(given)

@@ -291,7 +291,8 @@ def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_
 def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subprocesses(tmp_path):
     """bench/test_suite.py on two tests: their records, their group, their CPU-seconds, coverage of the four
     packages (one test runs `python -m ckpt` in a subprocess: its lines count), a skip counted from its setup
-    report; the run summarized again with an earlier run's coverage beside its own (--before)."""
+    report; the run summarized again with an earlier run's coverage beside its own (--before); a pytest it did
+    not start recorded through its plugin (--ci)."""
     from test_suite import tests_of
 
     picked = ["tests/test_cli_errors.py::test_verify_of_a_folder_that_is_no_checkpoint_says_so",
@@ -314,6 +315,14 @@ def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subpro
     assert r2["coverage_before"]["coverage"]["all"] == r["coverage"]["all"] == r2["coverage"]["all"]
     assert r2["coverage_before"]["provenance"]["command"] == r["provenance"]["command"]
     assert "| line coverage | before: covered / lines |" in (tmp_path / "again" / "test_suite.md").read_text()
+    # --ci's recording: this module as a plugin of a pytest it did not start (.ci/run's), one record per phase
+    record = tmp_path / "ci" / "tests.jsonl"
+    record.parent.mkdir()
+    env = {**os.environ, "PYTEST_ADDOPTS": "-p test_suite", "TEST_SUITE_RECORD": str(record),
+           "PYTHONPATH": os.path.join(ROOT, "bench")}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", picked[1]], cwd=ROOT,
+                   env=env, check=True, capture_output=True)
+    assert [json.loads(line)["when"] for line in record.read_text().splitlines()] == ["setup", "call", "teardown"]
     (tmp_path / "skip").mkdir()
     (tmp_path / "skip" / "tests.jsonl").write_text("".join(json.dumps(
         {"nodeid": "tests/test_x.py::t", "when": when, "outcome": outcome, "duration": 0.5}) + "\n"
