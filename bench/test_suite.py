@@ -109,11 +109,14 @@ def run_suite(work: str, pytest_args: list[str], measure_coverage: bool = True,
            "--inner", os.path.join(work, "tests.jsonl"), "-q", "-rs", "-p", "no:cacheprovider", *pytest_args]
     if not any(a.startswith("tests") for a in pytest_args):  # no test named: all of them
         cmd.append("tests")
-    env = {**os.environ, "TESTS_EXEC_ALL": "1"} if exec_all else None  # tests/forked_run.py: no run forked
+    # a run started inside a --ci run (test_bench's) records into its own work folder, not into the outer run's
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "TEST_SUITE_RECORD")}
+    if exec_all:
+        env["TESTS_EXEC_ALL"] = "1"  # tests/forked_run.py: no run forked
     if ci:
         cmd = ["bash", os.path.join(ROOT, ".ci", "run")]
-        env = {**os.environ, "PYTEST_ADDOPTS": "-p test_suite", "TEST_SUITE_RECORD": os.path.join(work, "tests.jsonl"),
-               "PYTHONPATH": os.pathsep.join(filter(None, (os.path.dirname(__file__), os.environ.get("PYTHONPATH"))))}
+        env.update(PYTEST_ADDOPTS="-p test_suite", TEST_SUITE_RECORD=os.path.join(work, "tests.jsonl"),
+                   PYTHONPATH=os.pathsep.join(filter(None, (os.path.dirname(__file__), env.get("PYTHONPATH")))))
     started, cpu = time.monotonic(), machine_cpu_seconds()
     subprocess.run(cmd, cwd=ROOT, check=False, env=env)
     return round(time.monotonic() - started, 1), round(machine_cpu_seconds() - cpu, 1)
@@ -136,7 +139,8 @@ def tests_of(work: str) -> dict[str, dict]:
 def coverage_of(work: str) -> dict[str, dict]:
     """Line coverage per package (and all four together) from the run's combined coverage data."""
     rc = os.path.join(work, "coveragerc")
-    if any(name.startswith(".coverage.") for name in os.listdir(work)):  # else combined already (--from)
+    if any(name.startswith(".coverage.") and os.path.getsize(os.path.join(work, name)) for name in os.listdir(work)):
+        # else combined already (--from; an empty file, of a process that ended before writing, is left by combine)
         subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", f"--rcfile={rc}"], cwd=ROOT, check=True)
     report = os.path.join(work, "coverage.json")
     subprocess.run([sys.executable, "-m", "coverage", "json", "-q", f"--rcfile={rc}", "-o", report], cwd=ROOT,
@@ -179,7 +183,8 @@ def summarize(tests: dict[str, dict], wall_s: float | None, cover: dict, machine
 
 def table(r: dict) -> list[str]:
     wall = f"{r['wall_s'] / 60:.1f} min wall" if r["wall_s"] else "wall time not recorded (run cut short)"
-    lines = [provenance.markdown_line(r), "", f"{r['tests']} tests ({r['outcomes']['passed']} passed, "
+    note = f" Note: {r['provenance']['note']}." if r["provenance"].get("note") else ""
+    lines = [provenance.markdown_line(r) + note, "", f"{r['tests']} tests ({r['outcomes']['passed']} passed, "
              f"{r['outcomes']['skipped']} skipped, {r['outcomes']['failed']} failed); {wall}; "
              f"{r['test_seconds'] / 60:.1f} min summed over tests.", ""]
     if r.get("machine_cpu_s"):
@@ -192,8 +197,9 @@ def table(r: dict) -> list[str]:
     if r["coverage"] and r.get("coverage_before"):
         before = r["coverage_before"]
         o = before["outcomes"]
+        note = f" Note: {before['provenance']['note']}." if before["provenance"].get("note") else ""
         lines += ["", f"Coverage before: {provenance.markdown_line(before)} {before['tests']} tests ({o['passed']} "
-                  f"passed, {o['skipped']} skipped, {o['failed']} failed).", "",
+                  f"passed, {o['skipped']} skipped, {o['failed']} failed).{note}", "",
                   "| line coverage | before: covered / lines | % | now: covered / lines | % |", "|---|---|---|---|---|"]
         lines += [f"| {p} | {before['coverage'][p]['covered']} / {before['coverage'][p]['lines']} | "
                   f"{before['coverage'][p]['percent']} | {v['covered']} / {v['lines']} | {v['percent']} |"
