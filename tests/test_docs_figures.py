@@ -51,6 +51,11 @@ def each(results: str, fmt: str, *paths: str) -> list:
 # (doc, phrase with a {} per figure, [(results file under bench/results/, JSON path, format), ...]).
 # A path is a dotted key path, or `a / b` or `a - b` of two such paths or numbers.
 FIGURES = [
+    # testing.md: line coverage before issue 48's changes and now, one results file (bench/test_suite.py --before)
+    *[("docs/testing.md", f"| {p} | {{}} / {{}} | {{}} | {{}} / {{}} | {{}} |",
+       [("test_suite.json", f"{side}coverage.{p}.{k}", fmt) for side in ("coverage_before.", "")
+        for k, fmt in (("covered", "d"), ("lines", "d"), ("percent", ".1f"))])
+      for p in ("ckpt", "finetune", "common", "all")],
     # performance.md: today's run, the run before, the verdicts and the default's reasons
     (PERF, "the 1-min load average was {} before and {} after",
      each(CK, ".2f", "provenance.load_average_before.0", "provenance.load_average_after.0")),
