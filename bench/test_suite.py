@@ -69,11 +69,18 @@ class Recorder:
                                 "cpu_s": dict(report.user_properties).get("cpu_s")}) + "\n")
 
 
+_IS_CONTROLLER = [False]
+
+
+def pytest_configure(config):
+    _IS_CONTROLLER[0] = not hasattr(config, "workerinput")  # an xdist worker's config has it
+
+
 def pytest_runtest_logreport(report):
     """As a plugin of a pytest this script did not start (--ci: `.ci/run`'s own; PYTEST_ADDOPTS="-p test_suite",
     bench/ on PYTHONPATH, TEST_SUITE_RECORD=<work>/tests.jsonl): each phase recorded as --inner records it, by
     the controller only (xdist's workers report to it)."""
-    if os.environ.get("TEST_SUITE_RECORD") and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("TEST_SUITE_RECORD") and _IS_CONTROLLER[0]:
         Recorder(os.environ["TEST_SUITE_RECORD"]).pytest_runtest_logreport(report)
 
 

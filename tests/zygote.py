@@ -136,8 +136,10 @@ def serve(path: str) -> None:
     the signal that killed it) and the CPU-seconds it used. Ends when the pytest process that started it is gone."""
     parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
+    listener.bind(path + ".tmp")
     listener.listen(8)
+    os.rename(path + ".tmp", path)  # the client waits for `path`: it appears listening (a connect between bind
+    # and listen is refused; under load a run in CI hit that window)
     running: dict[int, socket.socket] = {}
     while os.getppid() == parent:
         if select.select([listener], [], [], 0.05)[0]:
