@@ -227,13 +227,15 @@ def pytest_sessionfinish(session):
 
 def pytest_unconfigure(config):
     """An xdist worker whose exit is stuck (interpreter shutdown joins non-daemon threads and multiprocessing's
-    children) would leave the controller waiting without end if it could not report its finish: after 60 s its
-    threads' stacks are printed and it exits."""
+    children) would leave the controller waiting without end if it could not report its finish: 60 s after its
+    exit began its threads' stacks are printed and it exits. Not 60 s after its session: a worker that finished
+    early waits, idle, for the controller to let it go (a run of two files waited minutes for SLURM's)."""
     if os.environ.get("PYTEST_XDIST_WORKER") and os.getpid() == _SESSION_PID:
         threading.Thread(target=_exit_if_stuck, args=(60.0,), daemon=True).start()
 
 
 def _exit_if_stuck(after_s: float) -> None:
+    threading.main_thread().join()  # returns when the interpreter's shutdown begins (execnet's serve has returned)
     time.sleep(after_s)
     print(f"conftest: worker {os.environ['PYTEST_XDIST_WORKER']} still exiting after {after_s:.0f} s; its threads:",
           file=sys.__stderr__, flush=True)
