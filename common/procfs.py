@@ -1,5 +1,6 @@
 """One reader of Linux's `Key:   123 kB` files (/proc/meminfo, /proc/self/status): the memory tier's preflight
-reads MemAvailable, the per-rank report VmHWM. One reader of /proc/PID/stat: a process's state, parent and start, and whether it still runs.
+reads MemAvailable, the per-rank report VmHWM. One reader of /proc/PID/stat: a process's state, parent and start,
+and whether it still runs.
 
     python -c "from common.procfs import kib_field; print(kib_field('/proc/meminfo', 'MemAvailable'))"
 """

@@ -215,7 +215,7 @@ def pytest_runtest_protocol(item, nextitem):
 # for it forever (a .ci/run here hung 10+ minutes in test_data's bad-conversation test; reproduced outside pytest).
 RESTORED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # The environment too: torch's inductor sets TORCHINDUCTOR_CACHE_DIR in os.environ the first time in-process code
-# asks for its cache folder (two quick-tier tests do). Left in the worker, every later run differed from
+# asks for its cache folder (four tests of the suite do). Left in the worker, every later run differed from
 # tests/zygote.py's environment in a variable read at import, so forked_run.can_fork refused, and each run of the
 # worker's remaining tests was exec'd: a full run here took 34.8 min instead of 24.2, its runs' CPU tripled.
 
