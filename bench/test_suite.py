@@ -66,7 +66,8 @@ class Recorder:
         with open(self.path, "a") as f:
             f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
                                 "duration": round(report.duration, 3), "end": round(time.time(), 1),
-                                "cpu_s": dict(report.user_properties).get("cpu_s")}) + "\n")
+                                "cpu_s": dict(report.user_properties).get("cpu_s"),
+                                "worker": getattr(report, "node", None) and report.node.gateway.id}) + "\n")
 
 
 _IS_CONTROLLER = [False]
@@ -147,8 +148,10 @@ def coverage_of(work: str) -> dict[str, dict]:
     """Line coverage per package (and all four together) from the run's combined coverage data."""
     rc = os.path.join(work, "coveragerc")
     if any(name.startswith(".coverage.") and os.path.getsize(os.path.join(work, name)) for name in os.listdir(work)):
-        # else combined already (--from; an empty file, of a process that ended before writing, is left by combine)
-        subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", f"--rcfile={rc}"], cwd=ROOT, check=True)
+        # else combined already (an empty file, of a process that ended before writing, is left by combine). --keep:
+        # each process's own data stays beside the combination, to find whose lines a run lacks
+        subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", "--keep", f"--rcfile={rc}"], cwd=ROOT,
+                       check=True)
     report = os.path.join(work, "coverage.json")
     subprocess.run([sys.executable, "-m", "coverage", "json", "-q", f"--rcfile={rc}", "-o", report], cwd=ROOT,
                    check=True)
