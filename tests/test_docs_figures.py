@@ -38,6 +38,7 @@ BEFORE_SPARE = "runs/memory_bench/2026-11-25T234616Z-f9daa0bdf.json"  # memory_b
 GOODPUT, GOODPUT_ARITH = "goodput_bench.json", "goodput_arithmetic.json"
 GOODPUT_BEFORE = "runs/goodput_bench/2026-11-26T205412Z-1cd4c7ab6.json"  # the preset's batch, no watchdog
 MB = 1048576
+OUTCOMES = ("passed", "skipped", "failed")
 
 
 def med(method: str, key: str) -> str:
@@ -56,6 +57,17 @@ FIGURES = [
        [("test_suite.json", f"{side}coverage.{p}.{k}", fmt) for side in ("coverage_before.", "")
         for k, fmt in (("covered", "d"), ("lines", "d"), ("percent", ".1f"))])
       for p in ("ckpt", "finetune", "common", "all")],
+    # testing.md: `.ci/run` timed (--ci), beside the two-worker run of the suite alone
+    *[("docs/testing.md", f"{run} | {{}} min | {{}} / {{}} / {{}} | {{}} | {{}} min |",
+       [*each(results, ".1f", "wall_s / 60"), *each(results, "d", *(f"outcomes.{k}" for k in OUTCOMES)),
+        *each(results, ".1f", "machine_cpu_s / 60", "machine_cpu_s / 120")])
+      for run, results in (("three workers, fd7934f", "test_suite_ci.json"),
+                           ("two workers, 863c875 (above)", "test_suite_plain.json"))],
+    ("docs/testing.md", "the README test's CPU-seconds were {} and {} in them",
+     [("test_suite_plain.json", "top30_cpu.0.cpu_s", ".0f"), ("test_suite_ci.json", "top30_cpu.0.cpu_s", ".0f")]),
+    ("docs/testing.md", "with two workers the machine kept {} of its 2 cores busy on average, with three {}.",
+     [("test_suite_plain.json", "machine_cpu_s / wall_s", ".2f"), ("test_suite_ci.json", "machine_cpu_s / wall_s",
+                                                                   ".2f")]),
     # performance.md: today's run, the run before, the verdicts and the default's reasons
     (PERF, "the 1-min load average was {} before and {} after",
      each(CK, ".2f", "provenance.load_average_before.0", "provenance.load_average_after.0")),
