@@ -7,18 +7,25 @@ slowed on purpose is named as a straggler.
 
 Run A trains 10 steps at W=2 with a memory step every step. Run B is A with rank 1 frozen by SIGSTOP (CKPT_FAULT
 `stop`) inside step 6, after a second in it, under `torchrun --max-restarts 1` and train.hang_timeout=10.
+Which of the watchdog's branches such a run takes depends on its timing, so each verdict is also taken in-process,
+on a store the test writes (quick tier): a save overrun beside a frozen peer, a step overrun because a peer raised,
+whom an overrun names, the kill of a frozen rank on this host, a store that is gone.
 """
 
 import os
 import signal
+import socket
 import subprocess
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch.distributed as dist
 
+import finetune.hang
 from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
-from finetune.hang import AUTO_FLOOR_S, CAP_SHARE, HangWatchdog, parse_hang_timeout
+from finetune.hang import (AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, HANG_FILE_ENV, HangWatchdog,
+                           parse_hang_timeout)
 
 RUN = ["train.max_steps=10", "ckpt.interval=0", "ckpt.memory_interval=1", "train.hang_timeout=10"]
 FROZEN_STEP = 6
@@ -153,3 +160,102 @@ def test_hang_timeout_values():
     assert dog.timeout() == AUTO_FLOOR_S, "short steps: the floor"
     dog.step_times.extend([30.0, 30.0])
     assert dog.timeout() == 300.0, "10 x the median step"
+
+
+# ---- the watchdog's verdicts in-process: each rule on a store the test writes, the 1 s check period shortened and
+# os._exit raising SystemExit instead. End to end, which branch a run takes depends on its timing; here each is taken.
+
+
+@pytest.fixture
+def quick_watchdog(monkeypatch):
+    """HangWatchdog(rank 0 of 2) on a fresh store, its check period 10 ms, its exits SystemExit, its events kept."""
+    def exit_(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.01)
+    monkeypatch.setattr(os, "_exit", exit_)
+    kept = []
+    log = SimpleNamespace(event_from_any_rank=lambda name, **kw: kept.append((name, kw)))
+    return lambda run_dir, timeout=1.0: (HangWatchdog(timeout, 0, 2, str(run_dir), log, dist.HashStore()), kept)
+
+
+@pytest.mark.quick
+def test_a_save_that_overran_with_a_peer_frozen_is_a_hang_naming_that_peer(quick_watchdog, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Outside `step` (a save, an eval) the timeout is checked once per period, and it is a hang only if a peer's
+    heartbeat stopped: the line names that peer where its record says it is, the stacks are written, the launcher's
+    file gets the line, the exit is EXIT_HANG; a frozen peer on another host is not killed from here."""
+    monkeypatch.setenv(HANG_FILE_ENV, str(tmp_path / "told" / "hang.txt"))
+    dog, kept = quick_watchdog(tmp_path)
+    dog.store.set(dog._key(1), '{"step": 3, "phase": "checkpoint", "heartbeat": 5, "host": "another", "pid": 1}')
+    dog.state = ("checkpoint", 3, time.monotonic() - 5)
+    with pytest.raises(SystemExit) as ended:
+        dog._run()
+    assert ended.value.code == EXIT_HANG
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: hang: no progress for") and "at step 3, phase checkpoint" in line
+    assert "stopped making progress: rank 1: step 3, phase checkpoint;" in line
+    assert (tmp_path / "told" / "hang.txt").read_text().strip() == line
+    assert os.listdir(tmp_path / "hang") == ["rank0-attempt0.txt"]
+    assert kept == [("hang", {"step": 3, "phase": "checkpoint", "ranks": [1], "waited_s": kept[0][1]["waited_s"],
+                              "exit_code": EXIT_HANG, "detected_by": 0})]
+
+
+@pytest.mark.quick
+def test_a_step_that_overran_because_a_peer_raised_is_that_error_not_a_hang(quick_watchdog, tmp_path, capsys):
+    """The peer that stopped had published its failure before this rank's verdict: its error is the one line, exit
+    1 (EXIT_FAILED), no stacks written, no hang event."""
+    dog, kept = quick_watchdog(tmp_path, timeout=5.0)
+    peer = HangWatchdog(5.0, 1, 2, str(tmp_path), None, dog.store)
+    peer.state = ("step", 4, time.monotonic())
+    peer.failed(OSError("No space left on device"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as ended:
+        dog._hang("step", 4, time.monotonic() - 6, 5.0)
+    assert ended.value.code == EXIT_FAILED
+    assert capsys.readouterr().err.strip() == ("error: rank 1 failed: OSError: No space left on device (step 4, phase "
+                                               f"step); rank 0 exiting with {EXIT_FAILED}")
+    assert [name for name, _ in kept] == ["failed"] and not (tmp_path / "hang").exists()
+
+
+@pytest.mark.quick
+def test_an_overrun_step_names_the_frozen_else_the_ranks_elsewhere_else_every_rank():
+    """Whom a `step` that overran names: frozen ranks (heartbeat still) first; with none frozen, the ranks not in
+    this step's collectives (another step or phase); with every rank in this step, every rank (a deadlock)."""
+    dog = HangWatchdog(5.0, 0, 3, "unused", None, dist.HashStore())
+    assert dog._stuck_ranks([2], my_step=7) == [2]
+    dog._last_records = {r: {"step": 7, "phase": "step"} for r in range(3)}
+    assert dog._stuck_ranks([], my_step=7) == [0, 1, 2]
+    dog._last_records[1] = {"step": 7, "phase": "checkpoint"}
+    assert dog._stuck_ranks([], my_step=7) == [1]
+
+
+@pytest.mark.quick
+def test_a_frozen_rank_on_this_host_is_sigkilled_one_on_another_host_is_not():
+    """A SIGSTOPped rank never handles torchrun's SIGTERM (torchrun waits 30 s, then SIGKILLs): the rank that
+    names it kills it if it shares the host; a pid that no longer exists is passed over."""
+    here, there = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    with open("/proc/sys/kernel/pid_max") as f:
+        no_such_pid = int(f.read()) + 1
+    host = socket.gethostname()
+    records = {1: {"host": host, "pid": here.pid}, 2: {"host": "another", "pid": there.pid},
+               3: {"host": host, "pid": no_such_pid}}
+    try:
+        HangWatchdog(5.0, 0, 4, "unused", None, None)._kill_frozen_here([1, 2, 3], records)
+        assert here.wait(timeout=10) == -signal.SIGKILL
+        assert there.poll() is None
+    finally:
+        for p in (here, there):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.quick
+def test_a_store_that_is_gone_is_no_failure_and_no_record():
+    """The agent stopping takes the store with it: the watchdog thread reads no failure, no peer record, and its
+    own publishing does not raise (torchrun ends the rank)."""
+    def gone(*_):
+        raise RuntimeError("Connection reset by peer")
+    dog = HangWatchdog(5.0, 0, 2, "unused", None, SimpleNamespace(check=gone, get=gone, set=gone))
+    assert dog._failure() is None and dog._records() == {}
+    dog._beat()
+    assert dog.heartbeat == 1

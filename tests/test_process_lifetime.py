@@ -8,12 +8,17 @@ rank once rank 0 has ended: torchrun would too, after the 30 s its SIGTERM waits
 so waiting for that would time torch's grace period, not this repository's timeout.
 """
 
+import ctypes
 import fcntl
 import os
 import signal
 import subprocess
 import time
+from types import SimpleNamespace
 
+import pytest
+
+import train_fsdp
 from ckpt import latest_committed_step
 from common.procfs import running as alive
 from conftest import ROOT, children, kill_workers, run_train, token_cache, train_cmd, FAST
@@ -128,6 +133,28 @@ def test_workers_and_their_uploaders_die_with_their_agent(tmp_path):
                 os.kill(p, signal.SIGKILL)
         if agent.poll() is None:
             agent.kill()
+
+
+@pytest.mark.quick
+def test_a_worker_whose_agent_died_before_its_prctl_exits_at_once(monkeypatch, capsys):
+    """PR_SET_PDEATHSIG covers the agent's death from the prctl on; a worker already orphaned then (reparented to
+    init) would never get the signal, so it exits at once. A refused prctl is a warning; plain python asks nothing."""
+    def exit_(code):
+        raise SystemExit(code)
+    results = []
+    monkeypatch.setattr(ctypes, "CDLL", lambda *_a, **_kw: SimpleNamespace(prctl=lambda *_a: results.pop(0)))
+    monkeypatch.setattr(os, "_exit", exit_)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    train_fsdp.die_with_torchrun_agent()  # no prctl asked: results is empty, a call would raise IndexError
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    results.append(-1)
+    train_fsdp.die_with_torchrun_agent()
+    assert "warning: prctl(PR_SET_PDEATHSIG) failed" in capsys.readouterr().err
+    monkeypatch.setattr(os, "getppid", lambda: 1)
+    results.append(0)
+    with pytest.raises(SystemExit) as ended:
+        train_fsdp.die_with_torchrun_agent()
+    assert ended.value.code == train_fsdp.EXIT_ERROR
 
 
 def test_frozen_rank_ends_job_with_collective_timeout(tmp_path):
