@@ -153,8 +153,9 @@ def coverage_of(work: str) -> dict[str, dict]:
         subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", "--keep", f"--rcfile={rc}"], cwd=ROOT,
                        check=True)
     report = os.path.join(work, "coverage.json")
-    subprocess.run([sys.executable, "-m", "coverage", "json", "-q", f"--rcfile={rc}", "-o", report], cwd=ROOT,
-                   check=True)
+    # --keep-combined: coverage.py 7.17's reports combine the parallel files too, and would delete them
+    subprocess.run([sys.executable, "-m", "coverage", "json", "-q", "--keep-combined", f"--rcfile={rc}", "-o", report],
+                   cwd=ROOT, check=True)
     with open(report) as f:
         files = json.load(f)["files"]
     with open(rc) as f:  # the checkout that run measured (an earlier run's may be another clone)

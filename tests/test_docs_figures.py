@@ -56,7 +56,7 @@ FIGURES = [
     *[("docs/testing.md", f"| {p} | {{}} / {{}} | {{}} | {{}} / {{}} | {{}} |",
        [("test_suite.json", f"{side}coverage.{p}.{k}", fmt) for side in ("coverage_before.", "")
         for k, fmt in (("covered", "d"), ("lines", "d"), ("percent", ".1f"))])
-      for p in ("ckpt", "finetune", "common", "all")],
+      for p in ("ckpt", "finetune", "common", "all")],  # train_fsdp.py: a dotted key the paths cannot name
     # testing.md: `.ci/run` timed (--ci), beside the two-worker run of the suite alone
     *[("docs/testing.md", f"{run} | {{}} min | {{}} / {{}} / {{}} | {{}} | {{}} min |",
        [*each(results, ".1f", "wall_s / 60"), *each(results, "d", *(f"outcomes.{k}" for k in OUTCOMES)),
