@@ -12,6 +12,7 @@ on a store the test writes (quick tier): a save overrun beside a frozen peer, a 
 whom an overrun names, the kill of a frozen rank on this host, a store that is gone.
 """
 
+import json
 import os
 import signal
 import socket
@@ -164,6 +165,8 @@ def test_hang_timeout_values():
 
 # ---- the watchdog's verdicts in-process: each rule on a store the test writes, the 1 s check period shortened and
 # os._exit raising SystemExit instead. End to end, which branch a run takes depends on its timing; here each is taken.
+with open("/proc/sys/kernel/pid_max") as _f:
+    NO_SUCH_PID = int(_f.read()) + 1  # a record's pid that a wrong kill could not reach
 
 
 @pytest.fixture
@@ -186,7 +189,8 @@ def test_a_save_that_overran_with_a_peer_frozen_is_a_hang_naming_that_peer(quick
     file gets the line, the exit is EXIT_HANG; a frozen peer on another host is not killed from here."""
     monkeypatch.setenv(HANG_FILE_ENV, str(tmp_path / "told" / "hang.txt"))
     dog, kept = quick_watchdog(tmp_path)
-    dog.store.set(dog._key(1), '{"step": 3, "phase": "checkpoint", "heartbeat": 5, "host": "another", "pid": 1}')
+    record = {"step": 3, "phase": "checkpoint", "heartbeat": 5, "host": "another", "pid": NO_SUCH_PID}
+    dog.store.set(dog._key(1), json.dumps(record))
     dog.state = ("checkpoint", 3, time.monotonic() - 5)
     with pytest.raises(SystemExit) as ended:
         dog._run()
@@ -234,11 +238,9 @@ def test_a_frozen_rank_on_this_host_is_sigkilled_one_on_another_host_is_not():
     """A SIGSTOPped rank never handles torchrun's SIGTERM (torchrun waits 30 s, then SIGKILLs): the rank that
     names it kills it if it shares the host; a pid that no longer exists is passed over."""
     here, there = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
-    with open("/proc/sys/kernel/pid_max") as f:
-        no_such_pid = int(f.read()) + 1
     host = socket.gethostname()
     records = {1: {"host": host, "pid": here.pid}, 2: {"host": "another", "pid": there.pid},
-               3: {"host": host, "pid": no_such_pid}}
+               3: {"host": host, "pid": NO_SUCH_PID}}
     try:
         HangWatchdog(5.0, 0, 4, "unused", None, None)._kill_frozen_here([1, 2, 3], records)
         assert here.wait(timeout=10) == -signal.SIGKILL
