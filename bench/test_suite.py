@@ -147,13 +147,10 @@ def tests_of(work: str) -> dict[str, dict]:
 def coverage_of(work: str) -> dict[str, dict]:
     """Line coverage per package (and all four together) from the run's combined coverage data."""
     rc = os.path.join(work, "coveragerc")
-    if any(name.startswith(".coverage.") and os.path.getsize(os.path.join(work, name)) for name in os.listdir(work)):
-        # else combined already (an empty file, of a process that ended before writing, is left by combine). --keep:
-        # each process's own data stays beside the combination, to find whose lines a run lacks
-        subprocess.run([sys.executable, "-m", "coverage", "combine", "-q", "--keep", f"--rcfile={rc}"], cwd=ROOT,
-                       check=True)
     report = os.path.join(work, "coverage.json")
-    # --keep-combined: coverage.py 7.17's reports combine the parallel files too, and would delete them
+    # coverage.py 7.17's reports combine the processes' data files into .coverage themselves (an empty file, of a
+    # process that ended before writing, is skipped); --keep-combined: each stays beside it, to find whose lines a
+    # run lacks. A work folder combined before (--from) has only .coverage: read as it is
     subprocess.run([sys.executable, "-m", "coverage", "json", "-q", "--keep-combined", f"--rcfile={rc}", "-o", report],
                    cwd=ROOT, check=True)
     with open(report) as f:
@@ -192,10 +189,14 @@ def summarize(tests: dict[str, dict], wall_s: float | None, cover: dict, machine
             "top30": [{"test": n, **t, "group": group_of(n)} for n, t in top], "coverage": cover}
 
 
+def note_of(r: dict) -> str:
+    """A run's provenance note (what was special about it), as a sentence to follow its provenance line."""
+    return f" Note: {r['provenance']['note']}." if r["provenance"].get("note") else ""
+
+
 def table(r: dict) -> list[str]:
     wall = f"{r['wall_s'] / 60:.1f} min wall" if r["wall_s"] else "wall time not recorded (run cut short)"
-    note = f" Note: {r['provenance']['note']}." if r["provenance"].get("note") else ""
-    lines = [provenance.markdown_line(r) + note, "", f"{r['tests']} tests ({r['outcomes']['passed']} passed, "
+    lines = [provenance.markdown_line(r) + note_of(r), "", f"{r['tests']} tests ({r['outcomes']['passed']} passed, "
              f"{r['outcomes']['skipped']} skipped, {r['outcomes']['failed']} failed); {wall}; "
              f"{r['test_seconds'] / 60:.1f} min summed over tests.", ""]
     if r.get("machine_cpu_s"):
@@ -208,9 +209,8 @@ def table(r: dict) -> list[str]:
     if r["coverage"] and r.get("coverage_before"):
         before = r["coverage_before"]
         o = before["outcomes"]
-        note = f" Note: {before['provenance']['note']}." if before["provenance"].get("note") else ""
         lines += ["", f"Coverage before: {provenance.markdown_line(before)} {before['tests']} tests ({o['passed']} "
-                  f"passed, {o['skipped']} skipped, {o['failed']} failed).{note}", "",
+                  f"passed, {o['skipped']} skipped, {o['failed']} failed).{note_of(before)}", "",
                   "| line coverage | before: covered / lines | % | now: covered / lines | % |", "|---|---|---|---|---|"]
         lines += [f"| {p} | {before['coverage'][p]['covered']} / {before['coverage'][p]['lines']} | "
                   f"{before['coverage'][p]['percent']} | {v['covered']} / {v['lines']} | {v['percent']} |"

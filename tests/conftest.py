@@ -465,3 +465,12 @@ def events(run_dir, name: str | None = None) -> list[dict]:
 @pytest.fixture(scope="session")
 def repo_root():
     return ROOT
+
+
+@pytest.fixture
+def exits_raise(monkeypatch):
+    """os._exit(code) raises SystemExit(code) for this test: in-process code that ends its process (the hang
+    watchdog's verdicts, an orphaned worker) is asserted on instead of ending pytest's worker."""
+    def exit_(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(os, "_exit", exit_)

@@ -170,12 +170,9 @@ with open("/proc/sys/kernel/pid_max") as _f:
 
 
 @pytest.fixture
-def quick_watchdog(monkeypatch):
+def quick_watchdog(monkeypatch, exits_raise):
     """HangWatchdog(rank 0 of 2) on a fresh store, its check period 10 ms, its exits SystemExit, its events kept."""
-    def exit_(code):
-        raise SystemExit(code)
     monkeypatch.setattr(finetune.hang, "CHECK_S", 0.01)
-    monkeypatch.setattr(os, "_exit", exit_)
     kept = []
     log = SimpleNamespace(event_from_any_rank=lambda name, **kw: kept.append((name, kw)))
     return lambda run_dir, timeout=1.0: (HangWatchdog(timeout, 0, 2, str(run_dir), log, dist.HashStore()), kept)

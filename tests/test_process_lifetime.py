@@ -136,14 +136,11 @@ def test_workers_and_their_uploaders_die_with_their_agent(tmp_path):
 
 
 @pytest.mark.quick
-def test_a_worker_whose_agent_died_before_its_prctl_exits_at_once(monkeypatch, capsys):
+def test_a_worker_whose_agent_died_before_its_prctl_exits_at_once(monkeypatch, capsys, exits_raise):
     """PR_SET_PDEATHSIG covers the agent's death from the prctl on; a worker already orphaned then (reparented to
     init) would never get the signal, so it exits at once. A refused prctl is a warning; plain python asks nothing."""
-    def exit_(code):
-        raise SystemExit(code)
     results = []
     monkeypatch.setattr(ctypes, "CDLL", lambda *_a, **_kw: SimpleNamespace(prctl=lambda *_a: results.pop(0)))
-    monkeypatch.setattr(os, "_exit", exit_)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     train_fsdp.die_with_torchrun_agent()  # no prctl asked: results is empty, a call would raise IndexError
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
