@@ -241,18 +241,18 @@ def cache_not_seen(folder: str) -> str | None:
 
 
 def run_eval(model, eval_set, cfg: Config, device, rank: int, world_size: int, step: int, log, watch=None) -> float:
-    """Eval loss on data.eval_path (see finetune/evaluate.py): one console line and one `eval` record.
-    `watch`: the training loop's HangWatchdog, told that an eval (which may last long) begins."""
+    """The eval metrics on data.eval_path (finetune/evaluate.py): one console line and one `eval` record; returns
+    the eval loss. `watch`: the training loop's HangWatchdog, told that an eval (which may last long) begins."""
     if watch is not None:
         watch.enter("eval", step)
     fault_point("eval", step)
     t0 = time.perf_counter()
     rows = eval_rows(len(eval_set), cfg.data.global_batch_size, cfg.train.eval_batches)
-    loss, n_tok = evaluate(model, eval_set, rows, cfg.data.micro_batch_size, device, rank, world_size)
-    log.info(f"eval   {step:6d} | eval_loss {loss:.4f} | {n_tok:,} tokens in {rows} rows | "
-             f"{time.perf_counter() - t0:.1f}s")
-    log.event("eval", step=step, eval_loss=loss, eval_tokens=n_tok, eval_rows=rows, eval_s=time.perf_counter() - t0)
-    return loss
+    values, n_tok = evaluate(model, eval_set, rows, cfg.data.micro_batch_size, device, rank, world_size)
+    shown = " | ".join(f"{field} {v:.4f}" for field, v in values.items())
+    log.info(f"eval   {step:6d} | {shown} | {n_tok:,} tokens in {rows} rows | {time.perf_counter() - t0:.1f}s")
+    log.event("eval", step=step, **values, eval_tokens=n_tok, eval_rows=rows, eval_s=time.perf_counter() - t0)
+    return values["eval_loss"]
 
 
 # ---------------------------------------------------------------- main

@@ -1,12 +1,13 @@
-"""Validation loss over an eval set: an exact token average, the same number at any world size; and
-`sample`, greedy completions of a few prompts at the end of training (train.sample_at_end).
+"""The eval metrics (finetune/eval_metrics.py `EVAL_METRICS`: the loss, next-token accuracy) over an eval set, each
+the same number at any world size; and `sample`, greedy completions of a few prompts at the end of training
+(train.sample_at_end).
 
     python -m pytest tests/test_eval.py -q
 
 Eval rows are cut into chunks of a fixed size (data.micro_batch_size, never a function of W) and
-chunk c runs on rank c % W, so each chunk's loss sum is computed from the same inputs at any W. The
-sums are added as integers (fixed point, 2^-24 resolution per chunk), which is associative: one
-all-reduce at the end gives the same total whatever the order or the number of ranks. Every rank runs
+chunk c runs on rank c % W, so each chunk's metric sums are computed from the same inputs at any W. The
+sums are integers (counts; a loss in fixed point, 2^-24 resolution per chunk), whose addition is
+associative: one all-reduce at the end gives the same totals whatever the order or the number of ranks. Every rank runs
 the same number of forwards (FSDP all-gathers need all ranks), so a rank without a chunk in the last
 round runs chunk 0 again and discards it.
 """
@@ -17,9 +18,8 @@ import torch
 import torch.distributed as dist
 
 from finetune.data import IGNORE
+from finetune.eval_metrics import EVAL_METRICS
 from finetune.loss import next_token_loss_sum
-
-FIXED_POINT = 2 ** 24  # chunk sums up to 5e11 fit an int64; rounding is 3e-8 per chunk
 
 
 def token_loss_sum(model, ids, labels, position_ids=None) -> torch.Tensor:
@@ -33,33 +33,42 @@ def eval_rows(num_rows: int, global_batch: int, eval_batches: int) -> int:
 
 
 @torch.no_grad()
-def _chunk_loss(model, samples, rows, device) -> tuple[int, int]:
-    """(loss sum in fixed point, loss tokens) of one chunk of rows."""
+def _chunk_sums(model, samples, rows, device) -> list[tuple[int, ...]]:
+    """Each eval metric's integers for one chunk of rows, then (its loss tokens,): one forward."""
     ids, labels, pos = samples.batch(rows)
     pos = None if pos is None else pos.to(device)
-    loss = float(token_loss_sum(model, ids.to(device), labels.to(device), pos))
-    return round(loss * FIXED_POINT), int((labels[:, 1:] != IGNORE).sum())
+    labels = labels.to(device)
+    logits = model(input_ids=ids.to(device), position_ids=pos, use_cache=False).logits
+    return [m.sums(logits, labels) for m in EVAL_METRICS] + [(int((labels[:, 1:] != IGNORE).sum()),)]
 
 
-def evaluate(model, samples, num_rows: int, chunk: int, device, rank: int, world_size: int) -> tuple[float, int]:
-    """(mean token loss, loss tokens) over the first num_rows rows of `samples`; call on every rank."""
+def evaluate(model, samples, num_rows: int, chunk: int, device, rank: int, world_size: int
+             ) -> tuple[dict[str, float], int]:
+    """({metric field: value} for each of EVAL_METRICS, loss tokens) over the first num_rows rows of `samples`;
+    call on every rank."""
     n_chunks = -(-num_rows // chunk)
-    total, tokens = 0, 0
+    totals = None
     was_training = model.training
     model.eval()  # no dropout: eval consumes no RNG, so it cannot change the training trajectory
     try:
         for first in range(0, n_chunks, world_size):
             mine = first + rank
             c = mine if mine < n_chunks else 0
-            loss, n = _chunk_loss(model, samples, range(c * chunk, min((c + 1) * chunk, num_rows)), device)
+            sums = _chunk_sums(model, samples, range(c * chunk, min((c + 1) * chunk, num_rows)), device)
+            if totals is None:
+                totals = [[0] * len(s) for s in sums]
             if mine < n_chunks:
-                total, tokens = total + loss, tokens + n
+                totals = [[t + n for t, n in zip(ts, s)] for ts, s in zip(totals, sums)]
     finally:
         model.train(was_training)
-    sums = torch.tensor([total, tokens], dtype=torch.int64)
+    flat = torch.tensor([n for ts in totals for n in ts], dtype=torch.int64)
     if dist.is_initialized():
-        dist.all_reduce(sums)  # integers: exact in any order
-    return int(sums[0]) / FIXED_POINT / max(int(sums[1]), 1), int(sums[1])
+        dist.all_reduce(flat)  # integers: exact in any order
+    flat, summed = flat.tolist(), []
+    for ts in totals:
+        summed.append(flat[:len(ts)])
+        flat = flat[len(ts):]
+    return {m.field: m.value(s) for m, s in zip(EVAL_METRICS, summed)}, summed[-1][0]
 
 
 @torch.no_grad()

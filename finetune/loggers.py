@@ -5,8 +5,10 @@
 
 Rank 0 only, and only when asked (`run.tensorboard=true`, `run.wandb=offline|online`); training never
 needs either package. Scalars: train/loss, train/lr, train/grad_norm, train/tokens_per_s (from consecutive
-step records), eval/loss, checkpoint/blocking_s and checkpoint/committed_s, and per rank every log interval
-memory/peak_gib/rank_<r> (and memory/peak_reserved_gib/rank_<r> on CUDA), all against the optimizer step.
+step records), checkpoint/blocking_s and checkpoint/committed_s, every eval metric of finetune/eval_metrics.py
+(eval/loss, eval/accuracy), and per rank every log interval memory/peak_gib/rank_<r> (and
+memory/peak_reserved_gib/rank_<r> on CUDA), all against the optimizer step (tests/test_loggers.py checks this list
+and docs/loggers.md's against SCALARS and PER_RANK).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import os
 import uuid
 
 from finetune.config import ConfigError, to_dict
+from finetune.eval_metrics import EVAL_METRICS
 
 # field of a metrics.jsonl record -> scalar name; step records and events ("eval", "checkpoint") alike
-SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "eval_loss": "eval/loss",
-           "blocking_s": "checkpoint/blocking_s", "committed_s": "checkpoint/committed_s"}
+SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+           "blocking_s": "checkpoint/blocking_s", "committed_s": "checkpoint/committed_s",
+           **{m.field: m.scalar for m in EVAL_METRICS}}  # eval/loss, eval/accuracy: finetune/eval_metrics.py
 # field holding a list indexed by rank (finetune/per_rank.py) -> scalar name; each rank's value is <name>/rank_<r>
 PER_RANK = {"peak_memory_gib": "memory/peak_gib", "peak_reserved_gib": "memory/peak_reserved_gib"}
 

@@ -5,8 +5,9 @@
 
 metrics.jsonl holds one JSON object per optimizer step ({"step", "loss", "lr", "tokens", ...}; at each log interval
 also per-rank lists such as "peak_memory_gib": [rank 0, rank 1, ...], finetune/per_rank.py) and event records
-({"event": "checkpoint" | "resume" | "eval" | ...}; an eval record has "step" and "eval_loss"). A resumed run
-appends to the same file, so a step can appear twice; the last record of a step is the one that counts.
+({"event": "checkpoint" | "resume" | "eval" | ...}; an eval record has "step" and each eval metric's field:
+"eval_loss", "eval_accuracy", finetune/eval_metrics.py). A resumed run appends to the same file, so a step can
+appear twice; the last record of a step is the one that counts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 
+from finetune.eval_metrics import EVAL_METRICS
 from finetune.goodput import plot_timeline, run_account
 from finetune.loggers import ScalarStream
 from finetune.per_rank import RankPeaks
@@ -230,9 +232,7 @@ def loss_figure(path: str):
     else:
         fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot(xs, ys, lw=1.2, label="loss")
-    evals = {ev["step"]: ev["eval_loss"] for ev in events if ev["event"] == "eval"}  # last record of a step wins
-    if evals:
-        ax.plot(sorted(evals), [evals[s] for s in sorted(evals)], "o-", ms=3, lw=1.2, label="eval loss")
+    fraction = eval_lines(ax, events)
     marks = event_marks(steps, events, run_dir)
     for step, kind in marks:
         color, ls, _ = _MARKS[kind]
@@ -252,12 +252,31 @@ def loss_figure(path: str):
     n_resume = sum(1 for _, kind in marks if kind == "resume")
     ax.set_title(f"{os.path.basename(run_dir)}: loss over {_count(len(xs), 'step')} (last {ys[-1]:.4f}), "
                  f"{_count(n_ckpt, 'checkpoint')}, {_count(n_resume, 'resume')}", fontsize=10)
-    fig.axes[-1].set_xlabel("optimizer step")
+    (mem if peaks else ax).set_xlabel("optimizer step")  # the bottom panel: not fig.axes[-1], a right-hand twin
     ax.set_ylabel("loss")
-    ax.legend(fontsize=8)
+    lines = ax.get_lines() + (fraction.get_lines() if fraction else [])
+    ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def eval_lines(ax, events: list[dict]):
+    """Each eval metric of finetune/eval_metrics.py over the steps it was measured at: a loss on `ax`, a fraction
+    on a 0-1 axis at the right (returned, or None when no fraction was drawn). The last record of a step wins."""
+    fraction = None
+    for m in EVAL_METRICS:
+        points = {ev["step"]: ev[m.field] for ev in events if ev["event"] == "eval" and m.field in ev}
+        if not points:
+            continue
+        if m.axis == "fraction" and fraction is None:
+            fraction = ax.twinx()
+            fraction.set_ylim(0, 1)
+            fraction.set_ylabel("eval fraction")
+        on = fraction if m.axis == "fraction" else ax
+        on.plot(sorted(points), [points[s] for s in sorted(points)], "o-" if on is ax else "s--", ms=3, lw=1.2,
+                label=m.label, color=None if on is ax else "tab:olive")
+    return fraction
 
 
 PANEL_RANKS = 8  # up to this many ranks, one line each; more: the band of all ranks, its median, and the top rank

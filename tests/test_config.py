@@ -4,9 +4,13 @@
 """
 
 import dataclasses
+import os
+import re
 from dataclasses import dataclass, field
 
 import pytest
+
+from conftest import ROOT
 
 from finetune.config import Config, ConfigError, DataConfig, declarations, load_config
 from finetune.config_keys import Resume, key, refused
@@ -180,6 +184,15 @@ def test_a_declared_new_data_field_enters_the_cache_key_so_no_stale_cache_is_reu
     trained on the cache tokenized from the first. Declared with cache=True, it enters the key."""
     assert _keys(_DataWithResponse(response_field="answer")) != _keys(_DataWithResponse())
     assert _keys(_DataForgotten(response_field="answer")) == _keys(_DataForgotten())  # undeclared: the test above
+
+
+def test_docs_name_exactly_the_data_keys_declared_to_enter_the_cache_key():
+    """docs/data.md lists the keys of each kind (cache="files", cache=True) in its sentence about `<key>`."""
+    text = open(os.path.join(ROOT, "docs", "data.md")).read()
+    sentence = text[text.index("`<key>` hashes"):text.index("not seq_len or packing")]
+    for kind, part in (("files", sentence.split("with each file")[0]), (True, sentence.split("chat template")[1])):
+        declared = {f"data.{f.name}" for f in dataclasses.fields(DataConfig) if f.metadata.get("cache") == kind}
+        assert set(re.findall(r"`(data\.[a-z_]+)`", part)) == declared, kind
 
 
 def test_choices_come_from_the_registries_that_implement_them():

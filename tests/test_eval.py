@@ -12,6 +12,7 @@ import torch
 
 from conftest import ROOT, events, losses, run_train
 from finetune.data import IGNORE, Samples
+from finetune.eval_metrics import EVAL_METRICS
 from finetune.evaluate import token_loss_sum
 
 
@@ -128,6 +129,22 @@ def test_flash_attention_is_refused_in_one_line_where_it_cannot_run(tmp_path, mo
     check_attn_implementation(_model_config("flash_attention_2"))  # auto: bf16 on CUDA
 
 
+def test_each_eval_metric_adds_up_exactly_over_chunks():
+    """Next-token accuracy counts the scored tokens whose argmax is the label (3 of 4 here); every metric's chunk
+    sums are integers, so two chunks' add up exactly, in any order: what makes a metric the same at any W."""
+    labels = torch.tensor([[IGNORE, 1, 2, 3, 0], [IGNORE, IGNORE, 2, 2, 1]])  # row 0 scores positions 0-3 (1, 2, 3, 0)
+    logits = torch.full((2, 5, 4), -5.0)
+    for row, predicted in enumerate([[1, 2, 0, 0, 3], [0, 2, 2, 0, 0]]):  # row 0: wrong at 2; row 1: right at 1, 2
+        for pos, tok in enumerate(predicted):
+            logits[row, pos, tok] = 5.0
+    accuracy = {m.field: m for m in EVAL_METRICS}["eval_accuracy"]
+    assert accuracy.sums(logits[:1], labels[:1]) == (3, 4) and accuracy.value([3, 4]) == 0.75
+    assert accuracy.sums(logits, labels) == (5, 7)
+    for m in EVAL_METRICS:
+        chunks = [m.sums(logits[r:r + 1], labels[r:r + 1]) for r in (0, 1)]
+        assert all(type(n) is int for c in chunks for n in c), m.field
+
+
 # ---------------------------------------------------------------- validation loss in real runs
 
 EVAL = ["data.eval_path=data/tiny/eval.jsonl", "data.micro_batch_size=5"]  # 64 eval rows -> 13 chunks of 5
@@ -143,7 +160,9 @@ def test_eval_loss_identical_at_one_and_two_ranks(tmp_path):
     proc = run_train(tmp_path / "w2", nproc=2, overrides=common)
     a, b = events(tmp_path / "w1", "eval"), events(tmp_path / "w2", "eval")
     assert [e["step"] for e in a] == [e["step"] for e in b] == [1, 2]
-    assert [e["eval_loss"] for e in a] == [e["eval_loss"] for e in b]
+    for m in EVAL_METRICS:
+        assert [e[m.field] for e in a] == [e[m.field] for e in b], m.field
+    assert 0 < a[0]["eval_accuracy"] < 1
     assert a[0]["eval_rows"] == 64 and a[0]["eval_tokens"] == b[0]["eval_tokens"] > 0
     assert "eval        2 | eval_loss " in proc.stdout
 
@@ -164,7 +183,11 @@ def test_eval_does_not_change_the_training_trajectory_and_runs_at_the_end(tmp_pa
     assert list(lines["eval loss"].get_xdata()) == [4, 6]
     assert list(lines["eval loss"].get_ydata()) == [e["eval_loss"] for e in ev]
     assert list(lines["loss"].get_xdata()) == [1, 2, 3, 4, 5, 6]
-    assert "eval loss" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    accuracy = {line.get_label(): line for line in fig.axes[-1].get_lines()}["eval next-token accuracy"]
+    assert list(accuracy.get_ydata()) == [e["eval_accuracy"] for e in ev] and fig.axes[-1].get_ylim() == (0, 1)
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "eval loss" in legend and "eval next-token accuracy" in legend
+    assert [a.get_xlabel() for a in fig.axes].count("optimizer step") == 1  # on the bottom panel, not the twin
     assert os.path.getsize(plot_metrics(str(tmp_path / "eval" / "metrics.jsonl"), str(tmp_path / "p.png"))) > 0
 
 

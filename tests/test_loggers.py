@@ -9,6 +9,7 @@ import glob
 import importlib.util
 import math
 import os
+import re
 import struct
 
 import pytest
@@ -16,7 +17,8 @@ import pytest
 from conftest import ROOT, events, losses, run_train
 
 import train_fsdp
-from finetune.loggers import ScalarStream
+from finetune import loggers
+from finetune.loggers import PER_RANK, SCALARS, ScalarStream
 from finetune.metrics import read_metrics
 
 
@@ -110,10 +112,20 @@ def test_scalars_cover_eval_and_checkpoint_events():
     assert stream.scalars({"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens": 100, "time": 10.0}) == [
         ("train/loss", 2.0, 1), ("train/lr", 1e-3, 1), ("train/grad_norm", 0.5, 1)]
     assert ("train/tokens_per_s", 50.0, 2) in stream.scalars({"step": 2, "loss": 1.0, "tokens": 200, "time": 12.0})
-    assert stream.scalars({"event": "eval", "step": 2, "eval_loss": 0.7, "time": 13.0}) == [("eval/loss", 0.7, 2)]
+    assert stream.scalars({"event": "eval", "step": 2, "eval_loss": 0.7, "eval_accuracy": 0.25, "time": 13.0}) == [
+        ("eval/loss", 0.7, 2), ("eval/accuracy", 0.25, 2)]
     assert stream.scalars({"event": "checkpoint", "step": 2, "blocking_s": 0.1, "committed_s": 0.4, "time": 14.0}) == [
         ("checkpoint/blocking_s", 0.1, 2), ("checkpoint/committed_s", 0.4, 2)]
     assert stream.scalars({"event": "resume_skip", "path": "x"}) == []
+
+
+def test_the_scalar_lists_in_the_docs_are_the_codes():
+    """loggers.py's docstring and docs/loggers.md name every scalar the code sends, and no other."""
+    named = set(SCALARS.values()) | {"train/tokens_per_s"} | {f"{n}/rank_<r>" for n in PER_RANK.values()}
+    docs = open(os.path.join(ROOT, "docs", "loggers.md")).read()
+    for text in (loggers.__doc__, docs[docs.index("Scalars, against"):docs.index("They come")]):
+        listed = set(re.findall(r"\b(?:train|eval|checkpoint|memory)/[a-z_]+(?:/rank_<r>)?", text))
+        assert listed == named, f"listed but not sent: {listed - named}; sent but not listed: {named - listed}"
 
 
 @pytest.mark.parametrize("key,package", [("run.tensorboard=true", "tensorboard"), ("run.wandb=offline", "wandb")])
