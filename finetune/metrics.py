@@ -254,8 +254,10 @@ def loss_figure(path: str):
                  f"{_count(n_ckpt, 'checkpoint')}, {_count(n_resume, 'resume')}", fontsize=10)
     (mem if peaks else ax).set_xlabel("optimizer step")  # the bottom panel: not fig.axes[-1], a right-hand twin
     ax.set_ylabel("loss")
-    lines = ax.get_lines() + (fraction.get_lines() if fraction else [])
-    ax.legend(lines, [line.get_label() for line in lines], fontsize=8)
+    handles, labels = ax.get_legend_handles_labels()  # without the "_child" marks, as legend() alone would
+    if fraction is not None:  # the right axis's lines in the same legend
+        handles, labels = [a + b for a, b in zip((handles, labels), fraction.get_legend_handles_labels())]
+    ax.legend(handles, labels, fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

@@ -186,7 +186,7 @@ def test_eval_does_not_change_the_training_trajectory_and_runs_at_the_end(tmp_pa
     accuracy = {line.get_label(): line for line in fig.axes[-1].get_lines()}["eval next-token accuracy"]
     assert list(accuracy.get_ydata()) == [e["eval_accuracy"] for e in ev] and fig.axes[-1].get_ylim() == (0, 1)
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
-    assert "eval loss" in legend and "eval next-token accuracy" in legend
+    assert "eval loss" in legend and "eval next-token accuracy" in legend and not any(t[0] == "_" for t in legend)
     assert [a.get_xlabel() for a in fig.axes].count("optimizer step") == 1  # on the bottom panel, not the twin
     assert os.path.getsize(plot_metrics(str(tmp_path / "eval" / "metrics.jsonl"), str(tmp_path / "p.png"))) > 0
 
