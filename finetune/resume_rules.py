@@ -1,7 +1,7 @@
 """Which config changes a resume refuses, warns about or applies: the checkpoint's config.yaml against this run's.
 
     python -m pytest tests/test_resume_config.py -q
-    python -m finetune.resume_rules > /tmp/rules.md   # the per-field table of docs/resume-rules.md
+    python -m finetune.resume_rules --write docs/resume-rules.md   # its per-field table, from the declarations
 
 Each key declares its rule beside its field (finetune/config.py, `resume=`): refused, when a change makes the
 continuation meaningless (another model, tokenizer, data set, data order or batch), unless
@@ -120,12 +120,30 @@ def rules_table() -> str:
     return "\n".join(lines)
 
 
+GENERATED = "<!-- generated: python -m finetune.resume_rules -->"  # in docs/resume-rules.md, above the table
+
+
+def write_table(doc_path: str) -> None:
+    """Replace the table under GENERATED in `doc_path` (the lines up to the first that is not a table row)."""
+    with open(doc_path, encoding="utf-8") as f:
+        lines = f.read().split("\n")
+    start = lines.index(GENERATED) + 1
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    with open(doc_path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines[:start] + [rules_table()] + lines[end:]))
+
+
 def main(argv: list[str] | None = None) -> int:
-    argparse.ArgumentParser(prog="python -m finetune.resume_rules",
-                            description="Print the table of what a resume does with each changed config key "
-                                        "(docs/resume-rules.md), from the declarations in finetune/config.py."
-                            ).parse_args(argv)
-    print(rules_table())
+    p = argparse.ArgumentParser(prog="python -m finetune.resume_rules",
+                                description="Print the table of what a resume does with each changed config key "
+                                            "(docs/resume-rules.md), from the declarations in finetune/config.py.")
+    p.add_argument("--write", metavar="DOC", help="write it into DOC (docs/resume-rules.md) instead, in place of "
+                                                  "the table under its generated-by line")
+    args = p.parse_args(argv)
+    if args.write:
+        write_table(args.write)
+    else:
+        print(rules_table())
     return 0
 
 

@@ -13,7 +13,8 @@ import pytest
 from conftest import ROOT, events, run_train
 from finetune.config import load_config, to_yaml
 from finetune.model_identity import content_change_since
-from finetune.resume_rules import ConfigChange, resume_changes, rules_table
+from finetune.resume_rules import GENERATED, ConfigChange, resume_changes, rules_table
+from finetune.resume_rules import main as resume_rules_main
 from finetune.data import GlobalOrder
 from finetune.schedule import lr_factor
 
@@ -49,7 +50,16 @@ def test_the_docs_table_is_the_declared_rules():
     """docs/resume-rules.md's table per key is generated from the declarations (finetune/config.py resume=)."""
     with open(os.path.join(ROOT, "docs", "resume-rules.md"), encoding="utf-8") as f:
         doc = f.read()
-    assert rules_table() in doc, "docs/resume-rules.md is stale: paste `python -m finetune.resume_rules` into it"
+    assert rules_table() in doc, "docs/resume-rules.md is stale: python -m finetune.resume_rules --write " \
+                                 "docs/resume-rules.md"
+
+
+def test_the_docs_table_is_rewritten_in_place(tmp_path):
+    """--write replaces the table under the generated-by line and keeps the text around it."""
+    doc = tmp_path / "rules.md"
+    doc.write_text(f"intro\n\n{GENERATED}\n| old | table |\n|---|---|\n| `x` | gone |\n\nafter\n")
+    assert resume_rules_main(["--write", str(doc)]) == 0
+    assert doc.read_text() == f"intro\n\n{GENERATED}\n{rules_table()}\n\nafter\n"
 
 
 def test_lr_and_max_steps_changed_on_resume_follow_the_new_schedule(tmp_path):
