@@ -43,8 +43,9 @@ C handler at once) and ends the rank at once when a rank failed or stopped beati
 collective never returns); a SIGTERM with every rank alive (a preemption) waits for the step boundary as before.
 
 The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
-first, with no stacks, no line and no exit 76. A fixed train.hang_timeout is refused at or above it
-(finetune/config.py), auto is held to CAP_SHARE of it.
+first, with no stacks, no line and no exit 76. The verdict itself takes seconds (3 x CHECK_S of frozen checks and
+the store reads) while NCCL counts from the same moment, so auto is held to CAP_SHARE of it and a fixed
+train.hang_timeout above that share is refused (finetune/config.py).
 """
 
 from __future__ import annotations
