@@ -30,9 +30,10 @@ HANG_FILE_ENV to a path of its own for this attempt: the rank that prints the li
 The watch ends with the loop: the final save and export wait ckpt.timeout_minutes like every checkpoint collective,
 and an error's emergency save must not be called a hang.
 
-A rank that fails is no hang. An exception leaving the loop (`failed`, before the emergency save) prints this rank's
-first error line whatever its rank, publishes the terminal phase `failed`, and, if it is the job's first failure,
-its line under one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
+A rank that fails is no hang. An exception leaving the loop (`failed`, before the emergency save) writes its full
+traceback to <run.dir>/hang/rank<r>-attempt<k>-traceback.txt, publishes the terminal phase `failed`, and, if it is
+the job's first failure, prints its first line and that traceback whatever its rank and publishes the line under
+one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
 `check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s);
 a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
 for its emergency save) exits with EXIT_FAILED, the lowest of them printing `error: rank k failed: <its line>`
@@ -60,6 +61,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 
 from common.dist import worker_attempt
@@ -175,12 +177,16 @@ class HangWatchdog:
             raise
 
     def failed(self, error: BaseException) -> None:
-        """The main thread raised `error`: print its first line if it is the job's first failure, publish phase
-        `failed` and the line; the watchdog beats on through the emergency save."""
+        """The main thread raised `error`: keep its full traceback in <run.dir>/hang/ now (torchrun may end this rank
+        during its emergency save, before the error is re-raised and printed), print its first line and the traceback
+        if it is the job's first failure, publish phase `failed` and the line; the watchdog beats on through the
+        emergency save."""
         line = (f"{type(error).__name__}: {error}".strip().splitlines() or [""])[0]
         phase, step, _ = self.state
         self.state = ("failed", step, time.monotonic())
         self._changed.set()
+        trace = "".join(traceback.format_exception(error))  # kept now: torchrun may end this rank before the
+        kept = self._keep("-traceback.txt", trace.encode(), "the traceback")  # emergency save is over and re-raises
         first = True
         try:
             first = self.store.add(FAILED_KEY + "/count", 1) == 1
@@ -189,7 +195,18 @@ class HangWatchdog:
         except Exception:  # noqa: BLE001 - no store (agent gone): the line below is all there is
             pass
         if first:
-            print(f"error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+            print(f"error: rank {self.rank}: {line} (traceback in {kept})\n{trace}", file=sys.stderr, end="", flush=True)
+
+    def _keep(self, suffix: str, data: bytes, what: str) -> str:
+        """Write `data` to <run.dir>/hang/rank<r>-attempt<k><suffix>; a warning line if it cannot. Returns the path."""
+        path = self._hang_path(suffix)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            print(f"warning: could not write {what} to {path}: {e}", file=sys.stderr, flush=True)
+        return path
 
     def timeout(self) -> float | None:
         """The `step` phase's limit in seconds; None while auto has too few steps timed."""
@@ -337,11 +354,14 @@ class HangWatchdog:
         sys.stdout.flush()
         os._exit(EXIT_HANG)
 
+    def _hang_path(self, suffix: str) -> str:
+        """<run.dir>/hang/rank<r>-attempt<k><suffix>: where this rank leaves what a hang or a failure should keep."""
+        return os.path.join(self.run_dir, "hang", f"rank{self.rank}-attempt{worker_attempt()}{suffix}")
+
     def _dump_stacks(self) -> str:
-        folder = os.path.join(self.run_dir, "hang")
-        path = os.path.join(folder, f"rank{self.rank}-attempt{worker_attempt()}.txt")
+        path = self._hang_path(".txt")
         try:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 faulthandler.dump_traceback(f, all_threads=True)
         except OSError as e:

@@ -63,13 +63,29 @@ def test_a_failing_rank_is_named_with_its_error_not_called_a_hang(tmp_path):
     proc = run_train(run, 2, ["train.max_steps=20", "ckpt.interval=4", "train.hang_timeout=5"], check=False,
                      env={"CKPT_FAULT": "oserror@mid_step:5,rank=1", "FINETUNE_HANG_FILE": str(hang_file)})
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 1 and not hang_file.exists() and not (run / "hang").exists(), proc.stderr[-3000:]
+    assert proc.returncode == 1 and not hang_file.exists(), proc.stderr[-3000:]
+    assert os.listdir(run / "hang") == ["rank1-attempt0-traceback.txt"], "rank 1's traceback, and no stacks"
     assert "error: rank 1: OSError: [Errno 28]" in proc.stderr, "the failing rank's own line, though not rank 0"
     assert any(ln.startswith("error: rank 1 failed: OSError: [Errno 28]") and "(step 5, phase step)" in ln
                for ln in errors), proc.stderr[-3000:]
-    assert not any("hang" in ln for ln in errors) and "exitcode  : 76" not in proc.stderr, proc.stderr[-3000:]
+    assert not any(ln.startswith("error: hang") for ln in errors) and "exitcode  : 76" not in proc.stderr, \
+        proc.stderr[-3000:]  # rank 1's line names its traceback's file, in <run.dir>/hang/
     [failed] = events(run, "failed")
     assert (failed["rank"], failed["step"], failed["exit_code"]) == (1, 5, 1) and events(run, "hang") == []
+
+
+def test_a_failing_rank_ended_during_its_emergency_save_has_left_its_traceback(tmp_path):
+    """Issue 58 point 5: rank 1 raises in step 3 while its step-2 save is still being written (slowed 60 s), so its
+    emergency save waits; rank 0 exits 3 s after the failure and torchrun ends rank 1 there, before it could
+    re-raise. Its full traceback was written when the error was caught: on stderr and in <run.dir>/hang/."""
+    run = tmp_path / "run"
+    proc = run_train(run, 2, ["train.max_steps=8", "ckpt.interval=2", "train.hang_timeout=30"], check=False,
+                     env={"CKPT_FAULT": "sleep@write:2,rank=1,secs=60;oserror@mid_step:3,rank=1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    kept = (run / "hang" / "rank1-attempt0-traceback.txt").read_text()
+    assert kept.startswith("Traceback (most recent call last)") and "train_fsdp.py" in kept, kept
+    assert "OSError: [Errno 28] No space left on device (injected by CKPT_FAULT at mid_step, step 3)" in kept
+    assert kept in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_sigterm_while_a_peer_is_frozen_stops_the_job_at_once(tmp_path):
@@ -106,9 +122,9 @@ def test_auto_hang_timeout_stays_below_the_collective_timeout():
     assert HangWatchdog(None, 0, 1, "unused", None, None, cap=30)._capped(AUTO_FLOOR_S) == CAP_SHARE * 30
 
 
-def test_the_first_failure_is_the_one_published():
+def test_the_first_failure_is_the_one_published(tmp_path):
     store = dist.HashStore()
-    dogs = [HangWatchdog(5, r, 3, "unused", None, store) for r in range(3)]
+    dogs = [HangWatchdog(5, r, 3, str(tmp_path), None, store) for r in range(3)]
     assert dogs[0]._failure() is None
     dogs[0].state = ("step", 7, time.monotonic())
     dogs[2].state = ("checkpoint", 6, time.monotonic())
@@ -117,6 +133,25 @@ def test_the_first_failure_is_the_one_published():
     assert dogs[1]._failure() == {"rank": 2, "step": 6, "phase": "checkpoint", "error": "OSError: CUDA out of memory"}
     assert dogs[2]._failure() is None, "a rank does not exit on its own failure"
     assert [d.state[0] for d in dogs] == ["failed", "startup", "failed"]
+    assert sorted(os.listdir(tmp_path / "hang")) == ["rank0-attempt0-traceback.txt", "rank2-attempt0-traceback.txt"]
+
+
+@pytest.mark.quick
+def test_a_failing_rank_keeps_its_full_traceback_when_it_is_caught(tmp_path, capsys):
+    """Issue 58 point 5: the traceback goes to stderr and to <run.dir>/hang/ as the error leaves the loop, before
+    the emergency save: torchrun may end the rank during that save, and the re-raised error is never printed."""
+    dog = HangWatchdog(5, 1, 2, str(tmp_path), None, dist.HashStore())
+
+    def deep_in_the_model():
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError), dog.failures_told():
+        deep_in_the_model()
+    kept = (tmp_path / "hang" / "rank1-attempt0-traceback.txt").read_text()
+    assert kept.startswith("Traceback (most recent call last)") and "in deep_in_the_model" in kept
+    assert kept.rstrip().endswith("OSError: [Errno 28] No space left on device")
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 1: OSError: [Errno 28] No space left on device (traceback in ")
+    assert kept in err
 
 
 def test_a_slow_save_and_a_long_eval_are_not_hangs(tmp_path):
@@ -215,7 +250,7 @@ def test_a_step_that_overran_because_a_peer_raised_is_that_error_not_a_hang(quic
     assert ended.value.code == EXIT_FAILED
     assert capsys.readouterr().err.strip() == ("error: rank 1 failed: OSError: No space left on device (step 4, phase "
                                                f"step); rank 0 exiting with {EXIT_FAILED}")
-    assert [name for name, _ in kept] == ["failed"] and not (tmp_path / "hang").exists()
+    assert [name for name, _ in kept] == ["failed"] and os.listdir(tmp_path / "hang") == ["rank1-attempt0-traceback.txt"]
 
 
 @pytest.mark.quick
