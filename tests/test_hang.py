@@ -14,6 +14,7 @@ whom an overrun names, the kill of a frozen rank on this host, a store that is g
 
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -25,8 +26,8 @@ import torch.distributed as dist
 
 import finetune.hang
 from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
-from finetune.hang import (AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, HANG_FILE_ENV, HangWatchdog,
-                           parse_hang_timeout)
+from finetune.hang import (AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, FLIGHT_ENV, HANG_FILE_ENV, HangWatchdog,
+                           keep_nccl_flight_record, parse_hang_timeout)
 
 RUN = ["train.max_steps=10", "ckpt.interval=0", "ckpt.memory_interval=1", "train.hang_timeout=10"]
 FROZEN_STEP = 6
@@ -45,12 +46,17 @@ def test_a_frozen_rank_is_named_and_the_restarted_job_ends_bit_for_bit(tmp_path)
     ended = time.time()
     assert ended - os.path.getmtime(frozen_at) < 120, "the job took too long to get over the frozen rank"
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: hang:")]
-    assert len(said) == 1 and f"rank 1: step {FROZEN_STEP}, phase step" in said[0], proc.stderr[-3000:]
+    assert len(said) == 1 and f"rank 1 on {socket.gethostname()}: step {FROZEN_STEP}, phase step" in said[0], \
+        proc.stderr[-3000:]  # the host: a launcher may keep the next attempt off it
     [hang] = events(b, "hang")
     assert (hang["ranks"], hang["step"], hang["phase"], hang["exit_code"]) == ([1], FROZEN_STEP, "step", 76)
     assert 10 <= hang["waited_s"] < 60
     with open(b / "hang" / "rank0-attempt0.txt") as f:
         assert "train_step" in f.read(), "rank 0's stacks show where its main thread waited"
+    with open(b / "hang" / "flight-attempt0" / "gloo_rank_0", "rb") as f:  # the collective rank 0 waits in
+        record = pickle.load(f)
+    assert any(g["last_enqueued_collective"] > g["last_completed_collective"] for g in record["pg_status"].values()), \
+        record["pg_status"]  # a collective rank 0 entered and never left
     assert [e["tier"] for e in events(b, "resume")] == ["memory"]
     assert losses(b) == losses(tmp_path / "a") and sorted(losses(b)) == list(range(1, 11))
 
@@ -229,11 +235,79 @@ def test_a_save_that_overran_with_a_peer_frozen_is_a_hang_naming_that_peer(quick
     assert ended.value.code == EXIT_HANG
     line = capsys.readouterr().err.strip()
     assert line.startswith("error: hang: no progress for") and "at step 3, phase checkpoint" in line
-    assert "stopped making progress: rank 1: step 3, phase checkpoint;" in line
-    assert (tmp_path / "told" / "hang.txt").read_text().strip() == line
-    assert os.listdir(tmp_path / "hang") == ["rank0-attempt0.txt"]
+    assert "stopped making progress: rank 1 on another: step 3, phase checkpoint;" in line
+    assert "Python stacks and flight records in" in line
+    assert (tmp_path / "told" / "hang.txt").read_text() == f"{line}\nfrozen hosts: another\n"
+    assert sorted(os.listdir(tmp_path / "hang")) == ["flight-attempt0", "rank0-attempt0.txt"]
+    with open(tmp_path / "hang" / "flight-attempt0" / "gloo_rank_0", "rb") as f:  # torch's CPU flight recorder
+        assert {"version", "pg_status", "entries"} <= set(pickle.load(f))
     assert kept == [("hang", {"step": 3, "phase": "checkpoint", "ranks": [1], "waited_s": kept[0][1]["waited_s"],
                               "exit_code": EXIT_HANG, "detected_by": 0})]
+
+
+@pytest.mark.quick
+def test_a_torch_without_a_flight_recorder_is_said_in_one_line(quick_watchdog, tmp_path, monkeypatch, capsys):
+    """Issue 58 point 4: where the build has no flight recorder, the hang says so in one line, and exits 76."""
+    monkeypatch.setattr(finetune.hang, "FLIGHT_RECORDERS", (("nccl_rank_", "_no_such_dump"),))
+    dog, _ = quick_watchdog(tmp_path)
+    dog.store.set(dog._key(1), json.dumps({"step": 3, "phase": "step", "heartbeat": 5, "host": "another",
+                                           "pid": NO_SUCH_PID}))
+    with pytest.raises(SystemExit) as ended:
+        dog._hang("step", 3, time.monotonic() - 5, 1.0)
+    assert ended.value.code == EXIT_HANG
+    warning, line = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith(f"warning: no flight record of the collectives in {tmp_path / 'hang'}: torch ")
+    assert line.startswith("error: hang:") and "Python stacks in" in line
+    assert os.listdir(tmp_path / "hang") == ["rank0-attempt0.txt"]
+
+
+@pytest.mark.quick
+def test_nccl_dumps_its_own_flight_record_into_run_dir_unless_the_launcher_chose(tmp_path, monkeypatch):
+    """NCCL's dump at its own timeout goes to <prefix><rank>, /tmp/nccl_trace_rank_<r> by default: node-local."""
+    for name in FLIGHT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    keep_nccl_flight_record(str(tmp_path))
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "hang" / "flight-attempt0" / "nccl_rank_")
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/shared/fr/rank_")  # the older name, which 2.13 reads too
+    keep_nccl_flight_record(str(tmp_path))
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+
+
+def run_sbatch_after_a_hang(tmp_path, nodes_in_partition: int, job_nodes: int = 2) -> tuple[str, list[str]]:
+    """slurm/train.sbatch with stand-ins for srun (a hang whose frozen rank was on node7), scontrol and sinfo on
+    PATH: its output and the scontrol calls it made."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    fakes = {"srun": 'mkdir -p "$(dirname "$FINETUNE_HANG_FILE")"; printf "error: hang: ...\\nfrozen hosts: node7.cluster.example\\n" > "$FINETUNE_HANG_FILE"; exit 1',
+             "scontrol": f'echo "$*" >> {calls}; [ "$1" = show ] && echo node1; exit 0',
+             "sinfo": f"for i in $(seq {nodes_in_partition}); do echo node$i; done"}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_JOB_NUM_NODES": str(job_nodes), "SLURM_SUBMIT_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "slurm", "train.sbatch"), "configs/tiny.yaml"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # requeued
+    return proc.stdout + proc.stderr, calls.read_text().splitlines()
+
+
+@pytest.mark.quick
+def test_sbatch_requeues_a_hang_without_the_node_whose_rank_froze(tmp_path):
+    """Issue 58 point 10: the hang file's `frozen hosts:` line (finetune/hang.py) is excluded from the requeued job,
+    short names, after the requeue (SLURM changes the excluded nodes of a pending job only)."""
+    out, calls = run_sbatch_after_a_hang(tmp_path, nodes_in_partition=4)
+    assert calls[1:] == ["requeue 42", "update JobId=42 ExcNodeList=node7"], (calls, out)
+    assert "the requeued job excludes node7" in out
+
+
+@pytest.mark.quick
+def test_sbatch_excludes_no_node_the_job_cannot_do_without(tmp_path):
+    """A partition of 2 nodes for a job of 2: excluding one would leave the job pending for ever."""
+    out, calls = run_sbatch_after_a_hang(tmp_path, nodes_in_partition=2)
+    assert calls[1:] == ["requeue 42"], (calls, out)
+    assert "not excluding node7 (frozen ranks): 1 other node(s) in the partition, the job needs 2" in out
 
 
 @pytest.mark.quick
