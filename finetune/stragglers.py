@@ -42,7 +42,9 @@ class StragglerMonitor:
     def watch_blocks(self, blocks) -> None:
         """Hooks on each fully_shard-ed block: one before FSDP's pre-forward and one after (between them: the
         wait for the block's all-gather, subtracted on the host), one before FSDP's post-forward (on CUDA: the
-        block's forward on the device, between two events). Only inside `timed` steps (not eval, not sample)."""
+        block's forward on the device, between two events). Only inside `timed` steps (not eval, not sample).
+        With model.compile=true the hooks run inside each block's compiled call: kept out of dynamo (it would trace
+        torch.cuda.Event into the graph, and guard on this monitor's state, recompiling the block at every call)."""
         if not self.on:
             return
         for block in blocks:
@@ -50,9 +52,11 @@ class StragglerMonitor:
             block.register_forward_pre_hook(self._block_begins)
             block.register_forward_hook(self._block_ends, prepend=True)
 
+    @torch._dynamo.disable  # not traced into a compiled block (as FSDP keeps its own hooks out)
     def _before_fsdp(self, _module, _args) -> None:
         self._hook_t0 = time.perf_counter() if self.in_step else None
 
+    @torch._dynamo.disable  # not traced into a compiled block (as FSDP keeps its own hooks out)
     def _block_begins(self, _module, _args) -> None:
         if self._hook_t0 is not None and not self.on_device:
             self.compute_s -= time.perf_counter() - self._hook_t0  # waiting for the block's all-gather
@@ -61,6 +65,7 @@ class StragglerMonitor:
             self._events.append([torch.cuda.Event(enable_timing=True), None])
             self._events[-1][0].record()
 
+    @torch._dynamo.disable  # not traced into a compiled block (as FSDP keeps its own hooks out)
     def _block_ends(self, _module, _args, _out) -> None:
         if self.in_step and self.on_device and self._events and self._events[-1][1] is None:
             self._events[-1][1] = torch.cuda.Event(enable_timing=True)

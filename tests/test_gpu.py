@@ -52,7 +52,8 @@ DEFAULT_BOUND_S = 60
 BOUND_S = {"test_a_save_right_after_the_optimizer_step_stages_its_values": 30,
            "test_kill_during_async_save_and_resume_is_bit_identical": 90,
            "test_a_killed_rank_resumes_from_the_memory_tier_bit_for_bit": 90,
-           "test_compiled_blocks_follow_eager_and_resume_eager": 150}
+           "test_compiled_blocks_follow_eager_and_resume_eager": 150,
+           "test_a_compiled_block_keeps_the_straggler_events_out_of_its_graphs": 90}
 
 
 @pytest.fixture(autouse=True)
@@ -93,6 +94,66 @@ def test_a_save_right_after_the_optimizer_step_stages_its_values(tmp_path):
     loaded = {"w": torch.zeros(1 << 20)}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "step-000001"), no_dist=True)
     assert torch.equal(loaded["w"], w.cpu()), "the staged copy was taken before the update it followed"
+
+
+def _flight_record_worker(rank: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    from finetune.hang import dump_flight_records
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    t = torch.ones(1024, device="cuda")
+    for _ in range(3):
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    written = dump_flight_records(folder, 0)
+    dist.destroy_process_group()
+    assert any(p.endswith("nccl_rank_0") for p in written), written
+
+
+@one_gpu
+def test_a_hang_keeps_nccls_flight_record_and_torchs_analyser_reads_it(tmp_path):
+    """Issue 58 point 4 on NCCL: the CUDA build has _dump_nccl_trace; after 3 all_reduces the hang exit's dump
+    (finetune/hang.py dump_flight_records) holds them, and torch's analyser (torchfrtrace) reads the folder."""
+    import pickle
+
+    import torch._C._distributed_c10d as c10d
+    assert hasattr(c10d, "_dump_nccl_trace"), "this CUDA build of torch has no NCCL flight recorder"
+    start_on_free_port(_flight_record_worker, lambda port: (port, str(tmp_path)), nprocs=1)
+    folder = tmp_path / "hang" / "flight-attempt0"
+    with open(folder / "nccl_rank_0", "rb") as f:
+        record = pickle.load(f)
+    names = [e["profiling_name"] for e in record["entries"]]
+    assert names.count("nccl:all_reduce") >= 3, names
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder), "--prefix",
+                          "nccl_rank_"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+@one_gpu
+def test_a_compiled_block_keeps_the_straggler_events_out_of_its_graphs():
+    """Issue 58 point 8 on CUDA: dynamo treats torch.cuda.Event as an in-graph class; the straggler monitor's hooks
+    (finetune/stragglers.py, torch._dynamo.disable) stay out of the block's inductor graph: one frame, no graph
+    break, and the events still time the block's forward."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from finetune.stragglers import StragglerMonitor
+    block = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()).cuda()
+    monitor = StragglerMonitor(0.2, 1, 0, 2, torch.device("cuda"), None)  # world 2: on
+    monitor.watch_blocks([block])
+    block.compile()
+    torch._dynamo.reset()
+    counters.clear()
+    monitor.in_step = True
+    for _ in range(4):
+        block(torch.randn(64, 256, device="cuda"))
+    torch.cuda.synchronize()
+    assert dict(counters["frames"]) == {"total": 1, "ok": 1} and not counters["graph_break"], \
+        (dict(counters["frames"]), dict(counters["graph_break"]))
+    assert monitor._device_compute_s() > 0
+    torch._dynamo.reset()
 
 
 def _gpu_contexts() -> dict[int, int] | None:
