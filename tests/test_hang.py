@@ -22,12 +22,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import finetune.hang
 from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
 from finetune.hang import (AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, FLIGHT_ENV, HANG_FILE_ENV, HangWatchdog,
                            keep_nccl_flight_record, parse_hang_timeout)
+from finetune.stragglers import StragglerMonitor
 
 RUN = ["train.max_steps=10", "ckpt.interval=0", "ckpt.memory_interval=1", "train.hang_timeout=10"]
 FROZEN_STEP = 6
@@ -189,6 +191,40 @@ def test_a_rank_slowed_inside_the_forward_is_named_a_straggler(tmp_path):
                      env={"CKPT_FAULT": "sleep@forward,rank=1,secs=0.3"})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("straggler:")]
     assert lines and lines[0].startswith("straggler: rank 1 "), proc.stdout[-3000:]
+
+
+class _NoTimeEvent:
+    """torch.cuda.Event on CPU: the device's part is 0 s, so what the monitor counts is the host's."""
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def elapsed_time(self, _end):
+        return 0.0
+
+
+@pytest.mark.quick
+def test_on_cuda_the_hosts_own_time_before_the_first_block_is_compute(monkeypatch):
+    """Issue 58 point 7: on CUDA compute was the device's time in the blocks only, so a rank whose host was slow
+    before them (the batch, H2D copies, a GC pause: CKPT_FAULT sleep@mid_step) looked like every other. Now the host's
+    time from the step's start to its first block counts, less the step's collectives meanwhile (the other ranks
+    wait for the slow one there); host time after the first block's start (overlapping the device) does not."""
+    monkeypatch.setattr(torch.cuda, "Event", _NoTimeEvent)
+    block = torch.nn.Linear(2, 2)
+    monitor = StragglerMonitor(0.2, 100, 0, 2, torch.device("cpu"), None)
+    monitor.on_device = True  # the CUDA path, on CPU
+    monitor.watch_blocks([block])
+    with monitor.timed(1):
+        time.sleep(0.3)  # the host's own work
+        with monitor.waiting():
+            time.sleep(0.5)  # the loss-token count's all_reduce, waiting for a peer
+        for _ in range(2):
+            block(torch.zeros(1, 2))
+        time.sleep(0.2)  # after the first block: overlaps the device, not counted
+    assert 0.3 <= monitor.compute_s < 0.5, monitor.compute_s
 
 
 def test_hang_timeout_values():
