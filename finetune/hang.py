@@ -18,8 +18,9 @@ calls it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a 
 hang. Reading the W records happens only then, when something already looks wrong.
 
 On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
-torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt); the lowest live rank prints one line
-naming the rank(s) that stopped, their step and phase, and records a `hang` event (step, phase, ranks, waited_s,
+torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt) and the collectives' flight records
+(dump_flight_records: which collective a rank never joined); the lowest live rank prints one line naming the
+rank(s) that stopped, their host, step and phase, and records a `hang` event (step, phase, ranks, waited_s,
 exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
 would otherwise wait 30 s after its SIGTERM, which a stopped process never handles); then os._exit(EXIT_HANG)
 from the watchdog thread, since the main thread is blocked in a collective. `torchrun --max-restarts` or a SLURM
