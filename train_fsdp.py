@@ -40,7 +40,7 @@ from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStre
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.goodput import goodput_line, process_start_time
-from finetune.hang import HangWatchdog, parse_hang_timeout
+from finetune.hang import HangWatchdog, keep_nccl_flight_record, parse_hang_timeout
 from finetune.inputs import check_inputs, check_shared_folders
 from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
@@ -268,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:  # memory, staging, checkpoint size and save time for this config; no process group
         return print_plan(cfg, args)
     die_with_torchrun_agent()
+    keep_nccl_flight_record(cfg.run.dir)  # NCCL's own dump at its timeout: into run.dir, not node-local /tmp
     rank, world_size, device = init_distributed(collective_timeout(cfg.train.collective_timeout_minutes))
     exit_code = EXIT_ERROR  # until train() returns: an exception ends the process group by abort
     try:

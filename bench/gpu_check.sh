@@ -6,14 +6,18 @@
 # 1. where there is a GPU and bench/gpu_wheels.sh exists (the carried wheels, no network): installs them;
 # 2. CPU-side checks: tests/test_gpu.py's single-GPU tier is collected, the benchmark's shapes and FLOP arithmetic
 #    compute;
-# 3. without CUDA: one line saying so, exit 1 (nothing measured, nothing written);
+# 3. without CUDA: one line saying so, exit 1 (nothing measured, nothing written); with CUDA, first the premise of
+#    tests/test_gpu.py's context count: the files a process that only counted the GPUs holds open (does driver
+#    initialisation open /dev/nvidia<N>?), and the CUDA contexts NVML counts per GPU before and after, printed and
+#    kept in bench/results/gpu_premise.txt;
 # 4. python -m pytest tests/test_gpu.py (1-GPU tests, the most GPU-specific first, each within its own bound) -rs -v,
 #    at most GPU_CHECK_TESTS_S (default 380 s), its junit XML, log and collected ids in
 #    bench/results/gpu_tier.{xml,log,collected} (the benchmark lists the tests that did not run); then up to 30 s for
 #    the GPU to have no compute process left;
 # 5. python bench/gpu_bench.py with the time left (it skips, and lists, what does not fit), recording the tier's
 #    outcome: bench/results/gpu_bench.{json,md} and runs/gpu_bench/. Everything written is also copied to $OUT
-#    when it is set (the lent GPU machine returns only $OUT). Exit status: the tier's, else the benchmark's.
+#    when it is set, flat, 7 files: the lent GPU machine returns at most 8, at most 2 folders down (runs/gpu_bench/
+#    as gpu_bench_runs.tar.gz). Exit status: the tier's, else the benchmark's.
 set -u
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -46,6 +50,19 @@ if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 
 mkdir -p bench/results
+"$py" - <<'PY' 2>&1 | tee bench/results/gpu_premise.txt
+import os, sys
+sys.path.insert(0, "tests")
+import torch
+from conftest import gpu_contexts
+before = gpu_contexts()
+count = torch.cuda.device_count()
+torch._C._get_accelerator()  # what DCP's uploader reaches through dist.barrier(): driver initialisation
+files = sorted({os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")})
+print(f"gpu_check premise: a process that only counted the GPUs ({count}) holds {files}")
+print(f"gpu_check premise: /dev/nvidia<N> open without a context: {[f for f in files if f[len('/dev/nvidia'):].isdigit()]}")
+print(f"gpu_check premise: CUDA contexts per GPU (NVML) before {before}, after {gpu_contexts()} (this process: none expected)")
+PY
 tests_s=$(( $(left) - 150 ))
 [ "$tests_s" -gt "${GPU_CHECK_TESTS_S:-380}" ] && tests_s=${GPU_CHECK_TESTS_S:-380}
 [ "$tests_s" -lt 30 ] && tests_s=30  # timeout 0 would mean no limit at all
@@ -63,11 +80,10 @@ done
     --tier-log bench/results/gpu_tier.log --tier-rc "$tier_rc" --tier-collected bench/results/gpu_tier.collected
 bench_rc=$?
 
-if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/bench/results/runs"
-    cp bench/results/gpu_bench.json bench/results/gpu_bench.md bench/results/gpu_tier.log \
-        bench/results/gpu_tier.xml bench/results/gpu_tier.collected "$OUT/bench/results/" 2>/dev/null
-    cp -r bench/results/runs/gpu_bench "$OUT/bench/results/runs/" 2>/dev/null
+if [ -n "${OUT:-}" ]; then  # one flat folder: the device machine returns 8 files at most, 2 folders down at most
+    cp bench/results/gpu_bench.json bench/results/gpu_bench.md bench/results/gpu_tier.log bench/results/gpu_tier.xml \
+        bench/results/gpu_tier.collected bench/results/gpu_premise.txt "$OUT/" 2>/dev/null
+    [ -d bench/results/runs/gpu_bench ] && tar -czf "$OUT/gpu_bench_runs.tar.gz" -C bench/results/runs gpu_bench
 fi
 echo "gpu_check: tier exit $tier_rc, benchmark exit $bench_rc, $(( $(date +%s) - start )) s"
 [ "$tier_rc" -ne 0 ] && exit "$tier_rc"

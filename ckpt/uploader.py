@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -123,13 +124,20 @@ def preemption_signals_blocked():
     delivered to the training process when the mask is restored."""
     from multiprocessing import resource_tracker
     resource_tracker.ensure_running()  # started lazily later, it would SIG_UNBLOCK SIGTERM in the spawning thread
-    atexit.register(stop_uploader_process)  # the uploader ignores SIGTERM, so multiprocessing's exit hook can't stop it
+    _stop_uploader_at_exit()
     sigs = {signal.SIGTERM, signal.SIGUSR1}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+@functools.cache
+def _stop_uploader_at_exit() -> None:
+    """Once per process, not once per save: the uploader ignores SIGTERM, so multiprocessing's exit hook can't stop
+    it."""
+    atexit.register(stop_uploader_process)
 
 
 # the worker's pid, as its uploader reads it: spawn records the parent as getppid() when the uploader starts, which
@@ -218,7 +226,7 @@ def _guard(uploader: int, worker: int) -> None:
     """The uploader's guard process (setup_uploader_process): SIGKILL the uploader once its parent is no longer
     `worker`; end once the uploader has ended. It holds none of the uploader's descriptors, so the worker still
     sees the uploader's pipe close when the uploader dies."""
-    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+    close_inherited_fds()
     try:
         while os.getppid() == uploader:
             if _parent_of(uploader) not in (worker, None):
@@ -227,6 +235,21 @@ def _guard(uploader: int, worker: int) -> None:
             time.sleep(1.0)
     finally:
         os._exit(0)
+
+
+def close_inherited_fds() -> None:
+    """Close every descriptor above stderr that /proc/self/fd lists: one close per open descriptor, where
+    os.closerange(3, SC_OPEN_MAX) makes one per number on a Python built without close_range (glibc < 2.34, e.g.
+    conda's), minutes where a container's nofile limit is ~1e9, which both launchers raise the soft limit to."""
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every number up to the limit
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        return
+    for fd in fds:
+        if fd > 2:
+            with contextlib.suppress(OSError):  # the listing's own descriptor, closed already
+                os.close(fd)
 
 
 def _parent_of(pid: int) -> int | None:

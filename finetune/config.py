@@ -33,7 +33,7 @@ from ckpt.storage import is_url, unsupported
 from common.dtypes import DTYPES
 from finetune.config_keys import TAKES_EFFECT, above, applies, at_least, between, key, parsed_by, refused
 from finetune.data.sources import FORMATS
-from finetune.hang import parse_hang_timeout
+from finetune.hang import CAP_SHARE, parse_hang_timeout
 from finetune.model import ATTN_IMPLEMENTATIONS
 from finetune.optim import OPTIMIZERS
 from finetune.schedule import SCHEDULES
@@ -394,10 +394,12 @@ def validate(cfg: Config) -> None:
         if limits and not ((isinstance(value, str) or math.isfinite(value)) and limits[0](value)):
             raise ConfigError(f"config key '{key}' must be {limits[1]}, got {value!r}")
     hang_s = parse_hang_timeout(cfg.train.hang_timeout)  # its declaration's range has accepted it
-    if hang_s and hang_s >= cfg.train.collective_timeout_minutes * 60:  # NCCL would abort first: no stacks, no 76
-        raise ConfigError(f"config key 'train.hang_timeout={cfg.train.hang_timeout}' must be below "
-                          f"train.collective_timeout_minutes ({cfg.train.collective_timeout_minutes:g} min = "
-                          f"{cfg.train.collective_timeout_minutes * 60:g}s), or the collective timeout ends the job first")
+    most_s = CAP_SHARE * cfg.train.collective_timeout_minutes * 60  # what auto is held to: the verdict needs time
+    if hang_s and hang_s > most_s:  # NCCL's watchdog, counting from the same moment, would abort first: no 76
+        raise ConfigError(f"config key 'train.hang_timeout={cfg.train.hang_timeout}' must be at most {most_s:g}s, "
+                          f"{CAP_SHARE:g} x train.collective_timeout_minutes ({cfg.train.collective_timeout_minutes:g} "
+                          f"min = {cfg.train.collective_timeout_minutes * 60:g}s), or the collective timeout ends the "
+                          "job before the hang is named")
     if cfg.ckpt.memory_dir and _nested(cfg.ckpt.memory_dir, cfg.ckpt.dir):
         raise ConfigError(f"config key 'ckpt.memory_dir={cfg.ckpt.memory_dir}' must be a folder apart from ckpt.dir "
                           f"({cfg.ckpt.dir}), neither inside it nor around it: the memory tier removes its step "

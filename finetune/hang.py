@@ -18,8 +18,9 @@ calls it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a 
 hang. Reading the W records happens only then, when something already looks wrong.
 
 On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
-torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt); the lowest live rank prints one line
-naming the rank(s) that stopped, their step and phase, and records a `hang` event (step, phase, ranks, waited_s,
+torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt) and the collectives' flight records
+(dump_flight_records: which collective a rank never joined); the lowest live rank prints one line naming the
+rank(s) that stopped, their host, step and phase, and records a `hang` event (step, phase, ranks, waited_s,
 exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
 would otherwise wait 30 s after its SIGTERM, which a stopped process never handles); then os._exit(EXIT_HANG)
 from the watchdog thread, since the main thread is blocked in a collective. `torchrun --max-restarts` or a SLURM
@@ -30,9 +31,10 @@ HANG_FILE_ENV to a path of its own for this attempt: the rank that prints the li
 The watch ends with the loop: the final save and export wait ckpt.timeout_minutes like every checkpoint collective,
 and an error's emergency save must not be called a hang.
 
-A rank that fails is no hang. An exception leaving the loop (`failed`, before the emergency save) prints this rank's
-first error line whatever its rank, publishes the terminal phase `failed`, and, if it is the job's first failure,
-its line under one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
+A rank that fails is no hang. An exception leaving the loop (`failed`, before the emergency save) writes its full
+traceback to <run.dir>/hang/rank<r>-attempt<k>-traceback.txt, publishes the terminal phase `failed`, and, if it is
+the job's first failure, prints its first line and that traceback whatever its rank and publishes the line under
+one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
 `check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s);
 a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
 for its emergency save) exits with EXIT_FAILED, the lowest of them printing `error: rank k failed: <its line>`
@@ -43,8 +45,9 @@ C handler at once) and ends the rank at once when a rank failed or stopped beati
 collective never returns); a SIGTERM with every rank alive (a preemption) waits for the step boundary as before.
 
 The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
-first, with no stacks, no line and no exit 76. A fixed train.hang_timeout is refused at or above it
-(finetune/config.py), auto is held to CAP_SHARE of it.
+first, with no stacks, no line and no exit 76. The verdict itself takes seconds (3 x CHECK_S of frozen checks and
+the store reads) while NCCL counts from the same moment, so auto is held to CAP_SHARE of it and a fixed
+train.hang_timeout above that share is refused (finetune/config.py).
 """
 
 from __future__ import annotations
@@ -59,7 +62,12 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from collections import deque
+
+import torch
+
+from torch._C import _distributed_c10d as c10d
 
 from common.dist import worker_attempt
 
@@ -73,6 +81,10 @@ CHECK_S = 1.0  # how often each rank publishes its record and looks at its own p
 AUTO_FLOOR_S = 60.0  # auto: never less than this
 AUTO_STEPS = 10.0  # auto: this many times the median step time
 AUTO_AFTER = 3  # auto: steps timed before `step` phases are held to the timeout (first steps compile, warm up)
+# torch's flight recorders, by the file prefix their dumps get: NCCL's (CUDA builds) and the one gloo records in
+FLIGHT_RECORDERS = (("nccl_rank_", "_dump_nccl_trace"), ("gloo_rank_", "_dump_fr_trace"))
+FLIGHT_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # NCCL's own dump: the path prefix
+FLIGHT_DUMP_S = 10.0  # a dump that takes longer (a recorder's lock held by a stuck thread) is given up
 
 
 def parse_hang_timeout(text: str) -> float | None:
@@ -85,17 +97,68 @@ def parse_hang_timeout(text: str) -> float | None:
     return seconds
 
 
-def tell_launcher(line: str) -> None:
-    """Write the hang's line to $FINETUNE_HANG_FILE, if the launcher set it: its sign that this attempt hung."""
+def tell_launcher(line: str, frozen_hosts: list[str] = ()) -> None:
+    """Write the hang's line to $FINETUNE_HANG_FILE, if the launcher set it: its sign that this attempt hung; and,
+    where ranks stopped beating (a machine's fault, not a deadlock), a second line `frozen hosts: <h>,<h>` for a
+    launcher that keeps the next attempt off them (slurm/train.sbatch)."""
     path = os.environ.get(HANG_FILE_ENV)
     if not path:
         return
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
-            f.write(line + "\n")
+            f.write(line + "\n" + (f"frozen hosts: {','.join(frozen_hosts)}\n" if frozen_hosts else ""))
     except OSError as e:
         print(f"warning: could not write the hang to {path} ({HANG_FILE_ENV}): {e}", file=sys.stderr, flush=True)
+
+
+def flight_folder(run_dir: str) -> str:
+    """<run.dir>/hang/flight-attempt<k>/: this attempt's flight-recorder dumps, `<prefix><rank>` as torch's
+    analyser reads them (`torchfrtrace <folder> --prefix nccl_rank_`)."""
+    return os.path.join(run_dir, "hang", f"flight-attempt{worker_attempt()}")
+
+
+def keep_nccl_flight_record(run_dir: str) -> None:
+    """Before the process group exists: NCCL's own dump at its collective timeout goes to this attempt's flight
+    folder in run.dir, not to node-local /tmp (gone with SLURM's per-job tmpfs or a pod restart), unless the launcher
+    chose a place (either name). NCCL opens the file without making its folder: made here, on CUDA only."""
+    if any(os.environ.get(name) for name in FLIGHT_ENV):
+        return
+    os.environ[FLIGHT_ENV[0]] = os.path.join(flight_folder(run_dir), FLIGHT_RECORDERS[0][0])
+    if hasattr(c10d, FLIGHT_RECORDERS[0][1]) and torch.cuda.is_available():
+        with contextlib.suppress(OSError):  # NCCL logs its own error then; the hang exit writes it anyway
+            os.makedirs(flight_folder(run_dir), exist_ok=True)
+
+
+def dump_flight_records(run_dir: str, rank: int) -> list[str]:
+    """Each flight recorder this torch build has (the last collectives each group enqueued, started and completed,
+    which name the one a rank never joined), to flight_folder; the paths written, none where the build has none.
+    Bounded by FLIGHT_DUMP_S: this runs on the way to an exit that must happen."""
+    written = []
+
+    def dump():
+        for prefix, name in FLIGHT_RECORDERS:
+            if hasattr(c10d, name):
+                path = os.path.join(flight_folder(run_dir), f"{prefix}{rank}")
+                data = getattr(c10d, name)()
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(data)
+                written.append(path)
+    worker = threading.Thread(target=lambda: _warn_if_raises(dump, "the flight records"), daemon=True)
+    worker.start()
+    worker.join(FLIGHT_DUMP_S)
+    if worker.is_alive():
+        print(f"warning: the flight records were not written within {FLIGHT_DUMP_S:g}s: given up", file=sys.stderr,
+              flush=True)
+    return list(written)
+
+
+def _warn_if_raises(fn, what: str) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - a diagnosis that failed must not stop the exit it precedes
+        print(f"warning: could not write {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 class HangWatchdog:
@@ -174,12 +237,16 @@ class HangWatchdog:
             raise
 
     def failed(self, error: BaseException) -> None:
-        """The main thread raised `error`: print its first line if it is the job's first failure, publish phase
-        `failed` and the line; the watchdog beats on through the emergency save."""
+        """The main thread raised `error`: keep its full traceback in <run.dir>/hang/ now (torchrun may end this rank
+        during its emergency save, before the error is re-raised and printed), print its first line and the traceback
+        if it is the job's first failure, publish phase `failed` and the line; the watchdog beats on through the
+        emergency save."""
         line = (f"{type(error).__name__}: {error}".strip().splitlines() or [""])[0]
         phase, step, _ = self.state
         self.state = ("failed", step, time.monotonic())
         self._changed.set()
+        trace = "".join(traceback.format_exception(error))  # kept now: torchrun may end this rank before the
+        kept = self._keep("-traceback.txt", trace.encode(), "the traceback")  # emergency save is over and re-raises
         first = True
         try:
             first = self.store.add(FAILED_KEY + "/count", 1) == 1
@@ -188,7 +255,18 @@ class HangWatchdog:
         except Exception:  # noqa: BLE001 - no store (agent gone): the line below is all there is
             pass
         if first:
-            print(f"error: rank {self.rank}: {line}", file=sys.stderr, flush=True)
+            print(f"error: rank {self.rank}: {line} (traceback in {kept})\n{trace}", file=sys.stderr, end="", flush=True)
+
+    def _keep(self, suffix: str, data: bytes, what: str) -> str:
+        """Write `data` to <run.dir>/hang/rank<r>-attempt<k><suffix>; a warning line if it cannot. Returns the path."""
+        path = self._hang_path(suffix)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            print(f"warning: could not write {what} to {path}: {e}", file=sys.stderr, flush=True)
+        return path
 
     def timeout(self) -> float | None:
         """The `step` phase's limit in seconds; None while auto has too few steps timed."""
@@ -319,15 +397,21 @@ class HangWatchdog:
         waited = time.monotonic() - since  # from the last progress to this verdict: what the hang cost
         stuck, records = self._stuck_ranks(frozen, step), self._last_records
         stacks = self._dump_stacks()
+        flights = dump_flight_records(self.run_dir, self.rank)
         alive = [r for r in range(self.world_size) if r not in stuck or r == self.rank]
         if self.rank == min(alive):
-            where = "; ".join(f"rank {r}: step {records[r]['step']}, phase {records[r]['phase']}"
-                              if r in records else f"rank {r}: no record" for r in stuck)
+            if not flights:
+                print(f"warning: no flight record of the collectives in {os.path.dirname(stacks)}: torch "
+                      f"{torch.__version__} has neither of {[name for _, name in FLIGHT_RECORDERS]}", file=sys.stderr,
+                      flush=True)
+            where = "; ".join(f"rank {r} on {records[r]['host']}: step {records[r]['step']}, phase "
+                              f"{records[r]['phase']}" if r in records else f"rank {r}: no record" for r in stuck)
             line = (f"error: hang: no progress for {waited:.0f}s (train.hang_timeout {limit:g}s) on rank {self.rank} "
-                    f"at step {step}, phase {phase}; stopped making progress: {where}; Python stacks in "
-                    f"{os.path.dirname(stacks)}; exiting with {EXIT_HANG} so that the launcher restarts the job")
+                    f"at step {step}, phase {phase}; stopped making progress: {where}; Python stacks"
+                    f"{' and flight records' if flights else ''} in {os.path.dirname(stacks)}; exiting with "
+                    f"{EXIT_HANG} so that the launcher restarts the job")
             print(line, file=sys.stderr, flush=True)
-            tell_launcher(line)
+            tell_launcher(line, sorted({records[r]["host"] for r in frozen if r in records}))
             first = records.get(stuck[0], {}) if stuck else {}
             self.log.event_from_any_rank("hang", step=first.get("step", step), phase=first.get("phase", phase),
                                          ranks=stuck, waited_s=round(waited, 3), exit_code=EXIT_HANG,
@@ -336,11 +420,14 @@ class HangWatchdog:
         sys.stdout.flush()
         os._exit(EXIT_HANG)
 
+    def _hang_path(self, suffix: str) -> str:
+        """<run.dir>/hang/rank<r>-attempt<k><suffix>: where this rank leaves what a hang or a failure should keep."""
+        return os.path.join(self.run_dir, "hang", f"rank{self.rank}-attempt{worker_attempt()}{suffix}")
+
     def _dump_stacks(self) -> str:
-        folder = os.path.join(self.run_dir, "hang")
-        path = os.path.join(folder, f"rank{self.rank}-attempt{worker_attempt()}.txt")
+        path = self._hang_path(".txt")
         try:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 faulthandler.dump_traceback(f, all_threads=True)
         except OSError as e:

@@ -9,7 +9,11 @@ collectives late: its computing share grows, the others' waiting shares do. On C
 kernels and every rank's host waits alike (FSDP's collectives tie the ranks together on the device), so there a
 rank's compute is its device's own time in the blocks' forward: CUDA events recorded on the compute stream after
 FSDP made it wait for the block's all-gather and before its post-forward, summed once the step has synchronised
-(two events per block and micro batch, read at the end of each step: bounded by the config, not the world size).
+(two events per block and micro batch, read at the end of each step: bounded by the config, not the world size),
+plus its host's own time from the step's start to its first block's pre-forward (taking the batch, the H2D copies,
+a GC pause, CPU contention; the step's collectives there, `waiting`, taken out). Not counted on CUDA: host time
+after the first block's start (between blocks, in backward, in the optimizer step), which overlaps the device's
+work and cannot be told from a wait on it by the host's clock.
 Every log interval two one-element all_reduces tell every rank the slowest rank, its compute seconds (MAX of compute packed with the rank) and the
 mean (SUM): O(1) bytes per rank, never a gather of W values. When the slowest rank's compute exceeds the mean by
 more than train.straggler_margin for PERSISTENT intervals in a row, rank 0 logs one line and a `straggler` event
@@ -38,11 +42,16 @@ class StragglerMonitor:
         self.reported = None
         self.on_device = device.type == "cuda"  # compute is the device's time in the blocks (CUDA events)
         self.in_step, self._hook_t0, self._events = False, None, []  # events: (start, end) pairs, CUDA only
+        # CUDA: the host's own time from the step's start to its first block (data, H2D, a GC pause, CPU contention),
+        # less its waits in the step's collectives meanwhile: (step start, waited so far), None once a block began
+        self._host = None
 
     def watch_blocks(self, blocks) -> None:
         """Hooks on each fully_shard-ed block: one before FSDP's pre-forward and one after (between them: the
         wait for the block's all-gather, subtracted on the host), one before FSDP's post-forward (on CUDA: the
-        block's forward on the device, between two events). Only inside `timed` steps (not eval, not sample)."""
+        block's forward on the device, between two events). Only inside `timed` steps (not eval, not sample).
+        With model.compile=true the hooks run inside each block's compiled call: kept out of dynamo (it would trace
+        torch.cuda.Event into the graph, and guard on this monitor's state, recompiling the block at every call)."""
         if not self.on:
             return
         for block in blocks:
@@ -50,9 +59,15 @@ class StragglerMonitor:
             block.register_forward_pre_hook(self._block_begins)
             block.register_forward_hook(self._block_ends, prepend=True)
 
+    @torch._dynamo.disable  # not traced into a compiled block (as FSDP keeps its own hooks out)
     def _before_fsdp(self, _module, _args) -> None:
         self._hook_t0 = time.perf_counter() if self.in_step else None
+        if self._host is not None and self._hook_t0 is not None:  # the step's first block: its host part is over
+            start, waited = self._host
+            self.compute_s += self._hook_t0 - start - waited
+            self._host = None
 
+    @torch._dynamo.disable  # not traced into a compiled block (as FSDP keeps its own hooks out)
     def _block_begins(self, _module, _args) -> None:
         if self._hook_t0 is not None and not self.on_device:
             self.compute_s -= time.perf_counter() - self._hook_t0  # waiting for the block's all-gather
@@ -61,6 +76,7 @@ class StragglerMonitor:
             self._events.append([torch.cuda.Event(enable_timing=True), None])
             self._events[-1][0].record()
 
+    @torch._dynamo.disable  # not traced into a compiled block (as FSDP keeps its own hooks out)
     def _block_ends(self, _module, _args, _out) -> None:
         if self.in_step and self.on_device and self._events and self._events[-1][1] is None:
             self._events[-1][1] = torch.cuda.Event(enable_timing=True)
@@ -80,10 +96,11 @@ class StragglerMonitor:
         """Around training `step`: its time counts as computing, less what `waiting` takes out. At a log
         interval, afterwards, the collective verdict (every rank reaches the same steps)."""
         t0, self.in_step = time.perf_counter(), True
+        self._host = (t0, 0.0) if self.on_device else None
         try:
             yield
         finally:
-            self.in_step = False
+            self.in_step, self._host = False, None
         if self.on_device:
             self.compute_s += self._device_compute_s()
         else:
@@ -98,6 +115,8 @@ class StragglerMonitor:
         yield
         if not self.on_device:
             self.compute_s -= time.perf_counter() - t0
+        elif self._host is not None:  # before the step's first block: not the host's own time
+            self._host = (self._host[0], self._host[1] + time.perf_counter() - t0)
 
     def compare(self, step: int) -> None:
         """Collective: every rank calls it at the same steps (each log interval)."""

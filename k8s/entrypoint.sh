@@ -78,6 +78,8 @@ ulimit -n "$(ulimit -Hn)" 2>/dev/null || ulimit -n 65536 2>/dev/null || true
 # terminationGracePeriodSeconds (GRACE_SECONDS in k8s/base/params.env), after which the kubelet SIGKILLs everything.
 GRACE_SECONDS=${GRACE_SECONDS:-300}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((GRACE_SECONDS * 9 / 10))}
+# NCCL's flight recorder: train_fsdp.py sets TORCH_FR_DUMP_TEMP_FILE to <run.dir>/hang/flight-attempt<k>/nccl_rank_
+# (not the container's /tmp, lost with the pod) unless it is set here; run.dir on the PVC keeps it across restarts.
 # A hang's one line (finetune/hang.py), and torchrun's record of the first failed worker, in the container's /tmp.
 STATE=$(mktemp -d /tmp/fsdp-entrypoint.XXXXXX)
 export FINETUNE_HANG_FILE=$STATE/hang.txt

@@ -5,10 +5,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
-import glob
 import os
-import re
 import shutil
 import signal
 import socket
@@ -322,29 +321,39 @@ def children(parent_pid: int) -> list[int]:
     return out
 
 
-def _fd_target(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:  # closed meanwhile
-        return ""
+NVML_ERROR_INSUFFICIENT_SIZE = 7  # nvml.h: the count is set, the array (none passed) too short
 
 
-def gpu_holders(dev: str = "/dev") -> dict[int, set[int]]:
-    """{pid: GPU indices} of the processes holding a GPU's device node (<dev>/nvidia<N>) open: a CUDA context opens
-    its GPU's node (cuInit alone only nvidiactl). Read from /proc, so it also works in a container, where
-    `nvidia-smi --query-compute-apps` lists host pids or none at all."""
-    pattern = re.compile(re.escape(dev.rstrip("/")) + r"/nvidia(\d+)$")
-    found: dict[int, set[int]] = {}
-    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
+def gpu_contexts(nvml=None) -> dict[int, int] | None:
+    """{GPU index: processes with a CUDA context on it}, from NVML's compute processes (what nvidia-smi's
+    --query-compute-apps reads), counted, not identified: inside a container the pids are the host's or missing, the
+    count is right. None where libnvidia-ml cannot be loaded. An open /dev/nvidia<N> is no context: driver
+    initialisation alone (cudaGetDeviceCount, which a dist.barrier() reaches) may open every GPU's node (bash
+    bench/gpu_check.sh prints which a process that only counted the GPUs holds). `nvml`: a stand-in, for the test."""
+    if nvml is None:
         try:
-            fds = os.listdir(fd_dir)
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        gpus = {int(m.group(1)) for t in map(_fd_target, (os.path.join(fd_dir, fd) for fd in fds))
-                if (m := pattern.match(t))}
-        if gpus:
-            found[int(fd_dir.split("/")[2])] = gpus
-    return found
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return None
+    if nvml.nvmlInit_v2() != 0:
+        return None
+    try:
+        n = ctypes.c_uint(0)
+        nvml.nvmlDeviceGetCount_v2(ctypes.byref(n))
+        out = {}
+        for i in range(n.value):
+            handle, count = ctypes.c_void_p(), ctypes.c_uint(0)
+            nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle))
+            # no array: NVML answers with the count alone (NVML_ERROR_INSUFFICIENT_SIZE when there are any)
+            processes = (getattr(nvml, "nvmlDeviceGetComputeRunningProcesses_v3", None)  # drivers >= 510
+                         or nvml.nvmlDeviceGetComputeRunningProcesses)  # the count is the same in every version
+            rc = processes(handle, ctypes.byref(count), None)
+            if rc not in (0, NVML_ERROR_INSUFFICIENT_SIZE):
+                return None
+            out[i] = count.value
+        return out
+    finally:
+        nvml.nvmlShutdown()
 
 
 def run_train(run_dir, nproc: int = 2, overrides: list[str] = (), env: dict | None = None, timeout: float = 300,

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -199,6 +200,41 @@ def test_gpu_check_without_cuda_says_so_in_one_line_and_writes_nothing(tmp_path)
     assert proc.stderr.splitlines() == [proc.stderr.strip()] and proc.stderr.startswith("error: no CUDA device"), \
         proc.stderr[-2000:]
     assert [os.path.exists(f) and os.path.getmtime(f) for f in results] == before and not os.listdir(tmp_path)
+
+
+FAKE_GPU_PYTHON = """#!/bin/bash
+# python3 as bench/gpu_check.sh calls it, on a machine that has CUDA: each step writes what the real one writes
+case "$*" in
+  *--collect-only*) echo "tests/test_gpu.py::test_one" ;;
+  *--junitxml*) while [ $# -gt 0 ]; do [ "$1" = --junitxml ] && echo "<testsuite/>" > "$2"; shift; done ;;
+  *gpu_bench.py*) mkdir -p bench/results/runs/gpu_bench/run1/deep && echo "{}" > bench/results/gpu_bench.json &&
+                  echo "# bench" > bench/results/gpu_bench.md && echo "{}" > bench/results/runs/gpu_bench/run1/deep/m.jsonl ;;
+  -) cat > /dev/null; echo "premise" ;;
+esac
+exit 0
+"""
+
+
+def test_gpu_check_leaves_one_flat_folder_of_at_most_8_files_in_out(tmp_path):
+    """Issue 58 point 10: the lent GPU machine returns at most 8 files from $OUT, at most 2 folders down; the run
+    folder went 4 folders down and never came back. A copy of the script in a stand-in repository, its python a
+    stand-in that writes what each step writes."""
+    repo, out = tmp_path / "repo", tmp_path / "out"
+    (repo / "bench").mkdir(parents=True)
+    out.mkdir()
+    shutil.copy(os.path.join(ROOT, "bench", "gpu_check.sh"), repo / "bench")
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_GPU_PYTHON)
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(repo / "bench" / "gpu_check.sh")], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OUT": str(out), "PYTHON": str(fake), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = sorted(os.listdir(out))
+    assert names == ["gpu_bench.json", "gpu_bench.md", "gpu_bench_runs.tar.gz", "gpu_premise.txt", "gpu_tier.collected",
+                     "gpu_tier.log", "gpu_tier.xml"], names
+    assert all((out / n).is_file() for n in names) and len(names) <= 8
+    with tarfile.open(out / "gpu_bench_runs.tar.gz") as tar:
+        assert "gpu_bench/run1/deep/m.jsonl" in tar.getnames()
 
 
 @no_cuda_here

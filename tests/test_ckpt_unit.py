@@ -384,3 +384,61 @@ def test_memory_tier_copies_run_at_upload_nice(tmp_path):
         committer.close()
     assert seen == max(7, before)
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+# ---------------------------------------------------------------- the process-mode uploader's guard (issue 58, point 10)
+
+def test_the_uploaders_guard_closes_the_descriptors_that_are_open_not_every_number(monkeypatch):
+    """The guard (ckpt/uploader.py _guard) holds none of the uploader's descriptors. It closes what /proc/self/fd
+    lists: os.closerange(3, SC_OPEN_MAX) makes one close() per number on a Python without close_range, minutes at
+    a nofile limit of ~1e9. Here a limit of 1e9 is reported and every close is counted, none made."""
+    from ckpt import uploader
+    closed, ranged = [], []
+    monkeypatch.setattr(os, "sysconf", lambda name: 10**9 if name == "SC_OPEN_MAX" else os.sysconf(name))
+    monkeypatch.setattr(os, "close", closed.append)
+    monkeypatch.setattr(os, "closerange", lambda lo, hi: ranged.append(hi - lo))
+    uploader.close_inherited_fds()
+    assert ranged == [] and 0 < len(closed) < 1000 and min(closed) == 3, (ranged, len(closed))
+
+
+def test_the_uploaders_guard_closes_a_high_descriptor():
+    """In a forked child: a pipe's end moved to a high number is closed, stdin/stdout/stderr are kept."""
+    import resource
+
+    from ckpt import uploader
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    high = soft - 1
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.dup2(w, high)
+            uploader.close_inherited_fds()
+            try:
+                os.fstat(high)
+            except OSError:
+                code = 0 if all(os.fstat(fd) for fd in (0, 1, 2)) else 2
+        finally:
+            os._exit(code)
+    os.close(w)
+    assert os.read(r, 1) == b"", "every write end was closed in the child, the high one too"
+    os.close(r)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_the_uploaders_exit_hook_is_registered_once(monkeypatch):
+    """ckpt/uploader.py preemption_signals_blocked runs at every async save: its atexit hook, once per process."""
+    import atexit
+
+    from ckpt import uploader
+    registered = []
+    monkeypatch.setattr(atexit, "register", registered.append)
+    uploader._stop_uploader_at_exit.cache_clear()
+    try:
+        for _ in range(3):
+            with uploader.preemption_signals_blocked():
+                pass
+    finally:
+        uploader._stop_uploader_at_exit.cache_clear()  # a later save in this process registers the real one
+    assert registered == [uploader.stop_uploader_process]

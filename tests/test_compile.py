@@ -196,3 +196,54 @@ def test_plan_says_what_it_does_not_plan_for_compiled_blocks(capsys, monkeypatch
     compiled = capsys.readouterr().out
     assert compiled.replace("model.compile: activations above are eager's estimate; what compiled blocks keep is not "
                             "planned\n", "") == eager
+
+
+class _RecordedEvent:
+    """torch.cuda.Event's part the straggler monitor uses, on CPU: each record() counted."""
+    records = 0
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        _RecordedEvent.records += 1
+
+    def elapsed_time(self, _end):
+        return 1.0
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["cuda-events", "host-clock"])
+def test_straggler_hooks_stay_out_of_a_compiled_block(monkeypatch, on_device):
+    """Issue 58 point 8: model.compile=true compiles each block's call, its hooks included. Dynamo traced the
+    straggler monitor's hooks: torch.cuda.Event (an in-graph class for dynamo on CUDA) and time.perf_counter broke
+    the graph, and its guards on the monitor's state recompiled the block at every call (6 graphs and 19 frames in
+    6 calls here, before the fix). Kept out with torch._dynamo.disable, as FSDP keeps its own hooks out: one graph,
+    no graph break, no recompile, and the hooks still run (backend="eager": no code generated, CPU-seconds)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from finetune.stragglers import StragglerMonitor
+    monkeypatch.setattr(torch.cuda, "Event", _RecordedEvent)
+    graphs = []
+
+    def backend(gm, _example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    monitor = StragglerMonitor(0.2, 1, 0, 2, torch.device("cpu"), None)
+    monitor.on_device = on_device
+    monitor.watch_blocks([block])
+    block.compile(backend=backend)
+    torch._dynamo.reset()
+    counters.clear()
+    _RecordedEvent.records = 0
+    monitor.in_step = True
+    for _ in range(6):
+        block(torch.randn(2, 4))
+    assert len(graphs) == 1 and dict(counters["frames"]) == {"total": 1, "ok": 1}, (len(graphs), counters["frames"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    if on_device:
+        assert _RecordedEvent.records == 12 and monitor._device_compute_s() == 6 / 1000, "2 events per call"
+    else:
+        assert monitor.compute_s < 0, "the hooks took the all-gather wait out of the host's compute"
+    torch._dynamo.reset()

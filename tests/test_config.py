@@ -81,8 +81,10 @@ def test_missing_yaml_file():
     ("train.warmup_steps=-1", "config key 'train.warmup_steps' must be >= 0, got -1"),
     ("data.seq_len=1", "config key 'data.seq_len' must be >= 2, got 1"),
     ("train.collective_timeout_minutes=0", "config key 'train.collective_timeout_minutes' must be > 0"),
-    ("train.hang_timeout=600", "config key 'train.hang_timeout=600' must be below train.collective_timeout_minutes "
-                               "(10 min = 600s)"),
+    ("train.hang_timeout=600", "config key 'train.hang_timeout=600' must be at most 480s, 0.8 x "
+                               "train.collective_timeout_minutes (10 min = 600s)"),
+    ("train.hang_timeout=599", "config key 'train.hang_timeout=599' must be at most 480s"),  # NCCL would fire first
+    ("train.hang_timeout=481", "config key 'train.hang_timeout=481' must be at most 480s"),
     ("ckpt.keep_last=-2", "config key 'ckpt.keep_last' must be >= 0, got -2"),
     ("ckpt.interval=-1", "config key 'ckpt.interval' must be a step count >= 0 or auto, got '-1'"),
     ("ckpt.interval=often", "config key 'ckpt.interval' must be a step count >= 0 or auto, got 'often'"),
@@ -93,6 +95,14 @@ def test_numeric_range_names_key_and_range(override, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert needle in str(e.value)
+
+
+def test_hang_timeout_up_to_the_share_auto_is_held_to_is_accepted():
+    """The limit is CAP_SHARE x the collective timeout (issue 58, point 6): 480 s with 10 min, 48 s with 1 min."""
+    assert load_config(None, ["train.hang_timeout=480"]).train.hang_timeout == "480"
+    assert load_config(None, ["train.collective_timeout_minutes=1", "train.hang_timeout=48"]).train.hang_timeout == "48"
+    with pytest.raises(ConfigError, match="must be at most 48s"):
+        load_config(None, ["train.collective_timeout_minutes=1", "train.hang_timeout=50"])
 
 
 def test_every_numeric_field_has_a_range():

@@ -135,12 +135,38 @@ def test_an_error_aborts_the_process_group_a_finished_run_destroys_it(monkeypatc
     assert called == (["destroy"] if graceful else ["abort"]) and not dist.is_initialized()
 
 
-def test_gpu_holders_reads_the_open_device_nodes(tmp_path):
-    """tests/test_gpu.py's count of processes per GPU, without nvidia-smi (empty in containers): the processes that
-    hold /dev/nvidia<N> open. Here a stand-in folder: this process opens its "nvidia3"."""
-    from conftest import gpu_holders
-    (tmp_path / "nvidia3").write_bytes(b"")
-    (tmp_path / "nvidiactl").write_bytes(b"")
-    assert os.getpid() not in gpu_holders(str(tmp_path))
-    with open(tmp_path / "nvidia3"), open(tmp_path / "nvidiactl"):
-        assert gpu_holders(str(tmp_path))[os.getpid()] == {3}, "nvidiactl is no GPU"
+class FakeNvml:
+    """libnvidia-ml as ctypes calls it: GPU i has contexts[i] compute processes."""
+
+    def __init__(self, contexts):
+        self.contexts, self.shut = contexts, False
+
+    def nvmlInit_v2(self):
+        return 0
+
+    def nvmlShutdown(self):
+        self.shut = True
+        return 0
+
+    def nvmlDeviceGetCount_v2(self, count):
+        count._obj.value = len(self.contexts)
+        return 0
+
+    def nvmlDeviceGetHandleByIndex_v2(self, i, handle):
+        handle._obj.value = 100 + i
+        return 0
+
+    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle, count, infos):
+        assert infos is None and count._obj.value == 0, "asked for the count alone"
+        count._obj.value = self.contexts[handle.value - 100]
+        return 7 if count._obj.value else 0  # NVML_ERROR_INSUFFICIENT_SIZE when there are any
+
+
+def test_gpu_contexts_counts_nvmls_compute_processes_per_gpu():
+    """Issue 58 point 9: tests/test_gpu.py counts CUDA contexts per GPU (NVML's compute processes, which a
+    container's PID namespace does not hide), not processes holding /dev/nvidia<N> open, which driver
+    initialisation alone may do. Here NVML is a stand-in with 2 contexts on GPU 0 and none on GPU 1."""
+    from conftest import gpu_contexts
+    nvml = FakeNvml([2, 0])
+    assert gpu_contexts(nvml) == {0: 2, 1: 0} and nvml.shut
+    assert gpu_contexts(FakeNvml([])) == {}

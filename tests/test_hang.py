@@ -14,6 +14,7 @@ whom an overrun names, the kill of a frozen rank on this host, a store that is g
 
 import json
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -21,12 +22,14 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import finetune.hang
 from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
-from finetune.hang import (AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, HANG_FILE_ENV, HangWatchdog,
-                           parse_hang_timeout)
+from finetune.hang import (AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, FLIGHT_ENV, HANG_FILE_ENV, HangWatchdog,
+                           keep_nccl_flight_record, parse_hang_timeout)
+from finetune.stragglers import StragglerMonitor
 
 RUN = ["train.max_steps=10", "ckpt.interval=0", "ckpt.memory_interval=1", "train.hang_timeout=10"]
 FROZEN_STEP = 6
@@ -45,12 +48,17 @@ def test_a_frozen_rank_is_named_and_the_restarted_job_ends_bit_for_bit(tmp_path)
     ended = time.time()
     assert ended - os.path.getmtime(frozen_at) < 120, "the job took too long to get over the frozen rank"
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: hang:")]
-    assert len(said) == 1 and f"rank 1: step {FROZEN_STEP}, phase step" in said[0], proc.stderr[-3000:]
+    assert len(said) == 1 and f"rank 1 on {socket.gethostname()}: step {FROZEN_STEP}, phase step" in said[0], \
+        proc.stderr[-3000:]  # the host: a launcher may keep the next attempt off it
     [hang] = events(b, "hang")
     assert (hang["ranks"], hang["step"], hang["phase"], hang["exit_code"]) == ([1], FROZEN_STEP, "step", 76)
     assert 10 <= hang["waited_s"] < 60
     with open(b / "hang" / "rank0-attempt0.txt") as f:
         assert "train_step" in f.read(), "rank 0's stacks show where its main thread waited"
+    with open(b / "hang" / "flight-attempt0" / "gloo_rank_0", "rb") as f:  # the collective rank 0 waits in
+        record = pickle.load(f)
+    assert any(g["last_enqueued_collective"] > g["last_completed_collective"] for g in record["pg_status"].values()), \
+        record["pg_status"]  # a collective rank 0 entered and never left
     assert [e["tier"] for e in events(b, "resume")] == ["memory"]
     assert losses(b) == losses(tmp_path / "a") and sorted(losses(b)) == list(range(1, 11))
 
@@ -63,13 +71,29 @@ def test_a_failing_rank_is_named_with_its_error_not_called_a_hang(tmp_path):
     proc = run_train(run, 2, ["train.max_steps=20", "ckpt.interval=4", "train.hang_timeout=5"], check=False,
                      env={"CKPT_FAULT": "oserror@mid_step:5,rank=1", "FINETUNE_HANG_FILE": str(hang_file)})
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 1 and not hang_file.exists() and not (run / "hang").exists(), proc.stderr[-3000:]
+    assert proc.returncode == 1 and not hang_file.exists(), proc.stderr[-3000:]
+    assert os.listdir(run / "hang") == ["rank1-attempt0-traceback.txt"], "rank 1's traceback, and no stacks"
     assert "error: rank 1: OSError: [Errno 28]" in proc.stderr, "the failing rank's own line, though not rank 0"
     assert any(ln.startswith("error: rank 1 failed: OSError: [Errno 28]") and "(step 5, phase step)" in ln
                for ln in errors), proc.stderr[-3000:]
-    assert not any("hang" in ln for ln in errors) and "exitcode  : 76" not in proc.stderr, proc.stderr[-3000:]
+    assert not any(ln.startswith("error: hang") for ln in errors) and "exitcode  : 76" not in proc.stderr, \
+        proc.stderr[-3000:]  # rank 1's line names its traceback's file, in <run.dir>/hang/
     [failed] = events(run, "failed")
     assert (failed["rank"], failed["step"], failed["exit_code"]) == (1, 5, 1) and events(run, "hang") == []
+
+
+def test_a_failing_rank_ended_during_its_emergency_save_has_left_its_traceback(tmp_path):
+    """Issue 58 point 5: rank 1 raises in step 3 while its step-2 save is still being written (slowed 60 s), so its
+    emergency save waits; rank 0 exits 3 s after the failure and torchrun ends rank 1 there, before it could
+    re-raise. Its full traceback was written when the error was caught: on stderr and in <run.dir>/hang/."""
+    run = tmp_path / "run"
+    proc = run_train(run, 2, ["train.max_steps=8", "ckpt.interval=2", "train.hang_timeout=30"], check=False,
+                     env={"CKPT_FAULT": "sleep@write:2,rank=1,secs=60;oserror@mid_step:3,rank=1"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    kept = (run / "hang" / "rank1-attempt0-traceback.txt").read_text()
+    assert kept.startswith("Traceback (most recent call last)") and "train_fsdp.py" in kept, kept
+    assert "OSError: [Errno 28] No space left on device (injected by CKPT_FAULT at mid_step, step 3)" in kept
+    assert kept in proc.stderr, proc.stderr[-3000:]
 
 
 def test_a_sigterm_while_a_peer_is_frozen_stops_the_job_at_once(tmp_path):
@@ -106,9 +130,9 @@ def test_auto_hang_timeout_stays_below_the_collective_timeout():
     assert HangWatchdog(None, 0, 1, "unused", None, None, cap=30)._capped(AUTO_FLOOR_S) == CAP_SHARE * 30
 
 
-def test_the_first_failure_is_the_one_published():
+def test_the_first_failure_is_the_one_published(tmp_path):
     store = dist.HashStore()
-    dogs = [HangWatchdog(5, r, 3, "unused", None, store) for r in range(3)]
+    dogs = [HangWatchdog(5, r, 3, str(tmp_path), None, store) for r in range(3)]
     assert dogs[0]._failure() is None
     dogs[0].state = ("step", 7, time.monotonic())
     dogs[2].state = ("checkpoint", 6, time.monotonic())
@@ -117,6 +141,25 @@ def test_the_first_failure_is_the_one_published():
     assert dogs[1]._failure() == {"rank": 2, "step": 6, "phase": "checkpoint", "error": "OSError: CUDA out of memory"}
     assert dogs[2]._failure() is None, "a rank does not exit on its own failure"
     assert [d.state[0] for d in dogs] == ["failed", "startup", "failed"]
+    assert sorted(os.listdir(tmp_path / "hang")) == ["rank0-attempt0-traceback.txt", "rank2-attempt0-traceback.txt"]
+
+
+@pytest.mark.quick
+def test_a_failing_rank_keeps_its_full_traceback_when_it_is_caught(tmp_path, capsys):
+    """Issue 58 point 5: the traceback goes to stderr and to <run.dir>/hang/ as the error leaves the loop, before
+    the emergency save: torchrun may end the rank during that save, and the re-raised error is never printed."""
+    dog = HangWatchdog(5, 1, 2, str(tmp_path), None, dist.HashStore())
+
+    def deep_in_the_model():
+        raise OSError(28, "No space left on device")
+    with pytest.raises(OSError), dog.failures_told():
+        deep_in_the_model()
+    kept = (tmp_path / "hang" / "rank1-attempt0-traceback.txt").read_text()
+    assert kept.startswith("Traceback (most recent call last)") and "in deep_in_the_model" in kept
+    assert kept.rstrip().endswith("OSError: [Errno 28] No space left on device")
+    err = capsys.readouterr().err
+    assert err.startswith("error: rank 1: OSError: [Errno 28] No space left on device (traceback in ")
+    assert kept in err
 
 
 def test_a_slow_save_and_a_long_eval_are_not_hangs(tmp_path):
@@ -148,6 +191,40 @@ def test_a_rank_slowed_inside_the_forward_is_named_a_straggler(tmp_path):
                      env={"CKPT_FAULT": "sleep@forward,rank=1,secs=0.3"})
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("straggler:")]
     assert lines and lines[0].startswith("straggler: rank 1 "), proc.stdout[-3000:]
+
+
+class _NoTimeEvent:
+    """torch.cuda.Event on CPU: the device's part is 0 s, so what the monitor counts is the host's."""
+
+    def __init__(self, enable_timing=False):
+        pass
+
+    def record(self):
+        pass
+
+    def elapsed_time(self, _end):
+        return 0.0
+
+
+@pytest.mark.quick
+def test_on_cuda_the_hosts_own_time_before_the_first_block_is_compute(monkeypatch):
+    """Issue 58 point 7: on CUDA compute was the device's time in the blocks only, so a rank whose host was slow
+    before them (the batch, H2D copies, a GC pause: CKPT_FAULT sleep@mid_step) looked like every other. Now the host's
+    time from the step's start to its first block counts, less the step's collectives meanwhile (the other ranks
+    wait for the slow one there); host time after the first block's start (overlapping the device) does not."""
+    monkeypatch.setattr(torch.cuda, "Event", _NoTimeEvent)
+    block = torch.nn.Linear(2, 2)
+    monitor = StragglerMonitor(0.2, 100, 0, 2, torch.device("cpu"), None)
+    monitor.on_device = True  # the CUDA path, on CPU
+    monitor.watch_blocks([block])
+    with monitor.timed(1):
+        time.sleep(0.3)  # the host's own work
+        with monitor.waiting():
+            time.sleep(0.5)  # the loss-token count's all_reduce, waiting for a peer
+        for _ in range(2):
+            block(torch.zeros(1, 2))
+        time.sleep(0.2)  # after the first block: overlaps the device, not counted
+    assert 0.3 <= monitor.compute_s < 0.5, monitor.compute_s
 
 
 def test_hang_timeout_values():
@@ -194,11 +271,79 @@ def test_a_save_that_overran_with_a_peer_frozen_is_a_hang_naming_that_peer(quick
     assert ended.value.code == EXIT_HANG
     line = capsys.readouterr().err.strip()
     assert line.startswith("error: hang: no progress for") and "at step 3, phase checkpoint" in line
-    assert "stopped making progress: rank 1: step 3, phase checkpoint;" in line
-    assert (tmp_path / "told" / "hang.txt").read_text().strip() == line
-    assert os.listdir(tmp_path / "hang") == ["rank0-attempt0.txt"]
+    assert "stopped making progress: rank 1 on another: step 3, phase checkpoint;" in line
+    assert "Python stacks and flight records in" in line
+    assert (tmp_path / "told" / "hang.txt").read_text() == f"{line}\nfrozen hosts: another\n"
+    assert sorted(os.listdir(tmp_path / "hang")) == ["flight-attempt0", "rank0-attempt0.txt"]
+    with open(tmp_path / "hang" / "flight-attempt0" / "gloo_rank_0", "rb") as f:  # torch's CPU flight recorder
+        assert {"version", "pg_status", "entries"} <= set(pickle.load(f))
     assert kept == [("hang", {"step": 3, "phase": "checkpoint", "ranks": [1], "waited_s": kept[0][1]["waited_s"],
                               "exit_code": EXIT_HANG, "detected_by": 0})]
+
+
+@pytest.mark.quick
+def test_a_torch_without_a_flight_recorder_is_said_in_one_line(quick_watchdog, tmp_path, monkeypatch, capsys):
+    """Issue 58 point 4: where the build has no flight recorder, the hang says so in one line, and exits 76."""
+    monkeypatch.setattr(finetune.hang, "FLIGHT_RECORDERS", (("nccl_rank_", "_no_such_dump"),))
+    dog, _ = quick_watchdog(tmp_path)
+    dog.store.set(dog._key(1), json.dumps({"step": 3, "phase": "step", "heartbeat": 5, "host": "another",
+                                           "pid": NO_SUCH_PID}))
+    with pytest.raises(SystemExit) as ended:
+        dog._hang("step", 3, time.monotonic() - 5, 1.0)
+    assert ended.value.code == EXIT_HANG
+    warning, line = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith(f"warning: no flight record of the collectives in {tmp_path / 'hang'}: torch ")
+    assert line.startswith("error: hang:") and "Python stacks in" in line
+    assert os.listdir(tmp_path / "hang") == ["rank0-attempt0.txt"]
+
+
+@pytest.mark.quick
+def test_nccl_dumps_its_own_flight_record_into_run_dir_unless_the_launcher_chose(tmp_path, monkeypatch):
+    """NCCL's dump at its own timeout goes to <prefix><rank>, /tmp/nccl_trace_rank_<r> by default: node-local."""
+    for name in FLIGHT_ENV:
+        monkeypatch.delenv(name, raising=False)
+    keep_nccl_flight_record(str(tmp_path))
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "hang" / "flight-attempt0" / "nccl_rank_")
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    monkeypatch.setenv("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/shared/fr/rank_")  # the older name, which 2.13 reads too
+    keep_nccl_flight_record(str(tmp_path))
+    assert "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+
+
+def run_sbatch_after_a_hang(tmp_path, nodes_in_partition: int, job_nodes: int = 2) -> tuple[str, list[str]]:
+    """slurm/train.sbatch with stand-ins for srun (a hang whose frozen rank was on node7), scontrol and sinfo on
+    PATH: its output and the scontrol calls it made."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    fakes = {"srun": 'mkdir -p "$(dirname "$FINETUNE_HANG_FILE")"; printf "error: hang: ...\\nfrozen hosts: node7.cluster.example\\n" > "$FINETUNE_HANG_FILE"; exit 1',
+             "scontrol": f'echo "$*" >> {calls}; [ "$1" = show ] && echo node1; exit 0',
+             "sinfo": f"for i in $(seq {nodes_in_partition}); do echo node$i; done"}
+    for name, body in fakes.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_JOB_NUM_NODES": str(job_nodes), "SLURM_SUBMIT_DIR": str(tmp_path), "HOME": str(tmp_path)}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "slurm", "train.sbatch"), "configs/tiny.yaml"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr  # requeued
+    return proc.stdout + proc.stderr, calls.read_text().splitlines()
+
+
+@pytest.mark.quick
+def test_sbatch_requeues_a_hang_without_the_node_whose_rank_froze(tmp_path):
+    """Issue 58 point 10: the hang file's `frozen hosts:` line (finetune/hang.py) is excluded from the requeued job,
+    short names, after the requeue (SLURM changes the excluded nodes of a pending job only)."""
+    out, calls = run_sbatch_after_a_hang(tmp_path, nodes_in_partition=4)
+    assert calls[1:] == ["requeue 42", "update JobId=42 ExcNodeList=node7"], (calls, out)
+    assert "the requeued job excludes node7" in out
+
+
+@pytest.mark.quick
+def test_sbatch_excludes_no_node_the_job_cannot_do_without(tmp_path):
+    """A partition of 2 nodes for a job of 2: excluding one would leave the job pending for ever."""
+    out, calls = run_sbatch_after_a_hang(tmp_path, nodes_in_partition=2)
+    assert calls[1:] == ["requeue 42"], (calls, out)
+    assert "not excluding node7 (frozen ranks): 1 other node(s) in the partition, the job needs 2" in out
 
 
 @pytest.mark.quick
@@ -215,7 +360,7 @@ def test_a_step_that_overran_because_a_peer_raised_is_that_error_not_a_hang(quic
     assert ended.value.code == EXIT_FAILED
     assert capsys.readouterr().err.strip() == ("error: rank 1 failed: OSError: No space left on device (step 4, phase "
                                                f"step); rank 0 exiting with {EXIT_FAILED}")
-    assert [name for name, _ in kept] == ["failed"] and not (tmp_path / "hang").exists()
+    assert [name for name, _ in kept] == ["failed"] and os.listdir(tmp_path / "hang") == ["rank1-attempt0-traceback.txt"]
 
 
 @pytest.mark.quick
