@@ -169,6 +169,8 @@ def explain(repo_id: str, revision: str, e: Exception) -> str:
     from huggingface_hub import constants, errors
 
     at = f" at revision {revision!r} (model.revision)" if revision else ""
+    if re.fullmatch(r"[0-9a-f]{40}", revision or ""):  # a commit: the job's own (model_files), or model.revision's
+        at = f" at commit {revision}"
     if isinstance(e, StaleLockError):
         return str(e)
     if isinstance(e, errors.GatedRepoError):
