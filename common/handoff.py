@@ -37,6 +37,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+_FAILED = 1 << 40  # added to each_builds' `finished` by a builder that failed: more than any count of builders
 _CALLS: Counter = Counter()  # key -> how many builds of that key this process has begun (see `one_rank_builds`)
 
 
@@ -85,9 +86,9 @@ def each_builds(build: Callable[[], None], me: int, count: int, key: str, what: 
                 log: Callable[[str], None] = print, rank: int | None = None) -> None:
     """Each of `count` builders (`me`: 0 .. count-1, e.g. one process per node) runs build(); each returns once
     every one has, so that none goes on (into a collective with a deadline) while another still builds.
-    Keys per build: `finished` (a counter), `failed` (the first failure's message), one shared `beat` counter that
-    every builder still building adds to, and per builder `who/<me>` (its host) and `done/<me>` (set when it ends),
-    read only to name the builders that stopped. A builder raises `error_type`, with one line, when:
+    Keys per build: `finished` (a counter; a failure adds _FAILED), `failed` (a failure's message), one shared
+    `beat` counter that every builder still building adds to, and per builder `who/<me>` (its host) and `done/<me>`
+    (set when it ends), read only to name the builders that stopped. A builder raises `error_type`, with one line, when:
     - any builder failed: that failure's message;
     - no builder still building has beaten for `dead_after_s` and some never finished (their process or node is
       gone): naming them;
@@ -104,6 +105,7 @@ def each_builds(build: Callable[[], None], me: int, count: int, key: str, what: 
             build()
     except Exception as e:  # noqa: BLE001 - told to the others, then re-raised here
         store.set(keys["failed"], str(e) if isinstance(e, error_type) else f"{type(e).__name__}: {e}")
+        store.add(keys["finished"], _FAILED)  # the waiters' one poll request sees it
         raise
     finally:
         store.set(f"{prefix}/done/{me}", "1")
@@ -114,9 +116,8 @@ def each_builds(build: Callable[[], None], me: int, count: int, key: str, what: 
         hosts = ", ".join(f"{i} ({_host(store, f'{prefix}/who/{i}')})" for i in gone[:3])
         return f"{len(gone)} of {count} stopped while building {what}, the first: {hosts}"
     waiting = _Waiting(store, keys["beat"], what, error_type, poll_s, dead_after_s, report_s, log, rank)
-    waiting.until(lambda: store.check([keys["failed"]]) or store.add(keys["finished"], 0) >= count, stopped,
-                  f"waiting for {count} builders of {what}")
-    if store.check([keys["failed"]]):
+    waiting.until(lambda: store.add(keys["finished"], 0) >= count, stopped, f"waiting for {count} builders of {what}")
+    if store.add(keys["finished"], 0) >= _FAILED:
         raise error_type(store.get(keys["failed"]).decode())
 
 
