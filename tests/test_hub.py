@@ -1,6 +1,9 @@
 """Hugging Face Hub model ids in model.name_or_path (and config_path, tokenizer_path), against a local stand-in for
 the Hub (tests/hub_server.py, huggingface_hub pointed at it through HF_ENDPOINT): a run, its offline resume, the
-refusal of another commit, --plan's one file, the exports, and the error lines.
+refusal of another commit, --plan's one file, the exports, and the error lines; and on several nodes (two torchrun
+agents, or two node leaders with a store of this process): one commit for the job though main moves, a node's slow
+download awaited past the collective timeout, one download into a shared cache, caches at other commits and a
+stale lock each named in one line.
 
     python -m pytest tests/test_hub.py -q
 """
