@@ -41,7 +41,7 @@ from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStre
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.goodput import goodput_line, process_start_time
 from finetune.hang import HangWatchdog, keep_nccl_flight_record, parse_hang_timeout
-from finetune.inputs import check_inputs, check_shared_folders
+from finetune.inputs import check_inputs, check_same_hub_commits, check_shared_folders
 from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
 from finetune.loss import next_token_loss_sum
@@ -386,6 +386,7 @@ def close_run(cfg: Config, rank: int, log, progress: TrainProgress, exit_code: i
 
 def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
     check_shared_folders(cfg)  # run.dir, data.cache_dir, a local ckpt.dir: seen alike by every node, or stop now
+    check_same_hub_commits(cfg)  # a Hub id: every node downloaded the commit rank 0 resolved, or stop now
     checkpoints, log = open_checkpoints(cfg.ckpt, cfg.train.max_steps, collective_timeout(cfg.ckpt.timeout_minutes),
                                         lambda: open_run(cfg, rank))  # the ckpt.dir lock first, then the run folder
     tokenizer, model = build_model(cfg, device, world_size, log)

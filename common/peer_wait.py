@@ -4,7 +4,7 @@ which the node's other ranks wait for. No process group needed: it runs before o
     python -m pytest tests/test_hub.py -q -k once_per_node
 
 `once_per_node(work, what, error_type, timeout_s)`: local rank 0 writes its pid, runs `work()` and then a result
-file ("ok" or its error's message); every other rank of the node waits for that file (wait_for_file: one stat per
+file (work's string, or its error's message); every other rank of the node waits for that file (wait_for_file: one stat per
 poll), and stops at once, naming `what`, when local rank 0's process is gone or `timeout_s` has passed. The files
 live in the node's temp folder, named by the launch (torchrun agent's pid, restart, rendezvous port), so a later
 launch never reads them; local rank 0 removes a day's stale ones.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import tempfile
 import time
@@ -62,13 +63,12 @@ def _write(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def once_per_node(work: Callable[[], None], what: str, error_type: type[Exception], timeout_s: float) -> None:
-    """Run `work()` on local rank 0 of each node; the node's other ranks return once it succeeded, or raise
-    `error_type` with its error's message (every rank ends with the same line), or PeerWaitError's as
-    `error_type` when it died or `timeout_s` passed."""
+def once_per_node(work: Callable[[], str], what: str, error_type: type[Exception], timeout_s: float) -> str:
+    """Run `work()` on local rank 0 of each node and return its string on every rank of the node; the others
+    raise `error_type` with its error's message (every rank ends with the same line), or PeerWaitError's as
+    `error_type` when it died or `timeout_s` passed (float("inf"): as long as it lives)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) == 1:
-        work()
-        return
+        return work()
     prefix = _launch_files(what)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         for stale in glob.glob(os.path.join(os.path.dirname(prefix), "once-*")):
@@ -76,12 +76,13 @@ def once_per_node(work: Callable[[], None], what: str, error_type: type[Exceptio
                 os.remove(stale)
         _write(prefix + ".pid", str(os.getpid()))
         try:
-            work()
+            result = work()
         except Exception as e:
-            _write(prefix + ".done", str(e) if isinstance(e, error_type) else f"{type(e).__name__}: {e}")
+            _write(prefix + ".done", json.dumps({"error": str(e) if isinstance(e, error_type) else
+                                                 f"{type(e).__name__}: {e}"}))
             raise
-        _write(prefix + ".done", "")
-        return
+        _write(prefix + ".done", json.dumps({"ok": result}))
+        return result
     try:
         wait_for_file(prefix + ".pid", f"local rank 0 to start {what}", PID_WAIT_S)
         with open(prefix + ".pid") as f:
@@ -90,6 +91,7 @@ def once_per_node(work: Callable[[], None], what: str, error_type: type[Exceptio
     except PeerWaitError as e:
         raise error_type(str(e)) from None
     with open(prefix + ".done") as f:
-        error = f.read()
-    if error:
-        raise error_type(error)
+        outcome = json.load(f)
+    if "error" in outcome:
+        raise error_type(outcome["error"])
+    return outcome["ok"]

@@ -1,8 +1,10 @@
 """The checks of a run's inputs that every rank makes, identically and in milliseconds, before any process group:
 the torch and transformers releases (common/versions.py), the launch, the model and tokenizer folders, the attention
 kernel, model.compile's compiler, the local data files; the download of Hub model ids, once per node, which is
-not milliseconds (finetune/model_files.py); and, once the process group exists, that the folders every node writes
-into and reads from are one folder on every node (`check_shared_folders`, common/shared_paths.py).
+not milliseconds (finetune/model_files.py: one commit for the job, every node's download awaited); and, once the
+process group exists, that the folders every node writes into and reads from are one folder on every node
+(`check_shared_folders`, common/shared_paths.py) and that every rank holds the same commit of each Hub id
+(`check_same_hub_commits`).
 
     python -m pytest tests/test_launch.py -q
 
@@ -21,8 +23,8 @@ from finetune.config import Config, ConfigError
 from finetune.data.errors import DataError
 from finetune.data.sources import is_local_path, sources
 from finetune.launch import accelerate_world_problem
-from finetune.model import check_attn_implementation, check_compile, check_model_folder
-from finetune.model_files import fetch_hub_models
+from finetune.model import ModelError, check_attn_implementation, check_compile, check_model_folder
+from finetune.model_files import fetch_hub_models, hub_commit_mismatch
 
 
 def check_inputs(cfg: Config) -> None:
@@ -33,7 +35,7 @@ def check_inputs(cfg: Config) -> None:
     check_attn_implementation(cfg.model)
     check_compile(cfg.model)
     check_data_files(cfg)
-    fetch_hub_models(cfg.model)  # Hub ids: local rank 0 of each node downloads (minutes), the node's others wait
+    fetch_hub_models(cfg.model)  # Hub ids: one commit; each node downloads it (minutes) and waits for every node
     check_model_folder(cfg.model)
 
 
@@ -62,3 +64,11 @@ def check_shared_folders(cfg: Config) -> None:
                                                           "az://container/prefix)"})
     if problem:
         raise ConfigError(problem)
+
+
+def check_same_hub_commits(cfg: Config) -> None:
+    """Every rank holds the commit rank 0 holds of each Hub id among the model keys; ModelError naming both
+    commits otherwise. A collective."""
+    problem = hub_commit_mismatch(cfg.model)
+    if problem:
+        raise ModelError(problem)

@@ -47,6 +47,14 @@ def launch_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
+def launch_node() -> tuple[int, int]:
+    """(this node's number, how many nodes) as torchrun numbers its agents (GROUP_RANK, GROUP_WORLD_SIZE); one
+    node without them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or launch_world()
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "0") or 0) or max(1, launch_world() // local)
+    return int(os.environ.get("GROUP_RANK", "") or launch_rank() // local), nodes
+
+
 def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAIT_S) -> None:
     """Print `error: message` on rank 0 only; see the module docstring for the other ranks, which end with
     `exit_code` too (SystemExit), stopped by torchrun or after `wait_s`."""
@@ -54,7 +62,7 @@ def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAI
     _write_elastic_error_file(message, exit_code)
     # before counting in: rank 0 may exit, and torchrun stop us, right after; rank 0 too, once the others exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code))  # torchrun stopping us: the same exit code
-    store = _launcher_store()
+    store = launcher_store()
     reached = _count_in(store)
     if rank == 0:
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -69,7 +77,7 @@ def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAI
         time.sleep(STOPPED_WITHIN_S)
 
 
-def _launcher_store() -> TCPStore | None:
+def launcher_store() -> TCPStore | None:
     """The TCPStore torchrun's agent serves at MASTER_ADDR:MASTER_PORT (c10d rendezvous, what --standalone, the
     README and slurm/train.sbatch use); None for a world of one, a launcher without one, or one not reachable."""
     if launch_world() < 2 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":

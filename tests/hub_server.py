@@ -8,7 +8,10 @@ get_hf_file_metadata / http_get): GET /api/models/{repo}/revision/{rev}, GET /ap
 HEAD and GET /{repo}/resolve/{rev}/{file} with X-Repo-Commit, ETag and Content-Length. Errors carry the
 X-Error-Code huggingface_hub maps to its exceptions: RepoNotFound (404), GatedRepo (401 without the token),
 RevisionNotFound, EntryNotFound. `HubServer.requests` lists every (method, path) served; `move_branch` points a
-branch at another commit, as a push to the model would.
+branch at another commit, as a push to the model would. Two nodes' views of one Hub: `HubServer(same_hub_as=other)`
+serves the other's repos and branches (one push moves both), with its own `delay_s` before each file it sends (a
+slow node's link) and its own requests; `after_request(method, path)`, if set, runs once each request is served (a
+push at a chosen moment).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import http.server
 import json
 import os
 import threading
+import time
 import urllib.parse
 
 import torch
@@ -60,10 +64,12 @@ def commit_of(files: dict[str, bytes]) -> str:
 class HubServer:
     """Serves `repos` ({repo: {commit: {file: bytes}}}) with branches ({repo: {branch: commit}})."""
 
-    def __init__(self):
-        self.repos: dict[str, dict[str, dict[str, bytes]]] = {}
-        self.branches: dict[str, dict[str, str]] = {}
+    def __init__(self, same_hub_as: HubServer | None = None, delay_s: float = 0.0):
+        self.repos: dict[str, dict[str, dict[str, bytes]]] = same_hub_as.repos if same_hub_as else {}
+        self.branches: dict[str, dict[str, str]] = same_hub_as.branches if same_hub_as else {}
         self.requests: list[tuple[str, str]] = []
+        self.delay_s = delay_s
+        self.after_request = None
         handler = type("Handler", (_Handler,), {"hub": self})
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -96,9 +102,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         self._serve(body=False)
+        if self.hub.after_request:
+            self.hub.after_request(self.command, self.path)
 
     def do_GET(self):
         self._serve(body=True)
+        if self.hub.after_request:
+            self.hub.after_request(self.command, self.path)
 
     def _error(self, status: int, code: str) -> None:
         self.send_response(status)
@@ -146,5 +156,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if name not in files:
             return self._error(404, "EntryNotFound")
         data = files[name]
+        if body and self.hub.delay_s:
+            time.sleep(self.hub.delay_s)
         self._send(data, {"X-Repo-Commit": commit, "ETag": f'"{hashlib.sha1(data).hexdigest()}"',
                           "Content-Type": "application/octet-stream"}, body)

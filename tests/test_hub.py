@@ -1,6 +1,9 @@
 """Hugging Face Hub model ids in model.name_or_path (and config_path, tokenizer_path), against a local stand-in for
 the Hub (tests/hub_server.py, huggingface_hub pointed at it through HF_ENDPOINT): a run, its offline resume, the
-refusal of another commit, --plan's one file, the exports, and the error lines.
+refusal of another commit, --plan's one file, the exports, and the error lines; and on several nodes (two torchrun
+agents, or two node leaders with a store of this process): one commit for the job though main moves, a node's slow
+download awaited past the collective timeout, one download into a shared cache, caches at other commits and a
+stale lock each named in one line.
 
     python -m pytest tests/test_hub.py -q
 """
@@ -218,3 +221,235 @@ def test_once_per_node_the_others_wait_for_local_rank_0_and_share_its_end(behavi
         assert got == {0: "local rank 0's one line", 1: "local rank 0's one line"}
     else:
         assert got[1].startswith("stopped waiting for the dies work: local rank 0 (pid ") and 0 not in got, got
+
+
+# ---------------------------------------------------------------- several nodes: one commit, every download awaited
+
+# A node's local rank 0 before any process group: fetch_hub_models as train_fsdp.py calls it, then the commit it holds.
+# NO_LOCK: huggingface_hub's blob lock made a no-op, as flock is on NFS with local_lock=flock or Lustre localflock.
+LEADER = """
+import contextlib, json, sys
+if sys.argv[1] == "no-lock":
+    import huggingface_hub.file_download as fd
+    fd.WeakFileLock = lambda *a, **k: contextlib.nullcontext()
+from finetune.config import load_config
+from finetune.model_files import ModelError, fetch_hub_models, hub_commits
+cfg = load_config("configs/tiny.yaml", ["model.name_or_path=%s"])
+try:
+    fetch_hub_models(cfg.model)
+except ModelError as e:
+    print("error:", e)
+    sys.exit(2)
+print(json.dumps(hub_commits(cfg.model)))
+""" % MODEL
+
+
+def node_leaders(envs: list[dict], lock: str = "lock", timeout: float = 120) -> list[subprocess.CompletedProcess]:
+    """One process per "node" (its local rank 0, LOCAL_WORLD_SIZE=1), as torchrun starts it: RANK, GROUP_RANK and
+    the launcher's store, here a TCPStore of this test process; `envs[i]`: node i's Hub endpoint and cache."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    launch = {"WORLD_SIZE": str(len(envs)), "GROUP_WORLD_SIZE": str(len(envs)), "LOCAL_RANK": "0",
+              "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(store.port)}
+    procs = [subprocess.Popen([sys.executable, "-c", LEADER, lock], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env={**os.environ, **launch, **env, "RANK": str(i),
+                                                           "GROUP_RANK": str(i)})
+             for i, env in enumerate(envs)]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def file_gets(hub) -> list[str]:
+    return [path for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+
+
+@pytest.fixture
+def two_commits(hub):
+    """hub's MODEL with a second commit, main back at the first after the test."""
+    second = hub.add(MODEL, tiny_model_files(seed=2))
+    hub.move_branch(MODEL, "main", hub.commits[0])
+    yield hub.commits[0], second
+    hub.move_branch(MODEL, "main", hub.commits[0])
+    hub.after_request = None
+
+
+def test_nodes_sharing_one_cache_download_once_though_its_lock_does_not_hold(hub, tmp_path):
+    """Issue 58 point 3: two nodes, one HF_HOME (a cluster filesystem) whose flock is node-local (here: a no-op).
+    One process in the job downloads, the other waits for it and reads the same snapshot: each file fetched once.
+    Without that, both write the same blobs at once (twice the requests, and a corrupt blob where the lock is
+    really missing)."""
+    slow = HubServer(same_hub_as=hub, delay_s=0.3)  # the two would overlap: 6 files x 0.3 s
+    try:
+        env = hub_env(slow, tmp_path / "hf")
+        out = node_leaders([env, env], lock="no-lock")
+    finally:
+        slow.close()
+    for p in out:
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.splitlines()[-1]) == {MODEL: hub.commits[0]}
+    assert len(file_gets(slow)) == 6, file_gets(slow)
+    assert not [n for n in os.listdir(tmp_path / "hf" / "hub") if n.startswith(".fsdp-finetune")]  # token removed
+
+
+def test_node_local_offline_caches_at_different_commits_stop_in_one_line_naming_both(hub, tmp_path, two_commits):
+    """Issue 58 point 1: HF_HUB_OFFLINE=1 and each node's own cache, filled when main pointed at different commits:
+    rank 0's cache says main is A, node 1's says B. The job trains A or nothing: node 1 lacks A, and both nodes end
+    with one line naming both commits."""
+    a, b = two_commits
+    for node, commit in ((0, a), (1, b)):
+        hub.move_branch(MODEL, "main", commit)
+        filled = python(["-c", f"from common.hub import fetch; fetch({MODEL!r}, '', True)"],
+                        hub_env(hub, tmp_path / f"hf{node}"))
+        assert filled.returncode == 0, filled.stderr[-2000:]
+    hub.requests.clear()
+    out = node_leaders([hub_env(hub, tmp_path / f"hf{node}", HF_HUB_OFFLINE="1") for node in (0, 1)])
+    assert hub.requests == []
+    for p in out:
+        assert p.returncode == 2, p.stderr[-3000:]
+        [line] = error_lines(p.stdout)
+        assert line.startswith(f"error: model.name_or_path={MODEL}: ") and a in line and b in line, line
+        assert "the nodes' caches differ" in line, line
+
+
+def two_node_agents(envs: list[dict], overrides: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents on this machine as two nodes of one job (static rendezvous on 127.0.0.1, --node_rank i,
+    one rank each), node i with `envs[i]` (its Hub endpoint and cache); again on another port if the store's was
+    taken."""
+    from conftest import FAST, kill_workers, port_was_taken, start_python
+    args = [*FAST, *overrides]
+    for attempt in range(3):
+        port = free_port()
+        agents = [start_python(["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(i),
+                                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                                "train_fsdp.py", "--config", "configs/tiny.yaml", *args], env, ROOT, forked=False)
+                  for i, env in enumerate(envs)]
+        try:
+            outs = [a.communicate(timeout=timeout) for a in agents]
+        finally:
+            for a in agents:
+                if a.returncode is None:
+                    kill_workers(a.pid)
+                    a.kill()
+                    a.communicate()
+        if not port_was_taken(["".join(o) for o in outs]) or attempt == 2:
+            break
+    return [subprocess.CompletedProcess(a.args, a.returncode, *out) for a, out in zip(agents, outs)]
+
+
+def test_two_nodes_train_one_commit_though_main_moves_and_one_node_downloads_past_the_collective_timeout(
+        hub, tmp_path, two_commits):
+    """Issue 58 points 1 and 2, on two nodes with their own caches: node 1 reaches the Hub over a slow link (its
+    download outlasts train.collective_timeout_minutes, 6 s, more than twice over), and main moves to another commit
+    right after rank 0 asked where it points. Both nodes train, and train commit A: rank 0 resolved it once and
+    node 1 downloaded that commit; no node entered init_process_group before every download ended. (Before: node 0
+    failed in init_process_group after 6 s, and node 1 would have fetched B.)"""
+    a, b = two_commits
+    slow = HubServer(same_hub_as=hub, delay_s=15.0)  # each file 15 s late (fetched in parallel): 15 s and more
+    moved = []
+
+    def push(method, path):
+        if "/revision/" in path and not moved:
+            moved.append(path)
+            hub.move_branch(MODEL, "main", b)
+    hub.after_request = slow.after_request = push
+    hub.requests.clear()
+    run = tmp_path / "run"
+    try:
+        nodes = two_node_agents([hub_env(hub, tmp_path / "hf0"),  # node 1: a slow link, not a dead one
+                                 hub_env(slow, tmp_path / "hf1", HF_HUB_DOWNLOAD_TIMEOUT="60")],
+                                [*RUN, f"run.dir={run}", f"data.cache_dir={token_cache()}", "train.hang_timeout=0",
+                                 "train.collective_timeout_minutes=0.1"])
+    finally:
+        slow.close()
+    for i, node in enumerate(nodes):
+        assert node.returncode == 0, f"node {i}\n{node.stdout[-3000:]}\n{node.stderr[-5000:]}"
+    assert moved == [f"/api/models/{MODEL}/revision/main"]  # asked once, by rank 0
+    assert not [p for _, p in slow.requests if "/revision/" in p], slow.requests
+    for server in (hub, slow):
+        gets = file_gets(server)
+        assert len(gets) == 6 and all(f"/resolve/{a}/" in p for p in gets), gets
+    assert meta(run, 2)["schema"]["hub_commits"] == {MODEL: a}
+
+
+def _commits_rank(rank: int, port: int, q) -> None:
+    """Worker of the mismatch test: rank r holds commit "r" * 40 of MODEL (as if resolved by itself)."""
+    import torch.distributed as dist
+
+    import finetune.model_files as model_files
+    from finetune.config import load_config
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny.yaml"), [f"model.name_or_path={MODEL}"])
+    model_files.hub_commits = lambda cfg_model: {MODEL: ("a" if rank == 0 else "b") * 40}
+    q.put((rank, model_files.hub_commit_mismatch(cfg.model)))
+    model_files.hub_commits = lambda cfg_model: {MODEL: "a" * 40}
+    q.put((rank, model_files.hub_commit_mismatch(cfg.model)))
+    dist.destroy_process_group()
+
+
+def test_after_the_process_group_a_rank_with_another_commit_is_named_on_every_rank():
+    """Issue 58 point 1's net (a launcher without a store: each node resolved by itself): every rank gets one line
+    naming both commits; the same commits pass."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_commits_rank, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [q.get(timeout=120) for _ in range(4)]
+    for p in procs:
+        p.join(30)
+    lines = [line for _, line in got if line]
+    assert len(lines) == 2 and lines[0] == lines[1], got
+    assert lines[0].startswith(f"model.name_or_path={MODEL}: the ranks would train different weights: rank 0 (") \
+        and "a" * 40 in lines[0] and f"rank 1 (" in lines[0] and "b" * 40 in lines[0], lines[0]
+    assert sum(line is None for _, line in got) == 2
+
+
+STALE = """
+import filelock, sys
+import huggingface_hub.constants as constants
+import huggingface_hub.utils._fixes as fixes
+import common.hub
+fixes.FileLock = filelock.SoftFileLock  # a filesystem without flock: huggingface_hub's lock-file fallback
+constants.FILELOCK_LOG_EVERY_SECONDS = 0.5
+common.hub.STALE_LOCK_S = float(sys.argv[1])
+from finetune.config import load_config
+from finetune.model_files import ModelError, fetch_hub_models
+try:
+    fetch_hub_models(load_config("configs/tiny.yaml", ["model.name_or_path=%s"]).model)
+except ModelError as e:
+    print("error:", e)
+    sys.exit(2)
+""" % MODEL
+
+
+def test_a_lock_left_by_a_killed_download_is_named_in_one_line(hub, tmp_path):
+    """Issue 58 point 3: where flock is missing, huggingface_hub falls back to lock files; a download killed
+    mid-way (here: a lock file of a holder on another host, whose blob never grew) made every later run wait for
+    ever. Now: one line naming the lock and how to remove it, once the blob it guards has not changed for
+    STALE_LOCK_S (2 s here); and after its removal the same command downloads."""
+    import hashlib
+    home = tmp_path / "hf"
+    config = hub.repos[MODEL][hub.commits[0]]["config.json"]
+    lock = home / "hub" / ".locks" / "models--tiny-org--tiny-llama" / f"{hashlib.sha1(config).hexdigest()}.lock"
+    os.makedirs(lock.parent)
+    lock.write_text("4242\nanother-node\n1\n")  # filelock's SoftFileLock marker: pid, host, token
+    old = time.time() - 60
+    os.utime(lock, (old, old))
+    t0 = time.monotonic()
+    stuck = python(["-c", STALE, "2"], hub_env(hub, home), timeout=120)
+    assert stuck.returncode == 2 and time.monotonic() - t0 < 60, stuck.stderr[-3000:]
+    [line] = error_lines(stuck.stdout)
+    assert line.startswith(f"error: model.name_or_path={MODEL}: the Hugging Face cache lock {lock} is held by no "
+                           "live download") and f"rm '{lock}'" in line, line
+    os.remove(lock)
+    again = python(["-c", STALE, "2"], hub_env(hub, home), timeout=120)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-3000:]

@@ -193,6 +193,69 @@ def test_one_rank_builds_the_others_wait_as_long_as_it_lives():
     assert out.startswith("DataError: lost the job's store while waiting for rank 0 to build the thing"), out
 
 
+def _each(me: int, port: int, q) -> None:
+    """Worker of test_each_builds_*: one of 3 builders (no process group: as before init_process_group)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from common.handoff import each_builds
+    from finetune.data import DataError
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+
+    def attempt(name: str, build, **kw) -> None:
+        t0 = time.time()
+        try:
+            each_builds(build, me, 3, name, "the download", DataError, store=store, poll_s=0.05, rank=me, **kw)
+            out = "ok"
+        except DataError as e:
+            out = f"DataError: {e}"
+        q.put((me, name, out, (t0, time.time())))
+
+    def fails():
+        if me == 1:
+            raise DataError("node 1 cannot download")
+
+    def leave():
+        q.close()
+        q.join_thread()
+        os._exit(0)
+    attempt("ok", lambda: time.sleep(1.5 if me == 2 else 0.0))
+    attempt("error", fails)
+    attempt("dead", lambda: leave() if me == 2 else time.sleep(1.0 if me == 1 else 0.0), dead_after_s=1.5)
+    leave()
+
+
+def test_each_builds_waits_for_every_builder_as_long_as_they_live():
+    """Three builders (one per node, before any process group): each returns once the slowest is done; one's
+    failure is every one's line; a builder that dies without a word ends the others' wait within dead_after_s of
+    the last sign of life, naming it."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_each, args=(me, store.port, q)) for me in range(3)]
+    for p in procs:
+        p.start()
+    got = {}
+    while len(got) < 8:
+        me, name, out, took = q.get(timeout=120)
+        got[(name, me)] = (out, took)
+    for p in procs:
+        p.join(timeout=30)
+    assert [got[("ok", me)][0] for me in range(3)] == ["ok"] * 3
+    assert got[("ok", 0)][1][1] >= got[("ok", 2)][1][0] + 1.5, got  # node 0 built nothing and waited for node 2
+    assert [got[("error", me)][0] for me in range(3)] == ["DataError: node 1 cannot download"] * 3
+    for me in (0, 1):
+        out, (t0, t1) = got[("dead", me)]
+        assert out.startswith("DataError: 1 of 3 stopped while building the download, the first: 2 (") and \
+            "no sign of life from it for 2 s" in out, out
+        assert t1 - t0 < 10, t1 - t0
+
+
 class _OneProcessStore(Storage):
     visible_to = "process"
 
