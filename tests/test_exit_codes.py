@@ -139,3 +139,53 @@ def test_torchrun_restarts_on_every_failed_code(tmp_path):
     assert out.returncode == 0 and starts.read_text().split() == [str(n) for n in range(len(failed) + 1)], \
         out.stderr[-3000:]
     assert all(CONTRACT[c][1][LAUNCHERS[0]] == RESTART for c in failed) and CONTRACT[0][1][LAUNCHERS[0]] == DONE
+
+
+# ---------------------------------------------------------------- the restart counter
+
+def test_a_launchers_restart_count_makes_a_new_attempt_so_attempt_faults_fire_once(monkeypatch):
+    """worker_attempt adds LAUNCH_RESTART_COUNT (a launcher that starts torchrun again itself, as
+    k8s/entrypoint.sh) to torchrun's and SLURM's counts: a fault for attempt 0 does not fire again there, and the hang
+    stack files (rank<r>-attempt<k>.txt) of the next attempt do not overwrite this one's."""
+    from ckpt.faults import fault_point
+    from common.dist import worker_attempt
+    from common.launcher import RESTART_COUNT_ENV
+    for name in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT", RESTART_COUNT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CKPT_FAULT", "oserror@mid_step:3,attempt=0")
+    with pytest.raises(OSError):
+        fault_point("mid_step", 3)
+    monkeypatch.setenv(RESTART_COUNT_ENV, "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert worker_attempt() == 3
+    fault_point("mid_step", 3)  # attempt 3: not fired
+
+
+def test_the_entrypoint_counts_the_jobsets_restarts_and_in_place_attempts(tmp_path):
+    """k8s/entrypoint.sh sets LAUNCH_RESTART_COUNT to the pod's JobSet restart attempt plus its in-place attempt
+    (the downward-API annotations of k8s/base/jobset.yaml; empty ones are 0)."""
+    path = fake_bin(tmp_path, torchrun='#!/bin/bash\necho "count=$LAUNCH_RESTART_COUNT"\n')
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "JOB", "NNODES", "LAUNCH_"))}
+    for attempts, count in (({}, "0"), ({"JOBSET_RESTART_ATTEMPT": "2", "JOBSET_IN_PLACE_ATTEMPT": ""}, "2"),
+                            ({"JOBSET_RESTART_ATTEMPT": "1", "JOBSET_IN_PLACE_ATTEMPT": "4"}, "5")):
+        out = subprocess.run([os.path.join(ROOT, "k8s", "entrypoint.sh"), "configs/tiny.yaml"],
+                             env={**keep, "PATH": f"{path}:{os.environ['PATH']}", "JOBSET_NAME": "fsdp",
+                                  "REPLICATED_JOB_NAME": "node", "JOB_COMPLETION_INDEX": "0", "NNODES": "1",
+                                  **attempts}, capture_output=True, text=True, timeout=60, cwd="/")
+        assert out.returncode == 0 and f"count={count}" in out.stdout, out
+
+
+def test_the_entrypoint_keeps_its_state_in_dev_shm_on_a_read_only_root(tmp_path):
+    """readOnlyRootFilesystem: no writable $TMPDIR (here a path that cannot be made), so the entrypoint's hang and
+    error files go to /dev/shm, the pod's memory emptyDir; a hang there is still read as 76."""
+    path = fake_bin(tmp_path, torchrun='#!/bin/bash\necho "state=$(dirname "$FINETUNE_HANG_FILE")"\n'
+                                       'echo "error: hang: (fake)" > "$FINETUNE_HANG_FILE"; exit 1\n')
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "JOB", "NNODES", "LAUNCH_"))}
+    out = subprocess.run([os.path.join(ROOT, "k8s", "entrypoint.sh"), "configs/tiny.yaml"],
+                         env={**keep, "PATH": f"{path}:{os.environ['PATH']}", "TMPDIR": "/proc/no-such-folder",
+                              "JOBSET_NAME": "fsdp", "REPLICATED_JOB_NAME": "node", "JOB_COMPLETION_INDEX": "0",
+                              "NNODES": "1"}, capture_output=True, text=True, timeout=60, cwd="/")
+    state = out.stdout.split("state=", 1)[-1].split()[0]
+    if state.startswith("/dev/shm/fsdp-entrypoint."):
+        subprocess.run(["rm", "-rf", state])
+    assert out.returncode == 76 and state.startswith("/dev/shm/fsdp-entrypoint."), out
