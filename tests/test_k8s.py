@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -669,3 +670,26 @@ def test_check_cluster_names_each_missing_gate(tmp_path):
     with open(os.path.join(ROOT, "docs", "kubernetes.md")) as f:
         assert "$ k8s/check-cluster.sh --overlay jobset-inplace\n" + out.stdout in f.read(), \
             "docs/kubernetes.md shows this output:\n" + out.stdout
+
+
+def test_a_non_root_pod_keeps_the_tier_in_a_folder_it_makes_under_the_root_owned_mount():
+    """The kubelet makes an emptyDir's mount point root-owned, mode 0777. A non-root pod's tier refuses that folder
+    itself (another user's), so ckpt.memory_dir is a folder below it, which the tier makes with this uid's mode
+    0700 (memory_tier/peers.py make_step_folder): run as uid 65534, the mount point is refused, the subfolder is
+    made and accepted."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a root-owned folder and run as another uid")
+    mount = tempfile.mkdtemp(prefix="fsdp-test-emptydir-", dir="/dev/shm")  # pytest's tmp_path is root's alone
+    os.chmod(mount, 0o777)
+    probe = ("import os, sys; sys.path.insert(0, sys.argv[2])\n"
+             "from ckpt.memory_tier.tier import foreign_folder\n"
+             "from ckpt.memory_tier.peers import make_step_folder\n"
+             "os.setgid(65534); os.setuid(65534)  # imports done: now the pod's non-root uid\n"
+             "mount = sys.argv[1]; folder = os.path.join(mount, 'fsdp')\n"
+             "make_step_folder(os.path.join(folder, 'step-000001'))\n"
+             "print(bool(foreign_folder(mount)), foreign_folder(folder), oct(os.stat(folder).st_mode & 0o777))\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe, mount, ROOT], capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(mount, ignore_errors=True)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "None", "0o700"], out
