@@ -36,11 +36,12 @@ its line under one key (FAILED_KEY: `add` picks the first). Every watchdog reads
 `check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s);
 a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
 for its emergency save) exits with EXIT_FAILED (77, as the failed rank itself: common/launcher.py), the lowest
-of them printing `error: rank k failed: <its line>` and a `failed` event: no stacks, no hang file, no restart. A SIGTERM (torchrun stopping the workers once one
-exited) reaches the loop only at a step boundary, and a Python signal handler runs only once the main thread is out
-of the collective it is blocked in; the watchdog hears the signal through signal.set_wakeup_fd (written by the
-C handler at once) and ends the rank at once when a rank failed or stopped beating (its peer is gone: the
-collective never returns); a SIGTERM with every rank alive (a preemption) waits for the step boundary as before.
+of them printing `error: rank k failed: <its line>` and a `failed` event: no stacks, no hang file, no restart.
+A SIGTERM (torchrun stopping the workers once one exited) reaches the loop only at a step boundary, and a Python
+signal handler runs only once the main thread is out of the collective it is blocked in; the watchdog hears the
+signal through signal.set_wakeup_fd (written by the C handler at once) and ends the rank at once when a rank
+failed (EXIT_FAILED) or stopped beating (EXIT_ERROR: its peer is gone, the collective never returns); a SIGTERM
+with every rank alive (a preemption) waits for the step boundary as before.
 
 The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
 first, with no stacks, no line and no exit 76. A fixed train.hang_timeout is refused at or above it

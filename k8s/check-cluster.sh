@@ -70,8 +70,9 @@ else
     if printf '%s\n' "$config" | grep -Eq '^[[:space:]]*InPlaceRestart:[[:space:]]*true'; then
       ok "JobSet feature gate InPlaceRestart in $JOBSET_NS/jobset-manager-config (restart the controller after an edit)"
     else
-      miss "JobSet feature gate InPlaceRestart: $JOBSET_NS/jobset-manager-config has no 'featureGates: {InPlaceRestart:" \
-           "true}' (alpha, off by default): a JobSet is refused at apply, a TrainJob never starts"
+      miss "JobSet feature gate InPlaceRestart: $JOBSET_NS/jobset-manager-config has no" \
+           "'featureGates: {InPlaceRestart: true}' (alpha, off by default): a JobSet is refused at apply, a TrainJob" \
+           "never starts"
     fi
   fi
 fi
@@ -82,7 +83,7 @@ if [ -n "$in_place" ]; then
   case $seen in
     1) ok "kube-apiserver feature gate $GATE" ;;
     0) miss "kube-apiserver feature gate $GATE is off: the Job's pods are refused, nothing starts" ;;
-    *) miss "kube-apiserver feature gate $GATE: cannot read the apiserver's /metrics (no right to, or no such metric)" ;;
+    *) miss "kube-apiserver feature gate $GATE: cannot read the apiserver's /metrics (no right to, or no metric)" ;;
   esac
   off="" unknown=""
   for node in $(kubectl get nodes -o jsonpath='{.items[*].metadata.name}' 2>/dev/null); do

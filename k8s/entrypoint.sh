@@ -16,7 +16,8 @@
 # error (an exception in training) and its peers; else torchrun's (1: a peer pod lost, a collective's timeout).
 # torchrun reports any failed worker as 1; its error file (TORCHELASTIC_ERROR_FILE) keeps the first failed worker's
 # code, which the workers write there for 2, 75 and 77 (common/launcher.py tell_torchrun). 2 and 77 fail the job,
-# the others restart it (the manifests' podFailurePolicy, JobSet rules and restartPolicyRules; tests/test_exit_codes.py).
+# the others restart it (the manifests' podFailurePolicy, JobSet rules and restartPolicyRules;
+# tests/test_exit_codes.py).
 # LAUNCH_RESTART_COUNT (common/launcher.py) is the JobSet's restart attempt plus its in-place attempt, from the
 # pod's annotations (k8s/base/jobset.yaml), so test faults and hang stack files of one attempt are not another's.
 # The lines and codes follow slurm/train.sbatch, which cannot source a shared file (slurmd runs a copy of a batch

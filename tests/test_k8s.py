@@ -374,7 +374,8 @@ def test_storage_and_cluster_kustomizations_validate_and_the_policy_allows_only_
     assert not re.search(user, "system:serviceaccount:team-a:default")
     exprs = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
     assert exprs["isSpecUnchanged"] == "oldObject.spec == object.spec"
-    assert "'jobset.sigs.k8s.io/in-place-restart-attempt'" in exprs["isAnnotationsUnchangedExceptForInPlaceRestartAttempt"]
+    annotations = exprs["isAnnotationsUnchangedExceptForInPlaceRestartAttempt"]
+    assert "'jobset.sigs.k8s.io/in-place-restart-attempt'" in annotations
     (rule,) = policy["spec"]["validations"]
     assert all(f"variables.{name}" in rule["expression"] for name in
                ("isSpecUnchanged", "isLabelsUnchanged", "isAnnotationsUnchangedExceptForInPlaceRestartAttempt"))
