@@ -6,9 +6,11 @@
 
 Reads in the order it runs: config -> process group -> model -> shard -> optimizer -> data -> resume
 -> loop -> final save. `ckpt/` decides how to checkpoint; this file only decides when.
-Exit codes: 0 done, 1 error, 2 bad config/input or a checkpoint error (lock, mismatch, failed save), 75 preempted
-(emergency checkpoint committed; requeue), 76 hung (a rank made no progress for train.hang_timeout: named in the log,
-stacks in <run.dir>/hang/; restart, e.g. torchrun --max-restarts, and ckpt.resume=auto continues).
+Exit codes (common/launcher.py; docs/reliability.md, one column per launcher): 0 done, 1 not decided by this rank (a
+peer lost, a collective's timeout), 2 bad config/input or a checkpoint error (lock, mismatch, failed save), 75
+preempted (emergency checkpoint committed; requeue), 76 hung (a rank made no progress for train.hang_timeout: named
+in the log, stacks in <run.dir>/hang/; restart, and ckpt.resume=auto continues), 77 a rank's own error (an exception
+in training, and its peers: restarting would repeat it).
 """
 
 from __future__ import annotations
@@ -20,17 +22,19 @@ import os
 import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, open_checkpoints, read_meta
+from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, lost_a_rank, open_checkpoints, read_meta
 from ckpt.faults import fault_point, wants
 from ckpt.hf.load import load_hf_weights
 from ckpt.schema import schema_of
 from common.dist import end_process_group, free_port, torchrun_restart
 from common.handoff import job_store, one_rank_builds
+from common.launcher import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_FAILED, EXIT_PREEMPTED, tell_torchrun
 from common.progress import phase
 from common.words import plural
 from finetune.checkpoint_contents import TrainProgress, checkpoint_files, checkpoint_state
@@ -55,13 +59,13 @@ from finetune.optim import build_optimizer, follow_config_schedule, optimizer_ki
 from finetune.plan import add_plan_arguments, plan_flags_without_plan, print_plan
 from finetune.stragglers import StragglerMonitor
 
-EXIT_ERROR, EXIT_BAD_INPUT, EXIT_PREEMPTED = 1, 2, 75  # and EXIT_HANG, 76, from the watchdog thread (finetune/hang.py)
 USER_ERRORS = (ConfigError, DataError, ModelError, CheckpointError)
 
 
 def reported_by_main(e: BaseException) -> bool:
-    """Errors main() reports with a line of its own: the hang watchdog does not announce them."""
-    return isinstance(e, USER_ERRORS) or collective_timed_out(e)
+    """Errors main() reports with a line of its own: the hang watchdog does not announce them. A lost peer or a
+    collective's timeout is another rank's doing: not announced as this rank's failure."""
+    return isinstance(e, USER_ERRORS) or collective_timed_out(e) or lost_a_rank(e)
 
 
 # ---------------------------------------------------------------- config and process group
@@ -273,17 +277,23 @@ def main(argv: list[str] | None = None) -> int:
     exit_code = EXIT_ERROR  # until train() returns: an exception ends the process group by abort
     try:
         exit_code = train(cfg, rank, world_size, device)
+        if exit_code == EXIT_PREEMPTED:  # every pod's launcher then sees 75, not torchrun's 1 (k8s/entrypoint.sh)
+            tell_torchrun(exit_code, f"rank {rank}: preempted, an emergency checkpoint committed")
         return exit_code
     except USER_ERRORS as e:  # most are raised on every rank alike (rank 0's data error is shared): printed once
         report_bad_input(str(e), EXIT_BAD_INPUT)
         return EXIT_BAD_INPUT
-    except RuntimeError as e:
-        if not collective_timed_out(e):
-            raise
-        print(f"error: rank {rank}: a training collective waited more than {cfg.train.collective_timeout_minutes:g} "
-              "min (train.collective_timeout_minutes) for another rank, which is stuck or dead", file=sys.stderr,
-              flush=True)
-        return EXIT_ERROR
+    except Exception as e:  # noqa: BLE001 - the exit code tells the launcher whether to restart (common/launcher.py)
+        if collective_timed_out(e):
+            print(f"error: rank {rank}: a training collective waited more than "
+                  f"{cfg.train.collective_timeout_minutes:g} min (train.collective_timeout_minutes) for another rank, "
+                  "which is stuck or dead", file=sys.stderr, flush=True)
+            return EXIT_ERROR
+        traceback.print_exc()
+        if lost_a_rank(e):  # another rank or node went away: a restart may well succeed
+            return EXIT_ERROR
+        tell_torchrun(EXIT_FAILED, f"rank {rank}: {type(e).__name__}: {e}".splitlines()[0])
+        return EXIT_FAILED  # this rank's own error: restarting repeats it
     finally:
         end_process_group(graceful=exit_code in (0, EXIT_PREEMPTED))
 

@@ -1,5 +1,6 @@
 """Checkpoint errors: one line each, naming the checkpoint and the cause; a full disk and a timed-out collective
-are told apart, because the emergency-save rules (loop.py) treat them differently.
+are told apart, because the emergency-save rules (loop.py) treat them differently; a lost peer is told apart from
+this rank's own error, because the launcher restarts after the first and not after the second (common/launcher.py).
 
     python -m pytest tests/test_save_errors.py -q
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import errno
 import shutil
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 
@@ -72,6 +74,15 @@ def save_failure(error: BaseException, ckpt_dir: str, what: str) -> CheckpointEr
     if _disk_full(error, ckpt_dir):
         return DiskFullError(f"no space left on {ckpt_dir} while writing {what}")
     return CheckpointError(f"writing {what} failed: {cause_line(error)}")
+
+
+def lost_a_rank(error: BaseException) -> bool:
+    """Whether `error` is a collective or store call that lost its peer: gloo's "Connection closed by peer" /
+    "Connection reset by peer" (a plain RuntimeError in torch 2.13), or torch.distributed's DistError family
+    (NCCL's remote errors, a store gone). The cause is another rank or node, not this rank's code."""
+    return any(isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and any(
+        words in str(e) for words in ("Connection closed by peer", "Connection reset by peer")))
+        for e in _errors_in(error))
 
 
 def collective_timed_out(error: BaseException) -> bool:

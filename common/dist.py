@@ -1,8 +1,8 @@
 """Rank-0 helpers shared by data loading and ckpt/: rank-0 work whose result or error every rank receives, the
 first problem any rank found (every rank learns it), a small integer all-reduce, a free local port for a one-process
-group, the world-size divisibility rule, which start of the workers this is, and the end of the process groups
-(aborted after an error). (Rank-0 work the others wait for without a collective deadline, such as tokenizing:
-handoff.py.)
+group, the world-size divisibility rule, which start of the workers this is (every launcher's restarts), and the end
+of the process groups (aborted after an error). (Rank-0 work the others wait for without a collective deadline, such
+as tokenizing: handoff.py.)
 
     python -m pytest tests/test_ckpt_unit.py -q -k rank0
 """
@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from common.launcher import RESTART_COUNT_ENV
 
 
 def all_ranks_reduce(value: int, op: str) -> int:
@@ -76,10 +78,13 @@ def torchrun_restart() -> int:
 
 
 def worker_attempt() -> int:
-    """Which start of this job's workers this is, 0 the first: torchrun's restarts plus SLURM's requeues (a requeued
-    job's torchrun counts from 0 again). Unique as long as only one of the two counts moves, as under
-    slurm/train.sbatch (torchrun without --max-restarts) and under torchrun alone."""
-    return torchrun_restart() + int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    """Which start of this job's workers this is, 0 the first: torchrun's restarts plus SLURM's requeues plus the
+    restarts of a launcher that starts torchrun again itself (RESTART_COUNT_ENV, common/launcher.py; set by
+    k8s/entrypoint.sh). Each launcher's count starts from 0 when the one above it restarts it, so the sum is
+    unique as long as the counts only grow, as under slurm/train.sbatch and k8s/ (torchrun without
+    --max-restarts) and under torchrun alone. Test faults (`attempt=`) and hang stack files carry it."""
+    return torchrun_restart() + sum(int(os.environ.get(name) or 0) for name in ("SLURM_RESTART_COUNT",
+                                                                                 RESTART_COUNT_ENV))
 
 
 def free_port() -> int:

@@ -37,12 +37,13 @@ the job's first failure, prints its first line and that traceback whatever its r
 one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
 `check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s);
 a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
-for its emergency save) exits with EXIT_FAILED, the lowest of them printing `error: rank k failed: <its line>`
-and a `failed` event: no stacks, no hang file, no requeue. A SIGTERM (torchrun stopping the workers once one
-exited) reaches the loop only at a step boundary, and a Python signal handler runs only once the main thread is out
-of the collective it is blocked in; the watchdog hears the signal through signal.set_wakeup_fd (written by the
-C handler at once) and ends the rank at once when a rank failed or stopped beating (its peer is gone: the
-collective never returns); a SIGTERM with every rank alive (a preemption) waits for the step boundary as before.
+for its emergency save) exits with EXIT_FAILED (77, as the failed rank itself: common/launcher.py), the lowest
+of them printing `error: rank k failed: <its line>` and a `failed` event: no stacks, no hang file, no restart.
+A SIGTERM (torchrun stopping the workers once one exited) reaches the loop only at a step boundary, and a Python
+signal handler runs only once the main thread is out of the collective it is blocked in; the watchdog hears the
+signal through signal.set_wakeup_fd (written by the C handler at once) and ends the rank at once when a rank
+failed (EXIT_FAILED) or stopped beating (EXIT_ERROR: its peer is gone, the collective never returns); a SIGTERM
+with every rank alive (a preemption) waits for the step boundary as before.
 
 The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
 first, with no stacks, no line and no exit 76. The verdict itself takes seconds (3 x CHECK_S of frozen checks and
@@ -70,9 +71,8 @@ import torch
 from torch._C import _distributed_c10d as c10d
 
 from common.dist import worker_attempt
+from common.launcher import EXIT_ERROR, EXIT_FAILED, EXIT_HANG, tell_torchrun  # the launcher contract
 
-EXIT_HANG = 76  # beside 0 done, 1 error, 2 bad input, 75 preempted (train_fsdp.py)
-EXIT_FAILED = 1  # another rank failed: its error, not a hang
 FAILED_KEY = "finetune/failed"  # the job's first failure: {"rank", "step", "phase", "error"}
 FAIL_GRACE_S = 3.0  # how long a rank waits to see whether it fails too before it exits on another's failure
 CAP_SHARE = 0.8  # auto's step limit: at most this share of the collective timeout
@@ -304,7 +304,7 @@ class HangWatchdog:
                 if failure or (frozen and blocked):  # a peer is gone: the collective this rank waits in never ends
                     self._kill_frozen_here(frozen, self._last_records)
                     sys.stdout.flush()
-                    os._exit(EXIT_FAILED)
+                    os._exit(EXIT_FAILED if failure else EXIT_ERROR)  # a frozen peer: not this job's own error
             if phase == "failed":
                 continue  # its emergency save may take long: beating on is all this rank does
             limit = self.timeout()
@@ -331,7 +331,8 @@ class HangWatchdog:
         return failure if failure["rank"] != self.rank else None
 
     def _failed_elsewhere(self, failure: dict) -> None:
-        """Another rank failed and this one did not: its error ends the job, with exit 1, not as a hang."""
+        """Another rank failed and this one did not: its error ends the job, with EXIT_FAILED (77: the launchers do not
+        restart it), not as a hang."""
         k = failure["rank"]
         if self.rank == (0 if k != 0 else 1):  # one line: the lowest rank but the failed one
             line = (f"error: rank {k} failed: {failure['error']} (step {failure['step']}, phase {failure['phase']}); "
@@ -339,6 +340,7 @@ class HangWatchdog:
             print(line, file=sys.stderr, flush=True)
             self.log.event_from_any_rank("failed", step=failure["step"], phase=failure["phase"], rank=k,
                                          error=failure["error"], exit_code=EXIT_FAILED, detected_by=self.rank)
+        tell_torchrun(EXIT_FAILED, f"rank {k} failed: {failure['error']}")
         sys.stdout.flush()
         os._exit(EXIT_FAILED)
 

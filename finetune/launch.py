@@ -15,14 +15,14 @@ it says so in the store, and the others exit at once (another node's torchrun wo
 its own workers). A rank that is still alive after BAD_INPUT_WAIT_S (rank 0 never got there: its input differs)
 prints its own line, naming its rank. All ranks exit with the same code. train_fsdp.py reports a user error found after the
 process group the same way: most are raised on every rank alike, and a rank-local one is still printed, 30 s late.
-Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does),
-so torchrun's failure summary shows it for each rank instead of a link on how to enable tracebacks.
+Every rank also writes the message into torchrun's error file (TORCHELASTIC_ERROR_FILE, what `@record` does;
+common/launcher.py tell_torchrun), so torchrun's failure summary shows it for each rank instead of a link on how to
+enable tracebacks, and a launcher above torchrun reads the 2 there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -32,6 +32,7 @@ from datetime import timedelta
 from torch.distributed import TCPStore
 
 from common.dist import torchrun_restart
+from common.launcher import tell_torchrun
 
 BAD_INPUT_WAIT_S = 30.0  # how long a silent rank waits for torchrun to stop it after rank 0's error
 STOPPED_WITHIN_S = 5.0  # once rank 0 reported: how long a silent rank lingers for its torchrun to stop it
@@ -59,7 +60,7 @@ def report_bad_input(message: str, exit_code: int, wait_s: float = BAD_INPUT_WAI
     """Print `error: message` on rank 0 only; see the module docstring for the other ranks, which end with
     `exit_code` too (SystemExit), stopped by torchrun or after `wait_s`."""
     rank = launch_rank()
-    _write_elastic_error_file(message, exit_code)
+    tell_torchrun(exit_code, f"bad input (its one-line message is above): {message}")
     # before counting in: rank 0 may exit, and torchrun stop us, right after; rank 0 too, once the others exit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(exit_code))  # torchrun stopping us: the same exit code
     store = launcher_store()
@@ -136,21 +137,6 @@ def _wait_for_every_rank(store: TCPStore | None, reached: int, wait_s: float) ->
             reached = store.add(_bad_input_key(), 0)
         except RuntimeError:
             return
-
-
-def _write_elastic_error_file(message: str, exit_code: int) -> None:
-    """torchrun's summary prints the file's py_callstack as `traceback :`; without "error:" it is not a second
-    `error:` line to grep."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    text = f"bad input (exit {exit_code}; its one-line message is above): {message}"
-    try:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": text, "extraInfo": {"py_callstack": text,
-                                                                  "timestamp": str(int(time.time()))}}}, f)
-    except OSError:
-        pass  # the summary then shows torchrun's default text; the error: line is what matters
 
 
 def accelerate_world_problem() -> str | None:

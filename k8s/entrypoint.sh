@@ -10,10 +10,16 @@
 # a pod keeps its ranks across restarts, so after an in-place restart each rank finds its memory-tier files in
 # its own pod's emptyDir and nothing moves between pods (docs/memory-tier.md).
 #
-# Exit codes, for the failure rules in k8s/: 0 done; 75 preempted (SIGTERM: the workers saved and committed a
-# checkpoint); 76 a rank hung (finetune/hang.py); 2 bad input (this script's checks below, or the workers' own:
-# torchrun reports their exit 2 as 1, and its error file, TORCHELASTIC_ERROR_FILE, keeps the 2); else torchrun's.
-# 75 and 76 restart the pods, 2 never does (the manifests' podFailurePolicy and restartPolicyRules).
+# Exit codes (common/launcher.py, the contract; docs/reliability.md's table, with this script's column): 0 done;
+# 75 preempted (SIGTERM to this pod, or the workers' 75: a peer pod's SIGTERM, their checkpoint committed); 76 a rank
+# hung (finetune/hang.py's file); 2 bad input (this script's checks below, or the workers' own); 77 a rank's own
+# error (an exception in training) and its peers; else torchrun's (1: a peer pod lost, a collective's timeout).
+# torchrun reports any failed worker as 1; its error file (TORCHELASTIC_ERROR_FILE) keeps the first failed worker's
+# code, which the workers write there for 2, 75 and 77 (common/launcher.py tell_torchrun). 2 and 77 fail the job,
+# the others restart it (the manifests' podFailurePolicy, JobSet rules and restartPolicyRules;
+# tests/test_exit_codes.py).
+# LAUNCH_RESTART_COUNT (common/launcher.py) is the JobSet's restart attempt plus its in-place attempt, from the
+# pod's annotations (k8s/base/jobset.yaml), so test faults and hang stack files of one attempt are not another's.
 # The lines and codes follow slurm/train.sbatch, which cannot source a shared file (slurmd runs a copy of a batch
 # script from its spool folder); what differs is who restarts: SLURM's requeue there, the failure rules here.
 
@@ -80,8 +86,12 @@ GRACE_SECONDS=${GRACE_SECONDS:-300}
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((GRACE_SECONDS * 9 / 10))}
 # NCCL's flight recorder: train_fsdp.py sets TORCH_FR_DUMP_TEMP_FILE to <run.dir>/hang/flight-attempt<k>/nccl_rank_
 # (not the container's /tmp, lost with the pod) unless it is set here; run.dir on the PVC keeps it across restarts.
-# A hang's one line (finetune/hang.py), and torchrun's record of the first failed worker, in the container's /tmp.
-STATE=$(mktemp -d /tmp/fsdp-entrypoint.XXXXXX)
+# Which start of this job this is (common/launcher.py): Recreate restarts plus in-place restarts, both only grow.
+export LAUNCH_RESTART_COUNT=${LAUNCH_RESTART_COUNT:-$(( ${JOBSET_RESTART_ATTEMPT:-0} + ${JOBSET_IN_PLACE_ATTEMPT:-0} ))}
+# A hang's one line (finetune/hang.py), and torchrun's record of the first failed worker: in $TMPDIR, else (a
+# readOnlyRootFilesystem) in /dev/shm, the pod's memory-backed emptyDir.
+STATE=$(mktemp -d "${TMPDIR:-/tmp}/fsdp-entrypoint.XXXXXX" 2>/dev/null || mktemp -d /dev/shm/fsdp-entrypoint.XXXXXX) ||
+  bad_input "no writable folder for this script's state: neither ${TMPDIR:-/tmp} nor /dev/shm (set TMPDIR to one)"
 export FINETUNE_HANG_FILE=$STATE/hang.txt
 ERROR_FILE=$STATE/torchrun-error.json
 
@@ -89,11 +99,11 @@ log "start ($OPERATOR, pod $RANK_OF_NODE of $NODES): $NODES node(s) x $NPROC wor
     "interface ${GLOO_SOCKET_IFNAME:-from host name}, open files $(ulimit -n), $CONFIG $*"
 
 # ---- preemption: the kubelet sends SIGTERM (pod deleted, node drained, Kueue preempting); the workers decide
-got_signal=""
+got_signal="" step_pid=""  # set before the trap: a SIGTERM before torchrun starts must not meet an unset name
 forward_signal() {
   got_signal=TERM
   log "got SIGTERM: forwarding it to torchrun (emergency checkpoint, then exit)"
-  kill -TERM "$step_pid" 2>/dev/null
+  [ -n "$step_pid" ] && kill -TERM "$step_pid" 2>/dev/null
 }
 trap forward_signal TERM
 
@@ -120,9 +130,16 @@ if [ -s "$FINETUNE_HANG_FILE" ]; then
   log "exit 76: restarted (at most failurePolicy.maxRestarts times), the pods resume from the newest checkpoint"
   exit 76
 fi
-if [ "$workers_exit" = 2 ]; then
-  log "bad input (torchrun exit $rc, the workers' exit 2; their error: line is above): exit 2, not restarting"
-  exit 2
-fi
-log "training failed (torchrun exit $rc): not restarting by exit code; the failure policy decides"
+case $workers_exit in
+  2) log "bad input (torchrun exit $rc, the workers' exit 2; their error: line is above): exit 2, not restarting"
+     exit 2 ;;
+  77) log "a rank failed (torchrun exit $rc, the workers' exit 77; its error: line is above): exit 77, not" \
+          "restarting: a restart would fail the same way"
+      exit 77 ;;
+  75) log "preempted elsewhere (torchrun exit $rc, the workers' exit 75: another pod's SIGTERM, their checkpoint" \
+          "committed): exit 75; restarted, the pods resume from it"
+      exit 75 ;;
+esac
+log "training failed (torchrun exit $rc): a peer lost or a collective's timeout; exit $rc, the failure policy" \
+    "restarts it"
 exit "$rc"

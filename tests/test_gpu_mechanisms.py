@@ -127,11 +127,8 @@ def test_an_error_aborts_the_process_group_a_finished_run_destroys_it(monkeypatc
         return 0
     monkeypatch.setattr(train_fsdp, "train", train)
     argv = ["--config", f"{ROOT}/configs/tiny.yaml", f"run.dir={tmp_path}"]
-    if graceful:
-        assert train_fsdp.main(argv) == 0
-    else:
-        with pytest.raises(OSError):
-            train_fsdp.main(argv)
+    # an exception is this rank's own error: main prints it and returns 77 (common/launcher.py), after the abort
+    assert train_fsdp.main(argv) == (0 if graceful else train_fsdp.EXIT_FAILED)
     assert called == (["destroy"] if graceful else ["abort"]) and not dist.is_initialized()
 
 

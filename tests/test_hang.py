@@ -65,8 +65,9 @@ def test_a_frozen_rank_is_named_and_the_restarted_job_ends_bit_for_bit(tmp_path)
 
 def test_a_failing_rank_is_named_with_its_error_not_called_a_hang(tmp_path):
     """Issue 49's command: rank 1 raises inside step 5 (an OSError standing for a CUDA OOM); rank 0 waits for it in
-    the step's collective. The job ends naming rank 1's error, exit 1, no hang file (slurm/train.sbatch requeues on
-    one), no stacks, well before the hang timeout would have called it a hang."""
+    the step's collective. The job ends naming rank 1's error, exit 77 (torchrun's 1; its summary names the 77), no
+    hang file (slurm/train.sbatch requeues on one), no stacks, well before the hang timeout would have called it a
+    hang."""
     run, hang_file = tmp_path / "run", tmp_path / "hang.txt"
     proc = run_train(run, 2, ["train.max_steps=20", "ckpt.interval=4", "train.hang_timeout=5"], check=False,
                      env={"CKPT_FAULT": "oserror@mid_step:5,rank=1", "FINETUNE_HANG_FILE": str(hang_file)})
@@ -79,7 +80,8 @@ def test_a_failing_rank_is_named_with_its_error_not_called_a_hang(tmp_path):
     assert not any(ln.startswith("error: hang") for ln in errors) and "exitcode  : 76" not in proc.stderr, \
         proc.stderr[-3000:]  # rank 1's line names its traceback's file, in <run.dir>/hang/
     [failed] = events(run, "failed")
-    assert (failed["rank"], failed["step"], failed["exit_code"]) == (1, 5, 1) and events(run, "hang") == []
+    assert (failed["rank"], failed["step"], failed["exit_code"]) == (1, 5, EXIT_FAILED) and events(run, "hang") == []
+    assert EXIT_FAILED == 77 and f"exitcode  : {EXIT_FAILED}" in proc.stderr, proc.stderr[-3000:]  # torchrun's summary
 
 
 def test_a_failing_rank_ended_during_its_emergency_save_has_left_its_traceback(tmp_path):
@@ -349,7 +351,7 @@ def test_sbatch_excludes_no_node_the_job_cannot_do_without(tmp_path):
 @pytest.mark.quick
 def test_a_step_that_overran_because_a_peer_raised_is_that_error_not_a_hang(quick_watchdog, tmp_path, capsys):
     """The peer that stopped had published its failure before this rank's verdict: its error is the one line, exit
-    1 (EXIT_FAILED), no stacks written, no hang event."""
+    77 (EXIT_FAILED), no stacks written, no hang event."""
     dog, kept = quick_watchdog(tmp_path, timeout=5.0)
     peer = HangWatchdog(5.0, 1, 2, str(tmp_path), None, dog.store)
     peer.state = ("step", 4, time.monotonic())

@@ -28,11 +28,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 import yaml
 
+from common.launcher import (CONTRACT, DONE, EXIT_FAILED, EXIT_HANG, EXIT_PREEMPTED, FAIL, LAUNCHERS, RESTART,
+                             UNCOUNTED)
 from conftest import FAST, ROOT, events, free_port, run_train, token_cache
 from finetune.metrics import read_metrics
 from test_preemption import metrics_so_far
@@ -130,66 +133,255 @@ def test_the_validators_refuse_what_an_apiserver_refuses():
                           "spec": template["spec"]}, crds)
 
 
-# ---------------------------------------------------------------- which exit codes restart
+# ---------------------------------------------------------------- the controllers, modelled from their sources
+# Each rule the manifests rely on, as the controller's source at the tag docs/kubernetes.md names says it:
+# JobSet v0.12.0 (kubernetes-sigs/jobset), Kubernetes 1.35 (the Job controller's pkg/controller/job/
+# pod_failure_policy.go; KEP-5532 for restartPolicyRules), Kubeflow Trainer v2.3.0. A manifest change that breaks a
+# promise of docs/kubernetes.md changes what these return, and the tests below (and tests/test_exit_codes.py) fail.
 
-def container_restarts(container: dict, code: int) -> bool:
-    """Whether the kubelet restarts the pod's containers in place when `container` exits `code` (first rule wins)."""
-    for rule in container.get("restartPolicyRules", []):
-        values = rule["exitCodes"].get("values", [])
-        if (code in values) == (rule["exitCodes"]["operator"] == "In"):
-            return rule["action"] == "RestartAllContainers"
-    return False
+GATES = ("jobset InPlaceRestart", "kube-apiserver RestartAllContainersOnContainerExits",
+         "kubelet RestartAllContainersOnContainerExits")
+ALL_ON = dict.fromkeys(GATES, True)
 
 
-def jobset_action(failure_policy: dict, job: dict, code: int) -> str:
-    """What the JobSet controller does when a pod's container `node` exits `code` and no in-place rule restarts it:
-    the Job's podFailurePolicy names the code in its failure message, the JobSet's first matching rule acts."""
+def failure_policy_and_job(docs: dict) -> tuple[dict, dict]:
+    """(the JobSet's failurePolicy, its one Job template), from a JobSet or a TrainingRuntime's JobSet template."""
+    owner = docs.get("JobSet") or docs["TrainingRuntime"]
+    spec = owner["spec"] if owner["kind"] == "JobSet" else owner["spec"]["template"]["spec"]
+    (job,) = job_templates(owner)
+    return spec["failurePolicy"], job
+
+
+def node_container(job: dict) -> dict:
+    (node,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "node"]
+    return node
+
+
+def admission(docs: dict, gates: dict) -> str:
+    """'admitted', or why nothing runs. JobSet webhook ValidateCreate (jobset_webhook.go:169-175): InPlaceRestart
+    without JobSet's gate is refused, at `kubectl apply` for a JobSet, on every reconcile of a TrainJob (Trainer
+    creates the JobSet: the TrainJob is accepted and never starts). KEP-5532 (Kubernetes 1.35, alpha): the
+    apiserver refuses a pod with restartPolicyRules unless its gate is on, so the Job creates no pod."""
+    policy, job = failure_policy_and_job(docs)
+    if policy.get("restartStrategy") == "InPlaceRestart" and not gates[GATES[0]]:
+        return "TrainJob stalls: its JobSet is refused" if "TrainJob" in docs else "refused at kubectl apply"
+    if "restartPolicyRules" in node_container(job) and not gates[GATES[1]]:
+        return "stalls: the Job's pods are refused"
+    return "admitted"
+
+
+def container_exit(container: dict, code: int, pod_deleted: bool, gates: dict) -> str:
+    """What the kubelet does when `container` exits `code` (KEP-5532): the first matching restartPolicyRule, if
+    the kubelet has the gate ("Upgrade": without it the rules are ignored and the container's restartPolicy,
+    Never, applies) and the pod is not being deleted (a SIGTERM'd pod is terminating: it is never restarted,
+    whatever its rules). 'restart in place' or 'pod failed'."""
+    if code == 0:
+        return "pod succeeded"
+    if not pod_deleted and gates[GATES[2]]:
+        for rule in container.get("restartPolicyRules", []):
+            on = rule["exitCodes"]
+            if (code in on.get("values", [])) == (on["operator"] == "In"):
+                return "restart in place" if rule["action"] == "RestartAllContainers" else "pod failed"
+    return "pod failed"
+
+
+def job_on_failed_pod(job: dict, code: int) -> tuple[str, str] | None:
+    """The Job controller on a failed pod whose container `node` exited `code` (pod_failure_policy.go
+    matchPodFailurePolicy: rules in order, the first match acts; FailJob's message is "Container <name> for pod
+    <ns>/<pod> failed with exit code <code> matching FailJob rule at index <i>"). Returns the Job's failure
+    (reason, message), or None: the pod is replaced (backoffLimit not reached; podReplacementPolicy Failed, a
+    new pod once the old one is terminal: with a new, empty emptyDir)."""
     for index, rule in enumerate(job["spec"].get("podFailurePolicy", {}).get("rules", [])):
         on = rule["onExitCodes"]
-        if (code in on["values"]) == (on["operator"] == "In") and rule["action"] == "FailJob":
-            reason = "PodFailurePolicy"
-            message = f"Container node for pod ns/fsdp-node-0-1-x failed with exit code {code} matching FailJob rule " \
-                      f"at index {index}"
-            break
-    else:
-        if job["spec"].get("backoffLimit", 6) > 0:
-            return "pod replaced alone"
-        reason, message = "BackoffLimitExceeded", "Job has reached the specified backoff limit"
-    for rule in failure_policy.get("rules", []):
-        if (reason in rule.get("onJobFailureReasons", [reason]) and
-                any(re.search(p, message) for p in rule.get("onJobFailureMessagePatterns", [".*"]))):
+        if on.get("containerName", "node") == "node" and (code in on["values"]) == (on["operator"] == "In"):
+            if rule["action"] == "FailJob":
+                return "PodFailurePolicy", (f"Container node for pod ns/fsdp-node-0-1-x failed with exit code {code} "
+                                            f"matching FailJob rule at index {index}")
+            if rule["action"] == "Ignore":
+                return None
+            break  # Count: as no rule
+    if job["spec"].get("backoffLimit", 6) > 0:
+        return None
+    return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+
+
+def jobset_action(policy: dict, reason: str, message: str) -> str:
+    """The JobSet controller on a failed Job (failure_policy.go:87-119 findFirstFailedPolicyRuleAndJob, :142-164
+    ruleIsApplicable: reasons, then any onJobFailureMessagePatterns regexp matching, first rule wins; :45 the
+    default RestartJobSet). Under InPlaceRestart too: a failed Job falls back to the rules (jobset_types.go on
+    InPlaceRestart; jobset_controller.go:247-251)."""
+    for rule in policy.get("rules", []):
+        if reason in rule.get("onJobFailureReasons", [reason]) and \
+                any(re.search(p, message) for p in rule.get("onJobFailureMessagePatterns", [".*"])):
             return rule["action"]
     return "RestartJobSet"
 
 
+def counts_against_max_restarts(policy: dict, how: str) -> bool:
+    """Whether a restart by `how` ('restart in place', 'pod replaced', or a JobSet action) uses up maxRestarts.
+    Recreate: RestartJobSet counts, RestartJobSetAndIgnoreMaxRestarts does not (failure_policy.go
+    failurePolicyRecreateAll, shouldCountTowardsMax). In place: the highest pod attempt, less only the uncounted
+    Recreate restarts, is held to maxRestarts (in_place_restart.go:161-171): every in-place attempt counts, and a
+    replaced pod's new attempt too; container restartCount is held to it as well (:49-56)."""
+    if policy.get("restartStrategy") == "InPlaceRestart" and how in ("restart in place", "pod replaced"):
+        return True
+    return how != "RestartJobSetAndIgnoreMaxRestarts"
+
+
+def job_outcome(docs: dict, codes: dict[str, int], gates: dict = ALL_ON) -> str:
+    """What the cluster does with the run when each pod's container `node` exits: `codes` maps 'deleted' (the pod
+    the kubelet SIGTERMed: being deleted, drained, preempted) and 'peer' (every other pod) to its exit code.
+    One of common/launcher.py's outcomes (DONE, FAIL, RESTART, UNCOUNTED), or why nothing runs."""
+    if admission(docs, gates) != "admitted":
+        return admission(docs, gates)
+    policy, job = failure_policy_and_job(docs)
+    node = node_container(job)
+    actions = []
+    for who, code in codes.items():
+        kubelet = container_exit(node, code, who == "deleted", gates)
+        if kubelet != "pod failed":
+            actions.append(kubelet)
+            continue
+        failure = job_on_failed_pod(job, code)
+        actions.append("pod replaced" if failure is None else jobset_action(policy, *failure))
+    if all(a == "pod succeeded" for a in actions):
+        return DONE
+    if "FailJobSet" in actions:
+        return FAIL
+    restarts = [a for a in actions if a != "pod succeeded"]
+    return RESTART if any(counts_against_max_restarts(policy, a) for a in restarts) else UNCOUNTED
+
+
+def scenario(code: int) -> dict[str, int]:
+    """The pods' exit codes when the workers end with `code`, as k8s/entrypoint.sh turns them (tests/test_exit_codes.py
+    runs the entrypoint for each): a preemption SIGTERMs one pod ('deleted', 75 from its trap) and its peers' workers
+    join the save and exit 75 (through torchrun's error file); any other code, every pod alike."""
+    return {"deleted": 75, "peer": 75} if code == EXIT_PREEMPTED else {"peer": code}
+
+
+def overlays_of(mode: str) -> list[str]:
+    return [o for o in OVERLAYS if ("inplace" in os.path.basename(o)) == (mode == LAUNCHERS[3])]
+
+
 @needs_kubectl
 @pytest.mark.parametrize("overlay", OVERLAYS, ids=os.path.basename)
-def test_the_failure_rules_restart_on_75_and_76_and_never_on_2(overlay):
+def test_every_exit_code_does_what_the_contract_says(overlay):
+    """Each code of common/launcher.py's contract, through the controllers' rules, does what its k8s column says,
+    on every overlay of that restart mode: 2 and 77 fail the JobSet once (a rank's deterministic error is not
+    retried), 75 restarts without counting under Recreate and counts in place, 76 and 1 restart and count."""
     docs = {d["kind"]: d for d in render(overlay)}
-    owner = docs.get("JobSet") or docs["TrainingRuntime"]
-    policy = (owner["spec"] if owner["kind"] == "JobSet" else owner["spec"]["template"]["spec"])["failurePolicy"]
-    (job,) = job_templates(owner)
-    (node,) = [c for c in job["spec"]["template"]["spec"]["containers"] if c["name"] == "node"]
-    in_place = policy.get("restartStrategy") == "InPlaceRestart"
-    for code, restarts in ((75, True), (76, True), (1, True), (2, False)):
-        action = "restart in place" if container_restarts(node, code) else jobset_action(policy, job, code)
-        assert action.startswith(("Restart", "restart")) == restarts, (code, action)
-        if restarts and in_place:
-            assert action == "restart in place", (code, action)
-    assert jobset_action(policy, job, 2) == "FailJobSet"
-    if not in_place:  # a preemption does not use up the restarts a hang may take
-        assert jobset_action(policy, job, 75) == "RestartJobSetAndIgnoreMaxRestarts"
-    params = docs["ConfigMap"]["data"]
-    pod = job["spec"]["template"]["spec"]
+    mode = LAUNCHERS[3] if failure_policy_and_job(docs)[0]["restartStrategy"] == "InPlaceRestart" else LAUNCHERS[2]
+    assert overlay in overlays_of(mode), "an overlay's name says its restart mode"
+    for code, (_, outcomes) in CONTRACT.items():
+        assert job_outcome(docs, scenario(code)) == outcomes[mode], (code, mode)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", [o for o in OVERLAYS if "inplace" in o], ids=os.path.basename)
+def test_in_place_needs_three_gates_and_says_what_each_missing_one_does(overlay):
+    """JobSet's InPlaceRestart gate off: the JobSet refused at apply, a TrainJob that never starts. The apiserver's
+    gate off: no pod is created. The kubelet's alone off: the rules are ignored, a hang (76) or a lost peer (1) fails
+    the pod and the Job replaces it, empty (the memory tier lost), counted. docs/kubernetes.md says each."""
+    docs = {d["kind"]: d for d in render(overlay)}
+    with open(os.path.join(ROOT, "docs", "kubernetes.md")) as f:
+        doc = f.read()
+    for gate in GATES:
+        off = {**ALL_ON, gate: False}
+        said = admission(docs, off)
+        if gate == GATES[2]:
+            assert said == "admitted"
+            _, job = failure_policy_and_job(docs)
+            assert container_exit(node_container(job), EXIT_HANG, False, off) == "pod failed"
+            assert job_on_failed_pod(job, EXIT_HANG) is None, "replaced: a new pod, an empty emptyDir"
+            assert job_outcome(docs, scenario(EXIT_FAILED), off) == FAIL, "77 still fails the job"
+        else:
+            assert said != "admitted", gate
+        assert f"{gate} off: " in doc, f"docs/kubernetes.md must say what happens with {gate} off"
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=os.path.basename)
+def test_restart_budgets_are_the_ones_the_docs_state(overlay):
+    """In place every attempt counts (preemptions too), so maxRestarts there is the run's whole budget, sized
+    larger; the barrier's startup probe waits out a replacement pod's node and image pull (30 min) before the
+    agent restarts (a restart that counts); docs/kubernetes.md states both numbers."""
+    docs = {d["kind"]: d for d in render(overlay)}
+    policy, job = failure_policy_and_job(docs)
+    with open(os.path.join(ROOT, "docs", "kubernetes.md")) as f:
+        doc = f.read()
+    if policy["restartStrategy"] == "InPlaceRestart":
+        assert policy["maxRestarts"] >= 50 and f"maxRestarts: {policy['maxRestarts']}` in place" in doc
+        (agent,) = job["spec"]["template"]["spec"]["initContainers"]
+        probe = agent["startupProbe"]
+        assert probe["failureThreshold"] * probe["periodSeconds"] >= 1800
+        assert counts_against_max_restarts(policy, "restart in place")
+    else:
+        assert f"maxRestarts: {policy['maxRestarts']}` under Recreate" in doc
+        assert not counts_against_max_restarts(policy, jobset_action(policy, *job_on_failed_pod(job, 75)))
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=os.path.basename)
+def test_params_reach_the_pods_and_recreate_has_the_tier_off(overlay):
+    """params.env's values are in place (N, GPUs, memory, sizes, grace); the ConfigMap is immutable under a hashed
+    name that the pods' envFrom names (a later apply makes a new one: a running pod never reads another apply's
+    NNODES); Recreate overlays run without the memory tier (every restart replaces every pod: it would save
+    nothing); no overlay renders the PVC (k8s/storage: `kubectl delete -k` leaves the checkpoints); the Volcano
+    overlay names Volcano's scheduler; only the in-place agent gets an API token."""
+    docs = {d["kind"]: d for d in render(overlay)}
+    assert "PersistentVolumeClaim" not in docs, "the PVC is k8s/storage's, applied once apart from the job"
+    policy, job = failure_policy_and_job(docs)
+    node, pod = node_container(job), job["spec"]["template"]["spec"]
+    config = docs["ConfigMap"]
+    params = config["data"]
+    assert config["immutable"] is True and re.fullmatch(r"fsdp-params-[a-z0-9]{10}", config["metadata"]["name"])
+    assert node["envFrom"] == [{"configMapRef": {"name": config["metadata"]["name"]}}]
+    in_place = policy["restartStrategy"] == "InPlaceRestart"
+    assert (int(params["MEMORY_INTERVAL"]) > 0) == in_place, "the tier on in place only"
     assert pod["terminationGracePeriodSeconds"] == int(params["GRACE_SECONDS"])
     (tier,) = [v for v in pod["volumes"] if v["name"] == "memory-tier"]
     assert tier["emptyDir"] == {"medium": "Memory", "sizeLimit": params["MEMORY_TIER_SIZE"]}
-    assert "ckpt.memory_dir=/mnt/memory-tier" in node["args"]
+    assert "ckpt.memory_dir=/mnt/memory-tier/fsdp" in node["args"], "a folder the tier makes, not the mount point"
     assert node["resources"]["limits"]["nvidia.com/gpu"] == int(params["NPROC_PER_NODE"])
+    assert node["resources"]["limits"]["memory"] == params["POD_MEMORY"]
     if "TrainJob" in docs:
         assert docs["TrainJob"]["spec"]["trainer"]["numNodes"] == int(params["NNODES"])
     else:
         assert job["spec"]["parallelism"] == job["spec"]["completions"] == int(params["NNODES"])
+    if "volcano" in overlay:
+        assert pod["schedulerName"] == "volcano" and "volcano" in docs["TrainingRuntime"]["spec"]["podGroupPolicy"]
+    if in_place:
+        assert pod["automountServiceAccountToken"] is False
+        (agent,) = pod["initContainers"]
+        assert [m["mountPath"] for m in agent["volumeMounts"]] == ["/var/run/secrets/kubernetes.io/serviceaccount"]
+        assert "volumeMounts" not in node or all("serviceaccount" not in m["mountPath"] for m in node["volumeMounts"])
+        assert agent["resources"]["limits"]["memory"], "every container limited: the pod gets a memory limit"
+
+
+@needs_kubectl
+def test_storage_and_cluster_kustomizations_validate_and_the_policy_allows_only_the_attempt_annotation():
+    """k8s/storage (the PVC) and k8s/cluster (upstream's ValidatingAdmissionPolicy, every namespace) render and
+    validate; the policy's CEL allows the agent's restart-attempt patch and refuses an image change (its own
+    expressions, evaluated by a small reading of them: spec, labels and other annotations must be unchanged)."""
+    crds = crd_schemas()
+    for folder in ("storage", "cluster"):
+        for doc in render(os.path.join(ROOT, "k8s", folder)):
+            assert not schema_errors(doc, crds), (doc["kind"], schema_errors(doc, crds))
+    (policy,) = [d for d in render(os.path.join(ROOT, "k8s", "cluster")) if d["kind"] == "ValidatingAdmissionPolicy"]
+    (match,) = policy["spec"]["matchConditions"]
+    user = re.search(r"matches\('(.+)'\)", match["expression"]).group(1)
+    assert re.search(user, "system:serviceaccount:team-a:jobset-in-place-restart")
+    assert not re.search(user, "system:serviceaccount:team-a:default")
+    exprs = {v["name"]: v["expression"] for v in policy["spec"]["variables"]}
+    assert exprs["isSpecUnchanged"] == "oldObject.spec == object.spec"
+    annotations = exprs["isAnnotationsUnchangedExceptForInPlaceRestartAttempt"]
+    assert "'jobset.sigs.k8s.io/in-place-restart-attempt'" in annotations
+    (rule,) = policy["spec"]["validations"]
+    assert all(f"variables.{name}" in rule["expression"] for name in
+               ("isSpecUnchanged", "isLabelsUnchanged", "isAnnotationsUnchangedExceptForInPlaceRestartAttempt"))
+
+
+RANK_RAM_GIB = 8  # host RAM per rank beside the tier and staging (k8s/base/params.env says where it comes from)
 
 
 def gib(quantity: str) -> float:
@@ -202,7 +394,9 @@ def gib(quantity: str) -> float:
 def test_the_pods_command_is_a_valid_config_and_params_cover_its_plan(overlay, capsys, monkeypatch):
     """The container's args, $(VAR) expanded from the ConfigMap, are a config train_fsdp.py --plan accepts for
     NNODES x NPROC_PER_NODE; the memory-tier and /dev/shm emptyDirs, the pod's memory and the grace period in
-    params.env cover what the plan says they must hold."""
+    params.env cover what the plan says they must hold: POD_MEMORY holds both memory-backed emptyDirs (their pages
+    are charged to the container's memory cgroup), the tier's staging, and RANK_RAM_GIB per rank for the ranks'
+    own host memory (k8s/base/params.env)."""
     from train_fsdp import main
     docs = {d["kind"]: d for d in render(overlay)}
     params = docs["ConfigMap"]["data"]
@@ -216,12 +410,15 @@ def test_the_pods_command_is_a_valid_config_and_params_cover_its_plan(overlay, c
     assert main(["--config", *args, "--plan", "--nodes", params["NNODES"], "--gpus-per-node",
                  params["NPROC_PER_NODE"]]) == 0
     plan = capsys.readouterr().out
-    tier, tier_staging = map(float, re.search(r"memory tier \(ckpt.memory_interval=\d+\): ([\d.]+) GiB per node in "
-                                              r"/mnt/memory-tier .*, and ([\d.]+) GiB of RAM", plan).groups())
+    tier_line = re.search(r"memory tier \(ckpt.memory_interval=\d+\): ([\d.]+) GiB per node in "
+                          r"/mnt/memory-tier/fsdp .*, and ([\d.]+) GiB of RAM", plan)
+    tier, tier_staging = map(float, tier_line.groups()) if tier_line else (0.0, 0.0)
+    assert (tier_line is not None) == (int(params["MEMORY_INTERVAL"]) > 0), plan
     shm = float(re.search(r"host per node: ([\d.]+) GiB of /dev/shm", plan).group(1))
     lead = float(re.search(r"preemption lead time >= ~([\d.]+) s", plan).group(1))
     assert tier <= gib(params["MEMORY_TIER_SIZE"]) and shm <= gib(params["SHM_SIZE"]), plan
-    assert gib(params["POD_MEMORY"]) >= gib(params["MEMORY_TIER_SIZE"]) + gib(params["SHM_SIZE"]) + tier_staging
+    ranks = RANK_RAM_GIB * int(params["NPROC_PER_NODE"])
+    assert gib(params["POD_MEMORY"]) >= gib(params["MEMORY_TIER_SIZE"]) + gib(params["SHM_SIZE"]) + tier_staging + ranks
     assert int(params["GRACE_SECONDS"]) >= 2 * lead
 
 
@@ -263,6 +460,18 @@ def test_a_hung_rank_is_exit_76_with_its_line(tmp_path):
                      "train.hang_timeout=10", timeout=240)
     assert out.returncode == 76, out.stdout[-3000:] + out.stderr[-3000:]
     assert "hung (torchrun exit 1): error: hang:" in out.stdout and "exit 76: restarted" in out.stdout, out.stdout
+
+
+def test_a_ranks_own_error_is_exit_77_which_no_rule_restarts(tmp_path):
+    """Rank 1 raises inside step 2 (an OSError standing for a CUDA OOM): the workers exit 77 and write it into
+    torchrun's error file; torchrun exits 1, the entrypoint 77, which the failure rules never restart
+    (test_every_exit_code_does_what_the_contract_says; tests/test_exit_codes.py)."""
+    out = entrypoint({**JOBSET_ALONE, "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()),
+                      "CKPT_FAULT": "oserror@mid_step:2,rank=1"},
+                     *FAST, f"run.dir={tmp_path}", f"data.cache_dir={token_cache()}", "train.max_steps=4", timeout=240)
+    assert out.returncode == EXIT_FAILED, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "error: rank 1: OSError: [Errno 28]" in out.stderr, out.stderr[-3000:]
+    assert "a rank failed (torchrun exit 1, the workers' exit 77" in out.stdout, out.stdout[-3000:]
 
 
 def test_a_world_size_the_preset_cannot_take_is_exit_2_not_torchruns_1(tmp_path):
@@ -416,3 +625,72 @@ def test_pods_resume_from_pod_ram_in_place_from_a_peer_and_at_fewer_pods(hosts, 
         assert after[s]["world_size"] == 1
         assert after[s]["sample_ids"] == ref[s]["sample_ids"], f"step {s}: a different global batch"
         assert after[s]["loss"] == pytest.approx(ref[s]["loss"], abs=1e-4), f"step {s}"
+
+
+# ---------------------------------------------------------------- k8s/check-cluster.sh on a misconfigured cluster
+
+# A cluster as a Trainer v2.3.0 install leaves it, on Kubernetes 1.35 with the gate on the apiserver and one node's
+# kubelet only: JobSet (kubeflow-system) without its InPlaceRestart gate, no admission policy, the volume applied.
+FAKE_KUBECTL = r'''#!/usr/bin/env python3
+import sys
+said = " ".join(sys.argv[1:])
+metric = 'kubernetes_feature_enabled{name="RestartAllContainersOnContainerExits",stage="ALPHA"} %d'
+answers = {
+    "version -o json": '{"serverVersion": {"major": "1", "minor": "35"}}',
+    "-n kubeflow-system get deployment jobset-controller-manager -o jsonpath={.spec.template.spec.containers[0].image}":
+        "registry.k8s.io/jobset/jobset:v0.12.0",
+    "-n kubeflow-system get configmap jobset-manager-config -o jsonpath={.data.controller_manager_config\\.yaml}":
+        "apiVersion: config.jobset.x-k8s.io/v1alpha1\nkind: Configuration\nleaderElection:\n  leaderElect: true",
+    "get --raw /metrics": metric % 1,
+    "get nodes -o jsonpath={.items[*].metadata.name}": "gpu-a gpu-b",
+    "get --raw /api/v1/nodes/gpu-a/proxy/metrics": metric % 1,
+    "get --raw /api/v1/nodes/gpu-b/proxy/metrics": metric % 0,
+    "get pvc fsdp-run -o name": "persistentvolumeclaim/fsdp-run",
+}
+if said not in answers:
+    sys.exit(1)
+print(answers[said])
+'''
+
+
+def test_check_cluster_names_each_missing_gate(tmp_path):
+    """k8s/check-cluster.sh --help works; against a fake kubectl of a misconfigured cluster it names JobSet's gate,
+    the kubelet that lacks its gate and the missing admission policy, exits 1, and docs/kubernetes.md shows exactly
+    that output."""
+    script = os.path.join(ROOT, "k8s", "check-cluster.sh")
+    helped = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=30)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: k8s/check-cluster.sh"), helped
+    (tmp_path / "kubectl").write_text(FAKE_KUBECTL)
+    (tmp_path / "kubectl").chmod(0o755)
+    out = subprocess.run([script, "--overlay", "jobset-inplace"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert out.returncode == 1 and out.stderr == "", out
+    lines = out.stdout.splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["ok", "ok", "MISSING", "ok", "MISSING", "MISSING", "ok"], out.stdout
+    assert "InPlaceRestart" in lines[2] and "gpu-b" in lines[4] and "gpu-a" not in lines[4], out.stdout
+    with open(os.path.join(ROOT, "docs", "kubernetes.md")) as f:
+        assert "$ k8s/check-cluster.sh --overlay jobset-inplace\n" + out.stdout in f.read(), \
+            "docs/kubernetes.md shows this output:\n" + out.stdout
+
+
+def test_a_non_root_pod_keeps_the_tier_in_a_folder_it_makes_under_the_root_owned_mount():
+    """The kubelet makes an emptyDir's mount point root-owned, mode 0777. A non-root pod's tier refuses that folder
+    itself (another user's), so ckpt.memory_dir is a folder below it, which the tier makes with this uid's mode
+    0700 (memory_tier/peers.py make_step_folder): run as uid 65534, the mount point is refused, the subfolder is
+    made and accepted."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root, to make a root-owned folder and run as another uid")
+    mount = tempfile.mkdtemp(prefix="fsdp-test-emptydir-", dir="/dev/shm")  # pytest's tmp_path is root's alone
+    os.chmod(mount, 0o777)
+    probe = ("import os, sys; sys.path.insert(0, sys.argv[2])\n"
+             "from ckpt.memory_tier.tier import foreign_folder\n"
+             "from ckpt.memory_tier.peers import make_step_folder\n"
+             "os.setgid(65534); os.setuid(65534)  # imports done: now the pod's non-root uid\n"
+             "mount = sys.argv[1]; folder = os.path.join(mount, 'fsdp')\n"
+             "make_step_folder(os.path.join(folder, 'step-000001'))\n"
+             "print(bool(foreign_folder(mount)), foreign_folder(folder), oct(os.stat(folder).st_mode & 0o777))\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", probe, mount, ROOT], capture_output=True, text=True, timeout=120)
+    finally:
+        shutil.rmtree(mount, ignore_errors=True)
+    assert out.returncode == 0 and out.stdout.split() == ["True", "None", "0o700"], out

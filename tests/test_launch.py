@@ -51,7 +51,7 @@ def test_readme_torchrun_command_reports_a_bad_key_once(tmp_path, attempt):
     proc = launch(README_TORCHRUN, tmp_path, "train.lrr=1e-3")
     assert_one_error(proc, "unknown config key 'train.lrr'", TORCHRUN_EXIT)
     assert "exitcode  : 2" in proc.stderr  # torchrun's summary: what the workers exited with
-    assert "traceback : bad input (exit 2; its one-line message is above): unknown config key" in proc.stderr
+    assert "traceback : exit 2: bad input (its one-line message is above): unknown config key" in proc.stderr
 
 
 SLOW_RANK_SCRIPT = """

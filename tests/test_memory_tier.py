@@ -182,7 +182,8 @@ def test_memory_shortfall_names_what_is_short():
     assert why == "2 ranks x 2 steps x 1.00 GiB need 4.00 GiB (+ 2.00 GiB to stage async saves) in /dev/shm/x, 5.00 GiB free"
     why = memory_shortfall(gib, 2, 1, "/dev/shm/x", 9 * gib, 0, 7 * gib, staging=(4 * gib, 0))
     assert why == ("2 ranks x 2 steps x 1.00 GiB need 4.00 GiB (+ 4.00 GiB to stage async saves) of RAM (/dev/shm/x "
-                   "is in memory), 7.00 GiB available")
+                   "is in memory), 7.00 GiB available (MemAvailable or, if smaller, the memory cgroup limit less its "
+                   "use)")
     assert memory_shortfall(gib, 2, 2, "/nvme/x", 6 * gib, 0, None, staging=(4 * gib, 0)) is None  # RAM: not its
 
 

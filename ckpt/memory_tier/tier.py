@@ -17,8 +17,9 @@ The protocol (docs/memory-tier.md):
   it, then look for a newer verified disk step; the newer wins. What a rank reads and its node lacks comes from
   a peer over gloo. A damaged or incomplete memory step is skipped with one line.
 - budget: (memory_keep + 1) x (1 + replicas) x the rank's state bytes per local rank must fit the folder's
-  filesystem (and RAM, for tmpfs) beside both tiers' async staging buffers (in /dev/shm too in process mode), or
-  the tier turns off at start with one line: never a SIGBUS mid-run.
+  filesystem (and RAM, for tmpfs: the node's MemAvailable or the container's memory cgroup room, the smaller,
+  ckpt/preflight.py) beside both tiers' async staging buffers (in /dev/shm too in process mode), or the tier
+  turns off at start with one line: never a SIGBUS or an OOM kill mid-run.
 A failed memory save is a warning (a `checkpoint_failed` event with tier=memory): the disk tier still stands.
 """
 
@@ -108,7 +109,7 @@ def memory_shortfall(nbytes: int, local_ranks: int, keep: int, folder: str, free
         return f"{what}{_beside(staged_here)} in {folder}, {(free + held) / gib:.2f} GiB free"
     if mem_available is not None and need + staged > mem_available + held:
         return (f"{what}{_beside(staged)} of RAM ({folder} is in memory), {(mem_available + held) / gib:.2f} GiB "
-                "available")
+                "available (MemAvailable or, if smaller, the memory cgroup limit less its use)")
     return None
 
 
