@@ -1,6 +1,6 @@
 """Hang detection and stragglers (finetune/hang.py, finetune/stragglers.py): a frozen rank ends the job with exit 76
 naming it, torchrun restarts it, the memory tier resumes it bit for bit; a slow save or a long eval is no hang; a
-rank that raises is named with its error, exit 1, no hang; a SIGTERM with a peer frozen stops at once; a rank
+rank that raises is named with its error, exit 77, no hang; a SIGTERM with a peer frozen stops at once; a rank
 slowed on purpose is named as a straggler.
 
     python -m pytest tests/test_hang.py -q
