@@ -84,11 +84,16 @@ def test_unsupported_rule_is_refused_in_one_line():
 
 # ---------------------------------------------------------------- load at W=2, bit for bit
 
-def _load_worker(rank: int, port: int, models: dict) -> None:
+def _load_worker(rank: int, port: int, models: dict, ckpt_root: str) -> None:
+    import json
+
     import torch.distributed as dist
+    import yaml
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
+    from ckpt import CheckpointManager
     from ckpt.hf.load import load_hf_weights
     from finetune.config import Config
     from finetune.model import build_sharded_model
@@ -107,9 +112,71 @@ def _load_worker(rank: int, port: int, models: dict) -> None:
                 assert torch.equal(param.full_tensor(), want[name]), f"{family}: {name}"
             experts = model.model.layers[0].mlp.experts.gate_up_proj
             assert experts.to_local().shape[0] == 2, "FSDP should shard the expert dim: 2 of 4 experts per rank"
+            mgr = CheckpointManager(os.path.join(ckpt_root, family), "off", keep_last=0)  # as training saves
+            beside = {"meta.json": json.dumps({"step": 1, "world_size": 2, "model": path}),
+                      "config.yaml": yaml.safe_dump({"model": {"name_or_path": path}})}
+            mgr.save(1, {"app": {"model": get_model_state_dict(model)}}, beside, blocking=True)
+            mgr.close()
     finally:
         dist.destroy_process_group()
 
 
-def test_load_hub_layout_w2_bit_exact(moe_models):
-    start_on_free_port(_load_worker, lambda port: (port, moe_models), nprocs=2, start_method="fork")
+def test_load_hub_layout_w2_then_export_as_save_pretrained(moe_models, tmp_path):
+    """Load at W=2 equals from_pretrained; its W=2 checkpoint exports (two writer processes for Mixtral) to exactly
+    the tensors, names and dtypes save_pretrained wrote."""
+    from ckpt.hf.export import export_checkpoint
+
+    ckpt_root = str(tmp_path / "ckpts")
+    start_on_free_port(_load_worker, lambda port: (port, moe_models, ckpt_root), nprocs=2, start_method="fork")
+    for family, path in moe_models.items():
+        out = str(tmp_path / f"export-{family}")
+        info = export_checkpoint(os.path.join(ckpt_root, family, "step-000001"), out, "auto", max_shard_size="20KB",
+                                 jobs=2 if family == "mixtral" else 1)
+        src, dst = read_tensors(path), read_tensors(out)
+        assert sorted(dst) == sorted(src) and info["tensors"] == len(src), family
+        for name, tensor in src.items():
+            assert dst[name].dtype == tensor.dtype and torch.equal(dst[name], tensor), f"{family}: {name}"
+
+
+# ---------------------------------------------------------------- train at W=2, resume at W=1, export
+
+STEPS = ["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0"]
+
+
+def _trained(hf_dir: str, ckpt_path: str):
+    """The checkpoint's weights in a plain HF model (DCP reads them in place): what the export must equal."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hf_dir), dtype=torch.float32)
+    dcp.load({"app.model." + k: v for k, v in model.state_dict().items()}, checkpoint_id=ckpt_path, no_dist=True)
+    return model.eval()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_train_w2_resume_w1_export_like_save_pretrained(moe_models, family, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import losses, run_train
+
+    src = moe_models[family]
+    run_train(tmp_path / "a", 2, [f"model.name_or_path={src}", *STEPS, "export.at_end=true"])
+    step2 = str(tmp_path / "a" / "checkpoints" / "step-000002")
+    run_train(tmp_path / "b", 0, [f"model.name_or_path={src}", *STEPS, f"ckpt.resume={step2}"])
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == [3, 4] and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in b), (a, b)
+
+    # the export: save_pretrained's names, dtype (the source's: bf16 Mixtral) and values, and the trained logits
+    trained = _trained(src, str(tmp_path / "a" / "checkpoints" / "step-000004"))
+    dtype = next(iter(read_tensors(src).values())).dtype
+    trained.to(dtype).save_pretrained(str(tmp_path / "reference"))
+    want, got = read_tensors(str(tmp_path / "reference")), read_tensors(str(tmp_path / "a" / "hf"))
+    assert MOE_FAMILIES[family][1] in got and sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    batch = torch.randint(3, 101, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = trained(input_ids=batch).logits
+        loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a" / "hf"), dtype=dtype).eval()
+        assert torch.equal(loaded(input_ids=batch).logits, reference)
