@@ -98,6 +98,18 @@ def _load_worker(rank: int, port: int, models: dict, ckpt_root: str) -> None:
     from finetune.config import Config
     from finetune.model import build_sharded_model
 
+    import ckpt.hf.load
+
+    read, real_open = [], ckpt.hf.load.safe_open  # the expert tensors this rank reads
+
+    class Recording:
+        def __init__(self, path, framework):
+            self.file = real_open(path, framework=framework)
+
+        def get_slice(self, key):
+            read.append(key)
+            return self.file.get_slice(key)
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -106,7 +118,13 @@ def _load_worker(rank: int, port: int, models: dict, ckpt_root: str) -> None:
             cfg = Config()
             cfg.model.name_or_path = path
             model = build_sharded_model(cfg.model, mesh, torch.device("cpu"))
-            load_hf_weights(model, path)
+            read.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(ckpt.hf.load, "safe_open", Recording)
+                load_hf_weights(model, path)
+            experts = {int(k.split(".experts.")[1].split(".")[0]) for k in read}
+            assert experts == {2 * rank, 2 * rank + 1}, f"{family}: rank {rank} read experts {sorted(experts)}"
+            assert len(read) == 2 * 2 * 3, f"{family}: 2 layers x 2 experts x 3 tensors, read {len(read)}"
             want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
             for name, param in model.named_parameters():
                 assert torch.equal(param.full_tensor(), want[name]), f"{family}: {name}"
