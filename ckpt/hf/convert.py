@@ -117,7 +117,8 @@ class _Window:
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.chunk:
-            return args[0]._chunk(args[1] if len(args) > 1 else kwargs["chunks"], kwargs.get("dim", args[2] if len(args) > 2 else 0))
+            chunks = args[1] if len(args) > 1 else kwargs["chunks"]
+            return args[0]._chunk(chunks, kwargs.get("dim", args[2] if len(args) > 2 else 0))
         raise UnsupportedOp(getattr(func, "__name__", str(func)))
 
     def _chunk(self, chunks: int, dim: int):

@@ -7,8 +7,9 @@
 Full checkpoints (`export_checkpoint`): one `dcp.load` with no process group whose planner, instead of
 filling a state dict, writes each saved chunk straight to its place in the output safetensors files
 (files.py), under the names and in the layout transformers' save_pretrained writes (convert.py: a fused MoE
-expert tensor becomes one tensor per expert, a chunk written to each expert it holds), so memory peaks at about one saved chunk (a rank's shard of the largest tensor), not the
-model: `python bench/export_rss.py` measures it. The files are created at full size first, so writers fill
+expert tensor becomes one tensor per expert, a chunk written to each expert it holds), so memory peaks at
+about one saved chunk (a rank's shard of the largest tensor), not the model: `python bench/export_rss.py`
+measures it. The files are created at full size first, so writers fill
 them in parallel, each its share of the tensors: `--jobs N` processes offline, every rank of the job for
 `export.at_end`. LoRA checkpoints go to adapter.py (merged into the base, or the adapter alone). The
 default dtype (`auto`) is the source model's torch_dtype, fp32 for random init.
@@ -333,7 +334,8 @@ def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=Non
     on_rank0_then_share(lambda: start_export(job), group, CheckpointError)
     problem = None
     try:
-        write_share(job.ckpt_path, job.tmp, job.files, job.placements, tensor_shares(job.files, job.placements, world)[rank])
+        share = tensor_shares(job.files, job.placements, world)[rank]
+        write_share(job.ckpt_path, job.tmp, job.files, job.placements, share)
     except SAVE_ERRORS as e:  # agreed below, re-raised on every rank
         problem = str(save_failure(e, os.path.dirname(job.out_dir) or ".", f"the export {job.out_dir}"))
     problems = [None] * world
