@@ -4,8 +4,9 @@
     tensorboard --logdir runs/tiny/tensorboard         # W&B offline: wandb sync runs/tiny/wandb/offline-run-*
 
 Rank 0 only, and only when asked (`run.tensorboard=true`, `run.wandb=offline|online`); training never
-needs either package. Scalars: train/loss, train/lr, train/grad_norm, train/tokens_per_s (from consecutive
-step records), eval/loss, checkpoint/blocking_s and checkpoint/committed_s, and per rank every log interval
+needs either package. Scalars: train/loss, train/aux_loss (a MoE router's load-balancing loss, when trained),
+train/lr, train/grad_norm, train/tokens_per_s (from consecutive step records), eval/loss, checkpoint/blocking_s
+and checkpoint/committed_s, and per rank every log interval
 memory/peak_gib/rank_<r> (and memory/peak_reserved_gib/rank_<r> on CUDA), all against the optimizer step.
 """
 
@@ -17,7 +18,8 @@ import uuid
 from finetune.config import ConfigError, to_dict
 
 # field of a metrics.jsonl record -> scalar name; step records and events ("eval", "checkpoint") alike
-SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "eval_loss": "eval/loss",
+SCALARS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+           "eval_loss": "eval/loss",
            "blocking_s": "checkpoint/blocking_s", "committed_s": "checkpoint/committed_s"}
 # field holding a list indexed by rank (finetune/per_rank.py) -> scalar name; each rank's value is <name>/rank_<r>
 PER_RANK = {"peak_memory_gib": "memory/peak_gib", "peak_reserved_gib": "memory/peak_reserved_gib"}

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import start_on_free_port
+from finetune.metrics import read_metrics
 from tiny_moe import MOE_FAMILIES, save_tiny_moe
 
 
@@ -35,7 +36,8 @@ def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     # Mixtral in bf16 over several files (the dtype converted on load, experts split across files), Qwen3-MoE fp32
     return {"mixtral": save_tiny_moe(str(root / "mixtral"), "mixtral", torch.bfloat16, "20KB"),
-            "qwen3_moe": save_tiny_moe(str(root / "qwen3_moe"), "qwen3_moe")}
+            "qwen3_moe": save_tiny_moe(str(root / "qwen3_moe"), "qwen3_moe", output_router_logits=True,
+                                       router_aux_loss_coef=0.05)}  # its router's aux loss trained
 
 
 # ---------------------------------------------------------------- the name maps, no process group
@@ -145,7 +147,8 @@ def test_load_hub_layout_w2_then_export_as_save_pretrained(moe_models, tmp_path)
     from ckpt.hf.export import export_checkpoint
 
     ckpt_root = str(tmp_path / "ckpts")
-    start_on_free_port(_load_worker, lambda port: (port, moe_models, ckpt_root), nprocs=2, start_method="fork")
+    # spawned: a fork of a pytest process that has run OpenMP (any earlier test's matmul) can hang in OpenMP
+    start_on_free_port(_load_worker, lambda port: (port, moe_models, ckpt_root), nprocs=2)
     for family, path in moe_models.items():
         out = str(tmp_path / f"export-{family}")
         info = export_checkpoint(os.path.join(ckpt_root, family, "step-000001"), out, "auto", max_shard_size="20KB",
@@ -159,6 +162,11 @@ def test_load_hub_layout_w2_then_export_as_save_pretrained(moe_models, tmp_path)
 # ---------------------------------------------------------------- train at W=2, resume at W=1, export
 
 STEPS = ["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0"]
+
+
+def aux_losses(run_dir) -> dict[int, float]:
+    steps, _ = read_metrics(os.path.join(str(run_dir), "metrics.jsonl"))
+    return {s: r["aux_loss"] for s, r in steps.items() if "aux_loss" in r}
 
 
 def _trained(hf_dir: str, ckpt_path: str):
@@ -184,6 +192,11 @@ def test_train_w2_resume_w1_export_like_save_pretrained(moe_models, family, tmp_
     run_train(tmp_path / "b", 0, [f"model.name_or_path={src}", *STEPS, f"ckpt.resume={step2}"])
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert sorted(b) == [3, 4] and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in b), (a, b)
+    aux_a, aux_b = (aux_losses(tmp_path / run) for run in "ab")  # logged apart from the LM loss, when trained
+    if family == "qwen3_moe":
+        assert all(v > 0 for v in aux_a.values()) and all(aux_b[s] == pytest.approx(aux_a[s], rel=1e-5) for s in b)
+    else:
+        assert aux_a == {} and aux_b == {}, "output_router_logits is false: no aux loss"
 
     # the export: save_pretrained's names, dtype (the source's: bf16 Mixtral) and values, and the trained logits
     trained = _trained(src, str(tmp_path / "a" / "checkpoints" / "step-000004"))
@@ -198,3 +211,118 @@ def test_train_w2_resume_w1_export_like_save_pretrained(moe_models, family, tmp_
         reference = trained(input_ids=batch).logits
         loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a" / "hf"), dtype=dtype).eval()
         assert torch.equal(loaded(input_ids=batch).logits, reference)
+
+
+# ---------------------------------------------------------------- the router's aux loss in train_step
+
+def _aux_worker(rank: int, port: int, root: str, results: dict) -> None:
+    """train_step with SGD(lr=1), no clipping, one micro batch at W=1: the parameters move by exactly the gradient
+    of the optimized loss, compared with transformers' own `loss` (LM mean + coef x aux_loss) of the same batch."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from ckpt.hf.load import load_hf_weights
+    from finetune.config import Config
+    from finetune.model import build_sharded_model
+    from train_fsdp import train_step
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(6, 101, (2, 12), generator=gen)
+        labels = ids.clone()
+        labels[:, :3] = -100
+        for asks in (True, False):
+            path = save_tiny_moe(os.path.join(root, str(asks)), "mixtral", output_router_logits=asks,
+                                 router_aux_loss_coef=0.5)
+            cfg = Config()
+            cfg.model.name_or_path = path
+            model = build_sharded_model(cfg.model, init_device_mesh("cpu", (1,)), torch.device("cpu"))
+            load_hf_weights(model, path)
+            before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+            done = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), [(ids, labels, None)],
+                              torch.device("cpu"), 1, 0.0)
+            ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            out = ref(input_ids=ids, labels=labels)
+            out.loss.backward()
+            grads = {n: p.grad for n, p in ref.named_parameters()}
+            moved = max((before[n] - p.full_tensor() - grads[n]).abs().max().item()
+                        for n, p in model.named_parameters())
+            results[asks] = {"done": tuple(done), "hf_loss": out.loss.item(),
+                             "hf_aux": None if out.aux_loss is None else out.aux_loss.item(), "moved_minus_grad": moved}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_router_aux_loss_is_trained_when_the_config_asks(tmp_path):
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    start_on_free_port(_aux_worker, lambda port: (port, str(tmp_path), results), nprocs=1)  # spawned, as above
+    on, off = results[True], results[False]
+    loss, _, _, aux = on["done"]
+    assert aux > 0 and aux == pytest.approx(on["hf_aux"], rel=1e-5)
+    assert loss + 0.5 * aux == pytest.approx(on["hf_loss"], rel=1e-5)  # logged LM loss; optimized lm + coef x aux
+    assert on["moved_minus_grad"] < 1e-5, "the update is not the gradient of lm + coef x aux"
+    loss, _, _, aux = off["done"]
+    assert aux is None and off["hf_aux"] is None and loss == pytest.approx(off["hf_loss"], rel=1e-5)
+    assert off["moved_minus_grad"] < 1e-5
+
+
+# ---------------------------------------------------------------- the planner's MoE widths
+
+@pytest.mark.parametrize("family, width", [("mixtral", 2 * 48), ("qwen3_moe", 2 * 24), ("qwen2_moe", 2 * 24 + 40)])
+def test_plan_uses_top_k_expert_width_and_says_every_expert_is_gathered(tmp_path, capsys, family, width):
+    """Activations scale with top-k x the expert width (+ a shared expert: Qwen2-MoE), not the dense width."""
+    import train_fsdp
+    from finetune.config import load_config
+    from finetune.plan import model_shapes
+    from tiny_moe import tiny_moe_config
+
+    if family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig
+
+        config = Qwen2MoeConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=64, moe_intermediate_size=24, num_experts=4,
+                                num_experts_per_tok=2, shared_expert_intermediate_size=40)
+    else:
+        config = tiny_moe_config(family)
+    config.save_pretrained(str(tmp_path))
+    s = model_shapes(load_config(None, [f"model.config_path={tmp_path}"]).model)
+    assert (s.intermediate, s.experts, s.experts_per_token) == (width, 4, 2)
+    assert train_fsdp.main(["--config", "configs/tiny.yaml", f"model.config_path={tmp_path}", "--plan"]) == 0
+    assert "every expert of a block is gathered on every rank (no expert parallelism)" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- LoRA on a MoE model
+
+def test_lora_on_moe_experts_is_refused_and_attention_lora_says_experts_stay_frozen(moe_models):
+    """peft 0.21 turns all-linear on a transformers 5 MoE into target_parameters on the fused experts and the router:
+    refused in one line that says what to target instead; attention LoRA trains, the experts frozen, said in one
+    line."""
+    from finetune.config import Config
+    from finetune.lora import add_adapters, unadapted_experts
+    from finetune.model import causal_lm_from_config
+    from finetune.shards import ModelError
+
+    def meta_model(targets: str):
+        cfg = Config()
+        cfg.model.name_or_path, cfg.model.lora.r, cfg.model.lora.target_modules = moe_models["qwen3_moe"], 4, targets
+        with torch.device("meta"):
+            model = causal_lm_from_config(cfg.model)
+        assert unadapted_experts(model) is None  # before LoRA: nothing frozen, nothing to say
+        add_adapters(model, cfg.model.lora, moe_models["qwen3_moe"], torch.float32)
+        return model
+
+    with pytest.raises(ModelError, match=r"all-linear.*adapts the MoE experts' fused 3-D weights and routers "
+                                         r"\('model.layers.0.mlp.experts'.*target_modules=q_proj,k_proj,v_proj,o_proj"):
+        meta_model("all-linear")
+    model = meta_model("q_proj,k_proj,v_proj,o_proj")
+    adapted = {n.split(".lora_A.")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert "model.layers.0.self_attn.q_proj" in adapted and not any("mlp" in n for n in adapted)
+    assert not model.model.layers[0].mlp.experts.gate_up_proj.requires_grad
+    line = unadapted_experts(model)
+    assert line.startswith("LoRA: the 4 fused 3-D expert weights (model.layers.0.mlp.experts.gate_up_proj, ...)")
+    assert "target_parameters" in line and "\n" not in line
