@@ -326,3 +326,27 @@ def test_lora_on_moe_experts_is_refused_and_attention_lora_says_experts_stay_fro
     line = unadapted_experts(model)
     assert line.startswith("LoRA: the 4 fused 3-D expert weights (model.layers.0.mlp.experts.gate_up_proj, ...)")
     assert "target_parameters" in line and "\n" not in line
+
+
+def test_a_folder_that_does_not_fit_is_refused_in_one_line(moe_models):
+    """An expert's tensor missing, or one expert too many: one line naming the folder, the class and the tensor."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ckpt import CheckpointError
+    from ckpt.hf.load import check_hf_keys
+    from ckpt.reading import safetensors_headers
+
+    path = moe_models["mixtral"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    headers = safetensors_headers(path)
+    check_hf_keys(model, model.state_dict(), headers, path)  # fits as saved
+    missing = {k: v for k, v in headers.items() if k != "model.layers.1.block_sparse_moe.experts.3.w1.weight"}
+    with pytest.raises(CheckpointError, match=r"does not fit MixtralForCausalLM: the tensors of the files that make "
+                                              r".*'model.layers.1.mlp.experts.gate_up_proj' do not fit together"):
+        check_hf_keys(model, model.state_dict(), missing, path)
+    extra = {**headers, "model.layers.0.block_sparse_moe.experts.4.w2.weight":
+             headers["model.layers.0.block_sparse_moe.experts.0.w2.weight"]}
+    with pytest.raises(CheckpointError, match=r"does not fit MixtralForCausalLM: 'model.layers.0.mlp.experts.down_proj'"
+                                              r" is \[5, 32, 48\] in the files .* but \[4, 32, 48\] in the model"):
+        check_hf_keys(model, model.state_dict(), extra, path)

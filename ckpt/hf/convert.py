@@ -46,6 +46,10 @@ class UnsupportedOp(Exception):
     pass
 
 
+class Misfit(Exception):
+    """File tensors that a rule joins but whose shapes do not join (an expert missing, another width)."""
+
+
 def _dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
@@ -73,7 +77,7 @@ class _Stacked:
     def _stack(cls, items, dim):
         d = _dim(dim, len(items[0].shape) + 1)
         if len({t.shape for t in items}) != 1:
-            raise UnsupportedOp(f"stack of shapes {sorted({t.shape for t in items})}")
+            raise Misfit(f"stacked tensors of shapes {sorted({t.shape for t in items})}")
         parts = [(k, ks, st[:d] + (i,) + st[d:], sz[:d] + (1,) + sz[d:],
                   tuple(sorted([x + (x >= d) for x in dr] + [d])))
                  for i, t in enumerate(items) for k, ks, st, sz, dr in t.parts]
@@ -83,6 +87,8 @@ class _Stacked:
     @classmethod
     def _cat(cls, items, dim):
         d, at, parts = _dim(dim, len(items[0].shape)), 0, []
+        if len({t.shape[:d] + t.shape[d + 1:] for t in items}) != 1:
+            raise Misfit(f"concatenated tensors of shapes {[list(t.shape) for t in items]} along dim {d}")
         for t in items:
             parts += [(k, ks, st[:d] + (st[d] + at,) + st[d + 1:], sz, dr) for k, ks, st, sz, dr in t.parts]
             at += t.shape[d]
@@ -173,6 +179,9 @@ def _run(converter, first_key: str, model) -> dict:
         ops = ", ".join(type(op).__name__ for op in getattr(converter, "operations", []))
         raise CheckpointError(f"{type(model).__name__}: transformers converts '{first_key}' with {ops}, which the "
                               f"sharded load and export cannot follow ({e})") from None
+    except Misfit as e:
+        raise CheckpointError(f"the tensors of the files that make {type(model).__name__}'s '{first_key}' do not fit "
+                              f"together: {e}") from None
     return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
 
 

@@ -32,7 +32,10 @@ def check_hf_keys(model: torch.nn.Module, model_sd: dict, headers: dict, hf_dir:
     cls = type(model).__name__
     aliases = tied_aliases(model)
     wanted = {k: tuple(v.shape) for k, v in model_sd.items() if k not in aliases}
-    placements, shapes, unmapped = hub_to_memory(model, {k: tuple(h["shape"]) for k, h in headers.items()}, wanted)
+    try:
+        placements, shapes, unmapped = hub_to_memory(model, {k: tuple(h["shape"]) for k, h in headers.items()}, wanted)
+    except CheckpointError as e:
+        raise CheckpointError(f"{hf_dir} does not fit {cls}: {e}") from None
     missing = [k for k in wanted if k not in placements]
     # HF's own list of leftovers it ignores on load (e.g. rotary inv_freq in old Llama files)
     ignore = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
