@@ -350,3 +350,24 @@ def test_a_folder_that_does_not_fit_is_refused_in_one_line(moe_models):
     with pytest.raises(CheckpointError, match=r"does not fit MixtralForCausalLM: 'model.layers.0.mlp.experts.down_proj'"
                                               r" is \[5, 32, 48\] in the files .* but \[4, 32, 48\] in the model"):
         check_hf_keys(model, model.state_dict(), extra, path)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_attention_lora_on_a_hub_layout_moe_trains_and_merges_to_the_same_layout(moe_models, tmp_path):
+    """LoRA on q/v of a Qwen3-MoE saved by save_pretrained: the base loads, and the merged export has the base's
+    names (per expert), its experts unchanged, the adapted weights changed, and loads with from_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    from ckpt.hf.export import export_checkpoint
+    from conftest import run_train
+
+    base = moe_models["qwen3_moe"]
+    proc = run_train(tmp_path / "run", 0, [f"model.name_or_path={base}", "model.lora.r=4", "model.lora.dropout=0",
+                                           "model.lora.target_modules=q_proj,v_proj", "train.max_steps=2"])
+    assert "fused 3-D expert weights (model.layers.0.mlp.experts.gate_up_proj, ...) are not adapted" in proc.stdout
+    info = export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-000002"), str(tmp_path / "merged"))
+    src, out = read_tensors(base), read_tensors(str(tmp_path / "merged"))
+    assert sorted(out) == sorted(src) and info["tensors"] == len(src)
+    changed = sorted(k for k in src if not torch.equal(src[k], out[k]))
+    assert changed == [f"model.layers.{i}.self_attn.{m}_proj.weight" for i in (0, 1) for m in "qv"]
+    AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"))

@@ -42,6 +42,18 @@ class Placement:
         return not self.dropped and not any(self.start) and self.size == self.shape
 
 
+def overlap(start, size, p: Placement) -> tuple[list[int], list[int]] | None:
+    """(lo, hi): where the box (start, size) of p's in-memory tensor meets file tensor p, or None if nowhere."""
+    lo = [max(a, s) for a, s in zip(start, p.start)]
+    hi = [min(a + n, s + m) for a, n, s, m in zip(start, size, p.start, p.size)]
+    return None if any(a >= b for a, b in zip(lo, hi)) else (lo, hi)
+
+
+def file_index(lo, hi, p: Placement) -> tuple[slice, ...]:
+    """The slices of file tensor p that hold its in-memory tensor's box [lo, hi) (one that overlap returned)."""
+    return tuple(slice(a - s, b - s) for d, (a, b, s) in enumerate(zip(lo, hi, p.start)) if d not in p.dropped)
+
+
 class UnsupportedOp(Exception):
     pass
 

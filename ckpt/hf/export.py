@@ -44,7 +44,7 @@ from ..reading import dcp_metadata, few, meta_model, model_names, source_dirs, s
 from ..schema import schema_of
 from ..storage import reader_with, storage_for
 from .adapter import export_lora
-from .convert import Placement, memory_to_hub
+from .convert import Placement, memory_to_hub, overlap
 from .files import (OutTensor, assign_files, create_files, file_names, parse_size, replace_dir, safetensors_header,
                     write_index, write_model_files)
 
@@ -67,14 +67,13 @@ def chunk_runs(offsets, sizes, shape) -> tuple[list[int], int]:
     return starts, run
 
 
-def overlap(chunk_offsets, chunk_sizes, p: Placement):
+def chunk_part(chunk_offsets, chunk_sizes, p: Placement):
     """The part of a saved chunk (offsets, sizes in the in-memory tensor) that file tensor `p` holds: (the slices
     of the chunk, its offsets and sizes in the file tensor), or None when they do not meet."""
-    lo = [max(o, s) for o, s in zip(chunk_offsets, p.start)]
-    hi = [min(o + z, s + n) for o, z, s, n in zip(chunk_offsets, chunk_sizes, p.start, p.size)]
-    if any(a >= b for a, b in zip(lo, hi)):
+    box = overlap(chunk_offsets, chunk_sizes, p)
+    if box is None:
         return None
-    kept = [d for d in range(len(lo)) if d not in p.dropped]
+    (lo, hi), kept = box, [d for d in range(len(chunk_offsets)) if d not in p.dropped]
     return (tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk_offsets)),
             [lo[d] - p.start[d] for d in kept], [hi[d] - lo[d] for d in kept])
 
@@ -115,7 +114,7 @@ class ChunkToFilePlanner(LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         for out, placement in self.tensors[read_item.dest_index.fqn[len(self.prefix):]]:
-            part = overlap(read_item.dest_offsets, read_item.lengths, placement)
+            part = chunk_part(read_item.dest_offsets, read_item.lengths, placement)
             if part is not None:
                 self.write_part(out, tensor[part[0]], part[1], part[2])
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from ..errors import CheckpointError
 from ..reading import few, safetensors_headers, tied_aliases
-from .convert import Placement, hub_to_memory
+from .convert import Placement, file_index, hub_to_memory, overlap
 
 
 def check_hf_keys(model: torch.nn.Module, model_sd: dict, headers: dict, hf_dir: str) -> dict[str, list[Placement]]:
@@ -69,15 +69,14 @@ def read_pieces(dest: torch.Tensor, placements: list[Placement], headers: dict, 
     local = dest.to_local() if hasattr(dest, "to_local") else dest
     offsets, sizes = local_box(dest)
     for p in placements:
-        lo = [max(o, s) for o, s in zip(offsets, p.start)]
-        hi = [min(o + z, s + n) for o, z, s, n in zip(offsets, sizes, p.start, p.size)]
-        if any(a >= b for a, b in zip(lo, hi)):
+        box = overlap(offsets, sizes, p)
+        if box is None:
             continue
+        lo, hi = box
         path = headers[p.key]["file"]
         if path not in opened:
             opened[path] = safe_open(path, framework="pt")
-        part = opened[path].get_slice(p.key)[tuple(slice(a - s, b - s) for d, (a, b, s) in
-                                                   enumerate(zip(lo, hi, p.start)) if d not in p.dropped)]
+        part = opened[path].get_slice(p.key)[file_index(lo, hi, p)]
         local[tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))].copy_(
             part.reshape([b - a for a, b in zip(lo, hi)]))
 
