@@ -187,12 +187,14 @@ def test_train_w2_resume_w1_export_like_save_pretrained(moe_models, family, tmp_
     from conftest import losses, run_train
 
     src = moe_models[family]
-    run_train(tmp_path / "a", 2, [f"model.name_or_path={src}", *STEPS, "export.at_end=true"])
+    first = run_train(tmp_path / "a", 2, [f"model.name_or_path={src}", *STEPS, "export.at_end=true"])
     step2 = str(tmp_path / "a" / "checkpoints" / "step-000002")
     run_train(tmp_path / "b", 0, [f"model.name_or_path={src}", *STEPS, f"ckpt.resume={step2}"])
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert sorted(b) == [3, 4] and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in b), (a, b)
     aux_a, aux_b = (aux_losses(tmp_path / run) for run in "ab")  # logged apart from the LM loss, when trained
+    said = "router aux loss on: loss = LM loss + 0.05 x aux_loss" if family == "qwen3_moe" else "router aux loss off"
+    assert said in first.stdout
     if family == "qwen3_moe":
         assert all(v > 0 for v in aux_a.values()) and all(aux_b[s] == pytest.approx(aux_a[s], rel=1e-5) for s in b)
     else:
