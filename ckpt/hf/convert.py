@@ -39,6 +39,7 @@ class Placement:
 
     @property
     def whole(self) -> bool:
+        """The file tensor is the whole in-memory tensor (perhaps under another name): DCP reads it as it is."""
         return not self.dropped and not any(self.start) and self.size == self.shape
 
 
@@ -55,7 +56,7 @@ def file_index(lo, hi, p: Placement) -> tuple[slice, ...]:
 
 
 class UnsupportedOp(Exception):
-    pass
+    """A torch function a conversion op calls that the stand-ins do not follow (a transpose, a permutation)."""
 
 
 class Misfit(Exception):
