@@ -48,9 +48,9 @@ from finetune.hang import HangWatchdog, keep_nccl_flight_record, parse_hang_time
 from finetune.inputs import check_inputs, check_same_hub_commits, check_shared_folders
 from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers
-from finetune.loss import next_token_loss_sum
-from finetune.metrics import RankZeroLog, StepLog
-from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary
+from finetune.loss import next_token_loss_sum, router_aux_line, router_aux_loss
+from finetune.metrics import RankZeroLog, StepLog, StepResult
+from finetune.lora import base_file_name, init_adapters, lora_meta, param_summary, unadapted_experts
 from finetune.model import (ModelError, build_mesh, build_sharded_model, decoder_blocks, init_random, load_tokenizer,
                             model_source)
 from finetune.model_files import hub_commit_changes
@@ -162,6 +162,10 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
 
     Loss = sum of token losses over the *global* batch / global count of loss tokens, so it is the
     same for any world size or micro-batch split. FSDP averages gradients over ranks, hence * world_size.
+    A MoE model whose config has output_router_logits adds config.router_aux_loss_coef x its router's
+    load-balancing loss (transformers' `aux_loss`, one per micro batch), averaged over the global batch's micro
+    batches: the same for any world size at a fixed micro batch. Returns a StepResult; its `loss` is the LM
+    loss alone, `aux_loss` the averaged aux loss (None for a model without one).
     Gradients are reduce-scattered after every micro batch, so they accumulate *sharded*; skipping the
     reduce on all but the last (reduce_every_micro_batch=False) holds every parameter's unsharded grad in
     reduce_dtype in between (28 GB at 7B): fewer collectives, for small models only.
@@ -174,16 +178,21 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
     with collective_wait():  # a slower rank shows up here on the others, as waiting
         dist.all_reduce(n_global)
         n_global = max(n_global.item(), 1.0)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # LM token losses, router aux losses
+    aux_coef, has_aux = getattr(model.config, "router_aux_loss_coef", 0.0), False
     for i, (ids, labels, pos) in enumerate(micro_batches):
         model.set_requires_gradient_sync(reduce_every_micro_batch or i == len(micro_batches) - 1)
         ids, labels = ids.to(device, non_blocking=True), labels.to(device, non_blocking=True)
         pos = None if pos is None else pos.to(device, non_blocking=True)  # packed: per-document positions
-        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits  # no KV cache in training
-        tok_loss = next_token_loss_sum(logits, labels, IGNORE)
-        del logits  # the loss keeps what backward needs; the name would keep the logits alive through it
-        (tok_loss * (world_size / n_global)).backward()
-        loss_sum += tok_loss.detach().double()
+        out = model(input_ids=ids, position_ids=pos, use_cache=False)  # no KV cache in training
+        tok_loss, aux = next_token_loss_sum(out.logits, labels, IGNORE), router_aux_loss(out)
+        del out  # the loss keeps what backward needs; the name would keep the logits alive through it
+        loss = tok_loss * (world_size / n_global)
+        if aux is not None:  # mean over all ranks' micro batches; FSDP's average over ranks undoes a 1/W
+            loss, has_aux = loss + aux * (aux_coef / len(micro_batches)), True
+            sums[1] += aux.detach().double()
+        loss.backward()
+        sums[0] += tok_loss.detach().double()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     if before_optimizer_step is not None:
@@ -191,9 +200,9 @@ def train_step(model, optimizer, micro_batches, device, world_size: int, grad_cl
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     with collective_wait():
-        dist.all_reduce(loss_sum)  # a sync point, once per step, for an exact logged loss
-        loss = loss_sum.item() / n_global
-    return loss, int(n_global), float(grad_norm)
+        dist.all_reduce(sums)  # a sync point, once per step, for an exact logged loss
+    aux_loss = sums[1].item() / (len(micro_batches) * world_size) if has_aux else None
+    return StepResult(sums[0].item() / n_global, int(n_global), float(grad_norm), aux_loss)
 
 
 # ---------------------------------------------------------------- resume: the trainer's own rules (ckpt/ does the rest)
@@ -328,6 +337,9 @@ def build_model(cfg: Config, device, world_size: int, log):
     tokenizer = load_tokenizer(cfg.model)
     mesh = build_mesh(device, world_size, cfg.model.replicas, collective_timeout(cfg.train.collective_timeout_minutes))
     model = build_sharded_model(cfg.model, mesh, device)
+    for note in (router_aux_line(model.config), unadapted_experts(model) if cfg.model.lora.r else None):
+        if note:  # a MoE model: whether its router's aux loss is trained, whether LoRA reaches its experts
+            log.info(note)
     max_pos = getattr(model.config, "max_position_embeddings", None)
     if max_pos is not None and cfg.data.seq_len > max_pos:
         raise DataError(f"data.seq_len={cfg.data.seq_len} is larger than the model allows "
@@ -427,15 +439,15 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                 watch.enter("step", progress.step + 1)
                 with stragglers.timed(progress.step + 1), checkpoints.step_in_progress(progress.step + 1):
                     micro = stream.next_global_batch()
-                    loss, n_tok, gnorm = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
-                                                    cfg.train.reduce_every_micro_batch,
-                                                    checkpoints.before_optimizer_step, stragglers.waiting)
+                    done = train_step(model, optimizer, micro, device, world_size, cfg.train.grad_clip,
+                                      cfg.train.reduce_every_micro_batch, checkpoints.before_optimizer_step,
+                                      stragglers.waiting)
                     lr = scheduler.get_last_lr()[0]
                     scheduler.step()
                     progress.step += 1
                     progress.tokens += split.global_batch * cfg.data.seq_len
-                    progress.loss_tokens += n_tok
-                steps_log.step(progress, stream, rows, loss, lr, gnorm, time.perf_counter() - t_step)
+                    progress.loss_tokens += done.tokens
+                steps_log.step(progress, stream, rows, done, lr, time.perf_counter() - t_step)
                 if eval_set is not None and progress.step % cfg.train.eval_interval == 0:
                     eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size,
                                                         progress.step, log, watch)

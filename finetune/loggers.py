@@ -4,11 +4,11 @@
     tensorboard --logdir runs/tiny/tensorboard         # W&B offline: wandb sync runs/tiny/wandb/offline-run-*
 
 Rank 0 only, and only when asked (`run.tensorboard=true`, `run.wandb=offline|online`); training never
-needs either package. Scalars: train/loss, train/lr, train/grad_norm, train/tokens_per_s (from consecutive
-step records), checkpoint/blocking_s and checkpoint/committed_s, every eval metric of finetune/eval_metrics.py
-(eval/loss, eval/accuracy), and per rank every log interval memory/peak_gib/rank_<r> (and
-memory/peak_reserved_gib/rank_<r> on CUDA), all against the optimizer step (tests/test_loggers.py checks this list
-and docs/loggers.md's against SCALARS and PER_RANK).
+needs either package. Scalars: train/loss, train/aux_loss (a MoE router's load-balancing loss, when trained),
+train/lr, train/grad_norm, train/tokens_per_s (from consecutive step records), checkpoint/blocking_s and
+checkpoint/committed_s, every eval metric of finetune/eval_metrics.py (eval/loss, eval/accuracy), and per rank
+every log interval memory/peak_gib/rank_<r> (and memory/peak_reserved_gib/rank_<r> on CUDA), all against the
+optimizer step (tests/test_loggers.py checks this list and docs/loggers.md's against SCALARS and PER_RANK).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from finetune.config import ConfigError, to_dict
 from finetune.eval_metrics import EVAL_METRICS
 
 # field of a metrics.jsonl record -> scalar name; step records and events ("eval", "checkpoint") alike
-SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+SCALARS = {"loss": "train/loss", "aux_loss": "train/aux_loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
            "blocking_s": "checkpoint/blocking_s", "committed_s": "checkpoint/committed_s",
            **{m.field: m.scalar for m in EVAL_METRICS}}  # eval/loss, eval/accuracy: finetune/eval_metrics.py
 # field holding a list indexed by rank (finetune/per_rank.py) -> scalar name; each rank's value is <name>/rank_<r>

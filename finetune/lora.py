@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from ckpt.hf.adapter import MERGEABLE, unmergeable
 from ckpt.lora_base import base_fingerprint
+from ckpt.reading import few
 from finetune.model_files import model_folder
 from finetune.shards import ModelError, copy_full_into, seed_for
 
@@ -61,11 +62,28 @@ def add_adapters(model: nn.Module, lora_cfg, model_dir: str, base_dtype: torch.d
         inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         raise ModelError(f"model.lora.target_modules={targets!r} on {type(model).__name__}: {e}") from None
+    check_no_parameter_targets(model, targets)
     bad = unmergeable({name: m.get_base_layer() for name, m in model.named_modules() if isinstance(m, LoraLayer)})
     if bad:  # refused before training, not at the export: its merge and the weight import know no other layers
         raise ModelError(f"model.lora.target_modules={targets!r}: LoRA on {bad} is not supported; it applies to "
                          f"{MERGEABLE}")
     cast_frozen(model, base_dtype)
+
+
+def check_no_parameter_targets(model: nn.Module, targets: str) -> None:
+    """Refuse, in one line, what peft 0.21 adapts through `target_parameters` (its ParamWrapper): on transformers 5's
+    MoE models `all-linear` (or gate/up/down_proj, w1/w2/w3) becomes the fused 3-D expert weights and the router.
+    ParamWrapper registers a parametrization on the experts module at every forward, which FSDP2's swap of
+    sharded and gathered parameters and the merged export here do not support."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    wrapped = [name for name, m in model.named_modules()  # the outer one of nested wrappers
+               if isinstance(m, ParamWrapper) and not name.endswith(".base_layer")]
+    if wrapped:
+        raise ModelError(f"model.lora.target_modules={targets!r} on {type(model).__name__}: peft adapts the MoE "
+                         f"experts' fused 3-D weights and routers ({few(wrapped, 2)}) through target_parameters, which "
+                         "is not supported here; target the attention, e.g. model.lora.target_modules=q_proj,k_proj,"
+                         "v_proj,o_proj (the experts stay frozen; docs/moe.md)")
 
 
 def cast_frozen(model: nn.Module, dtype: torch.dtype) -> None:
@@ -100,6 +118,16 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             copy_full_into(param, full.to(param.device))  # drawn on CPU: the same numbers on any device
         elif ".lora_B." in name:
             copy_full_into(param, torch.zeros(param.shape, dtype=torch.float32, device=param.device))
+
+
+def unadapted_experts(model: nn.Module) -> str | None:
+    """One line when LoRA leaves a MoE model's fused 3-D expert weights frozen, else None: peft reaches them only
+    through `target_parameters`, refused here (check_no_parameter_targets)."""
+    experts = [name for name, p in model.named_parameters() if p.dim() == 3 and not p.requires_grad]
+    if not experts:
+        return None
+    return (f"LoRA: the {len(experts)} fused 3-D expert weights ({experts[0]}, ...) are not adapted and stay frozen: "
+            "peft reaches them only with target_parameters, which is not supported here (docs/lora.md)")
 
 
 def param_summary(model: nn.Module) -> str:

@@ -57,3 +57,22 @@ def next_token_loss_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index
     flat_targets = shift_labels(labels, ignore_index).reshape(-1)
     rows = max(1, chunk_elements // vocab)
     return _ChunkedCrossEntropySum.apply(logits.reshape(-1, vocab), flat_targets, ignore_index, rows)
+
+
+def router_aux_loss(output) -> torch.Tensor | None:
+    """The MoE router's load-balancing loss of one forward, as transformers computes it (`aux_loss` of its MoE
+    models' output: Switch Transformer's, over this forward's tokens, unscaled) when the model's config has
+    output_router_logits true; None otherwise, and for every dense model."""
+    aux = getattr(output, "aux_loss", None)
+    return aux if isinstance(aux, torch.Tensor) else None
+
+
+def router_aux_line(config) -> str | None:
+    """One start-up line for a MoE config (one with router_aux_loss_coef): whether the aux loss is trained."""
+    coef = getattr(config, "router_aux_loss_coef", None)
+    if coef is None:
+        return None
+    if getattr(config, "output_router_logits", False):
+        return f"model: router aux loss on: loss = LM loss + {coef} x aux_loss (config.router_aux_loss_coef)"
+    return ("model: router aux loss off: config.output_router_logits is false (set it true in config.json to train "
+            f"LM loss + {coef} x the load-balancing loss, as transformers does)")

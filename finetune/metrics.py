@@ -21,6 +21,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 from finetune.eval_metrics import EVAL_METRICS
 from finetune.goodput import plot_timeline, run_account
@@ -96,10 +97,11 @@ class RankZeroLog:
 
 
 def step_line(step: int, max_steps: int, loss: float, lr: float, grad_norm: float,
-              tokens_per_s: float, elapsed: float, steps_done_here: int) -> str:
+              tokens_per_s: float, elapsed: float, steps_done_here: int, aux_loss: float | None = None) -> str:
     remaining = max_steps - step
     eta = elapsed / max(steps_done_here, 1) * remaining
-    return (f"step {step:6d}/{max_steps} | loss {loss:.4f} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
+    aux = "" if aux_loss is None else f" | aux_loss {aux_loss:.4f}"
+    return (f"step {step:6d}/{max_steps} | loss {loss:.4f}{aux} | lr {lr:.3e} | grad_norm {grad_norm:.3f} | "
             f"tok/s {tokens_per_s:,.0f} | elapsed {elapsed:6.1f}s | eta {eta:6.1f}s")
 
 
@@ -109,6 +111,15 @@ def progress_bar(enabled: bool, total: int, initial: int):
         return None
     from tqdm import tqdm
     return tqdm(total=total, initial=initial, dynamic_ncols=True, leave=False)
+
+
+class StepResult(NamedTuple):
+    """What train_step returns: the LM loss, the global count of loss tokens, the gradient norm, and the MoE
+    router's aux loss (None for a model without one, or whose config has output_router_logits false)."""
+    loss: float
+    tokens: int
+    grad_norm: float
+    aux_loss: float | None = None
 
 
 class StepLog:
@@ -124,21 +135,24 @@ class StepLog:
         self.peaks = RankPeaks(rank, world_size, device)
         self.t_start = time.perf_counter()
 
-    def step(self, progress, stream, rows, loss: float, lr: float, gnorm: float, step_s: float) -> None:
-        """`step_s`: the step's own duration (batch to optimizer step), for the goodput account."""
+    def step(self, progress, stream, rows, done: StepResult, lr: float, step_s: float) -> None:
+        """`done`: train_step's result; `step_s`: the step's own duration (batch to optimizer step), for the
+        goodput account. A MoE router's aux loss is its own field (aux_loss), apart from the LM loss."""
         elapsed, max_steps = time.perf_counter() - self.t_start, self.cfg.train.max_steps
         interval = progress.step % self.cfg.run.log_interval == 0 or progress.step == max_steps
         per_rank = self.peaks.gather() if interval else {}  # a collective: every rank is at the same step
-        self.log.record(step=progress.step, loss=loss, lr=lr, grad_norm=gnorm, tokens=progress.tokens,
-                        loss_tokens=progress.loss_tokens, samples=stream.position, world_size=self.world_size,
-                        time=time.time(), step_s=round(step_s, 6), sample_ids=rows, **per_rank)
+        aux = {} if done.aux_loss is None else {"aux_loss": done.aux_loss}
+        self.log.record(step=progress.step, loss=done.loss, lr=lr, grad_norm=done.grad_norm, **aux,
+                        tokens=progress.tokens, loss_tokens=progress.loss_tokens, samples=stream.position,
+                        world_size=self.world_size, time=time.time(), step_s=round(step_s, 6), sample_ids=rows,
+                        **per_rank)
         if interval:
             tps = (progress.tokens - self.start_step * self.tokens_per_step) / max(elapsed, 1e-9)
-            self.log.info(step_line(progress.step, max_steps, loss, lr, gnorm, tps, elapsed,
-                                    progress.step - self.start_step) + RankPeaks.warning(per_rank))
+            self.log.info(step_line(progress.step, max_steps, done.loss, lr, done.grad_norm, tps, elapsed,
+                                    progress.step - self.start_step, done.aux_loss) + RankPeaks.warning(per_rank))
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}")
+            self.bar.set_postfix(loss=f"{done.loss:.4f}")
 
     def close(self) -> None:
         if self.bar is not None:

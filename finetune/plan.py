@@ -142,9 +142,28 @@ class Shapes:
     layers: int
     hidden: int
     kv_hidden: int
-    intermediate: int
+    intermediate: int  # the MLP width a token's activations scale with (mlp_width: top-k experts for MoE)
     vocab: int
     max_positions: int | None
+    experts: int = 0  # routed experts per MoE block (0: a dense model)
+    experts_per_token: int = 0
+
+
+def mlp_width(hf) -> tuple[int, int, int]:
+    """(the MLP width one token's activations scale with, routed experts, experts per token) of a HF config. A
+    Mixture-of-Experts block (num_experts_per_tok) runs top-k experts of moe_intermediate_size (Mixtral:
+    intermediate_size) per token, plus a shared expert where the family has one (Qwen2-MoE's
+    shared_expert_intermediate_size, DeepSeek's n_shared_experts); a dense one its intermediate_size."""
+    dense = getattr(hf, "intermediate_size", None) or 4 * hf.hidden_size
+    top_k = getattr(hf, "num_experts_per_tok", None)
+    if not top_k:
+        return dense, 0, 0
+    expert = getattr(hf, "moe_intermediate_size", None) or dense
+    shared = getattr(hf, "shared_expert_intermediate_size", None) or \
+        (getattr(hf, "n_shared_experts", None) or 0) * expert
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None) or \
+        getattr(hf, "n_routed_experts", None) or 0
+    return top_k * expert + shared, experts, top_k
 
 
 def config_dir(cfg_model) -> tuple[str, str]:
@@ -184,6 +203,7 @@ def model_shapes(cfg_model) -> Shapes:
     trainable = [(d, n) for d, n, grad in shapes if grad]
     frozen = [(d, n) for d, n, grad in shapes if not grad]
     heads = hf.num_attention_heads
+    width, experts, top_k = mlp_width(hf)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return Shapes(
         arch=type(model).__name__, source=os.path.join(src, "config.json") + note,
@@ -192,8 +212,8 @@ def model_shapes(cfg_model) -> Shapes:
         block_params=max(sum(p.numel() for p in b.parameters()) for b in blocks),
         sharded_trainable=trainable, sharded_frozen=frozen,
         layers=len(blocks), hidden=hf.hidden_size, kv_hidden=getattr(hf, "num_key_value_heads", heads) * head_dim,
-        intermediate=getattr(hf, "intermediate_size", 4 * hf.hidden_size), vocab=hf.vocab_size,
-        max_positions=getattr(hf, "max_position_embeddings", None))
+        intermediate=width, vocab=hf.vocab_size, max_positions=getattr(hf, "max_position_embeddings", None),
+        experts=experts, experts_per_token=top_k)
 
 
 def shard_numel(tensors: list, world: int) -> int:
@@ -393,6 +413,9 @@ def make_plan(cfg, args, topology: str) -> tuple[list[str], list[str]]:
     except DataError as e:
         problems.append(str(e))
         micro, accum = min(cfg.data.micro_batch_size, g), 1
+    if s.experts:  # no expert parallelism: FSDP gathers a whole block, so every expert, on every rank
+        lines.append(f"MoE: {s.experts} experts per block, {s.experts_per_token} per token (activations: MLP width "
+                     f"{s.intermediate}); every expert of a block is gathered on every rank (no expert parallelism)")
     if s.max_positions and cfg.data.seq_len > s.max_positions:
         problems.append(f"data.seq_len={cfg.data.seq_len} is above the model's max_position_embeddings={s.max_positions}")
 

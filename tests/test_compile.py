@@ -91,8 +91,8 @@ def _case(rank: int, lora_r: int, ckpt_dir: str) -> dict:
     graphs_before = counters["stats"]["unique_graphs"]
     steps = {way: [train_step(m, o, _micro_batches(rank), cpu, 2, 1.0) for _ in range(STEPS)]
              for way, (m, o) in models.items()}
-    out = {"losses": {way: [loss for loss, _, _ in v] for way, v in steps.items()},
-           "grad_norms": {way: [norm for _, _, norm in v] for way, v in steps.items()},
+    out = {"losses": {way: [r.loss for r in v] for way, v in steps.items()},
+           "grad_norms": {way: [r.grad_norm for r in v] for way, v in steps.items()},
            "graphs": counters["stats"]["unique_graphs"] - graphs_before,
            "graph_breaks": sum(counters["graph_break"].values()),
            # the names that init, HF loading and LoRA go by, and what a checkpoint saves: DCP's state_dict API

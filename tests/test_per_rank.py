@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune.loggers import ScalarStream
-from finetune.metrics import StepLog, loss_figure
+from finetune.metrics import StepLog, StepResult, loss_figure
 from finetune.per_rank import FAR_GIB, FAR_RATIO, PeakMemory, RankPeaks, far_above
 
 
@@ -54,7 +54,7 @@ def test_step_line_names_the_rank_far_above_and_the_record_holds_every_rank(monk
     monkeypatch.setattr(steps.peaks, "gather", lambda: {"peak_memory_gib": [20.0, 20.5, 31.2, 19.8]})
     for step in (1, 2):
         steps.step(types.SimpleNamespace(step=step, tokens=8 * step, loss_tokens=step), types.SimpleNamespace(
-            position=step), [], 1.0, 1e-3, 0.5, 0.1)
+            position=step), [], StepResult(1.0, 2, 0.5), 1e-3, 0.1)
     assert "peak_memory_gib" not in log.records[0]  # between intervals: no gather
     assert log.records[1]["peak_memory_gib"] == [20.0, 20.5, 31.2, 19.8]
     assert len(log.lines) == 1 and log.lines[0].endswith(

@@ -9,6 +9,8 @@ its base, or the PEFT adapter alone).
   every rank writes its share, memory about one saved chunk.
 - adapter.py: LoRA's two exports and peft's merge rule per layer type.
 - files.py: the safetensors writer the exports share (save_pretrained's sharding, pre-sized files).
+- convert.py: the Hub's tensor layout <-> the in-memory one (MoE experts per-expert in files, fused in memory),
+  by transformers' own conversion rules; load.py and export.py read and write through it.
 
 May import: ckpt/'s core modules (errors, layout, reading, schema, commit_protocol, lora_base, storage), common/,
 torch, safetensors; transformers and peft lazily. Nothing in ckpt/ imports this package but the handle the

@@ -29,6 +29,7 @@ from ..lora_base import base_fingerprint, lora_info
 from ..reading import (dcp_metadata, few, meta_model, model_names, read_items, safetensors_headers, source_dirs,
                        source_dtype)
 from ..schema import schema_of
+from .convert import Placement, file_index, hub_to_memory, memory_to_hub, overlap
 from .files import (SAFETENSORS_DTYPES, OutTensor, assign_files, create_files, parse_size, replace_dir,
                     safetensors_header, write_index, write_model_files)
 
@@ -124,36 +125,42 @@ def write_merged(ckpt_path: str, lora: dict, tmp: str, dtype: str, max_shard_siz
     model_dir, tok_dir = base_dirs_checked(ckpt_path, lora)
     config = AutoConfig.from_pretrained(model_dir)
     model = meta_model(config)  # built once: its names, and the layer types the merge rule follows
-    cls_name, names, aliases = model_names(model)
-    names = [n for n in names if n not in aliases]
+    cls_name, _, aliases = model_names(model)
+    memory = {n: tuple(t.shape) for n, t in model.state_dict().items() if n not in aliases}
     headers = safetensors_headers(model_dir)
-    missing = [n for n in names if n not in headers]
+    try:  # the base's tensors in either layout (MoE: per expert, or fused), as the sharded load maps them
+        in_base, composed, _ = hub_to_memory(model, {k: tuple(h["shape"]) for k, h in headers.items()}, memory)
+    except CheckpointError as e:
+        raise CheckpointError(f"base {model_dir} does not fit {cls_name}: {e}") from None
+    missing = [n for n in memory if composed.get(n) != memory[n]]
     if missing:
         raise CheckpointError(f"base {model_dir} does not fit {cls_name}: missing {missing[:4]}")
     adapters = read_adapters(ckpt_path)
-    unknown = [m for m in adapters if m + ".weight" not in headers]
+    unknown = [m for m in adapters if m + ".weight" not in memory]
     if unknown:
         raise CheckpointError(f"{ckpt_path}: adapters for {unknown[:4]}, which base {model_dir} does not have")
     transposed = merge_rules(ckpt_path, model, adapters)
-    shapes = {n: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[n]["dtype"]]),
-                                       torch.Size(headers[n]["shape"]), []) for n in names}
+    outs = {p.key: p for p in memory_to_hub(model, memory)}  # save_pretrained's names and layout
+    shapes = {k: TensorStorageMetadata(TensorProperties(dtype=_ST_DTYPES[headers[in_base[p.name][0].key]["dtype"]]),
+                                       torch.Size(p.shape), []) for k, p in outs.items()}
     out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else DTYPES[dtype]  # auto: the base's
-    files = assign_files(shapes, names, out_dtype, parse_size(max_shard_size))
+    files = assign_files(shapes, list(outs), out_dtype, parse_size(max_shard_size))
     written = create_files(tmp, files)
     scaling = lora["alpha"] / lora["r"]
     for fname, tensors in zip(written, files):
         fd, data_start = os.open(os.path.join(tmp, fname), os.O_RDWR), len(safetensors_header(tensors))
         try:
             for out in tensors:
-                module = out.name[:-len(".weight")]
-                _write_one(fd, data_start, out, headers[out.name]["file"], adapters.get(module), scaling,
-                           transposed.get(module, False))
+                p = outs[out.name]
+                module = p.name[:-len(".weight")]  # adapters sit on whole Linear weights, by in-memory name
+                _write_one(fd, data_start, out, read_base(p, in_base[p.name], headers), adapters.get(module),
+                           scaling, transposed.get(module, False))
             os.fsync(fd)
         finally:
             os.close(fd)
     write_index(tmp, files, written)
     write_model_files(model_dir, tok_dir, tmp, config, cls_name, out_dtype)
-    return {"class": f"{cls_name} (LoRA r={lora['r']} merged)", "tensors": len(names), "files": len(written),
+    return {"class": f"{cls_name} (LoRA r={lora['r']} merged)", "tensors": len(outs), "files": len(written),
             "bytes": sum(t.nbytes for ts in files for t in ts), "dtype": DTYPE_NAMES[out_dtype]}
 
 
@@ -169,10 +176,23 @@ def merge_rules(ckpt_path: str, model: nn.Module, adapters: dict) -> dict[str, b
     return {m: delta_transposed(layer) for m, layer in layers.items()}
 
 
-def _write_one(fd: int, data_start: int, out: OutTensor, src_file: str, adapter, scaling: float,
+def read_base(p: Placement, parts: list[Placement], headers: dict) -> torch.Tensor:
+    """Output tensor p (a box of in-memory tensor p.name) read from the base files' parts of p.name: the file
+    tensor itself when the base has save_pretrained's layout, slices of a fused one otherwise."""
+    out = torch.empty(p.size, dtype=_ST_DTYPES[headers[parts[0].key]["dtype"]])
+    for q in parts:
+        box = overlap(p.start, p.size, q)
+        if box is not None:
+            lo, hi = box
+            with safe_open(headers[q.key]["file"], "pt") as f:
+                part = f.get_slice(q.key)[file_index(lo, hi, q)]
+            out[tuple(slice(a - s, b - s) for a, b, s in zip(lo, hi, p.start))] = part.reshape(
+                [b - a for a, b in zip(lo, hi)])
+    return out.reshape(p.shape)
+
+
+def _write_one(fd: int, data_start: int, out: OutTensor, tensor: torch.Tensor, adapter, scaling: float,
                transposed: bool) -> None:
-    with safe_open(src_file, "pt") as f:
-        tensor = f.get_tensor(out.name)
     if adapter is not None:
         tensor = tensor.float() + lora_delta(*adapter, scaling, transposed)  # peft's merge: W + delta
     data = tensor.to(out.dtype).contiguous().view(torch.uint8).numpy()

@@ -6,8 +6,10 @@
 
 Full checkpoints (`export_checkpoint`): one `dcp.load` with no process group whose planner, instead of
 filling a state dict, writes each saved chunk straight to its place in the output safetensors files
-(files.py), so memory peaks at about one saved chunk (a rank's shard of the largest tensor), not the
-model: `python bench/export_rss.py` measures it. The files are created at full size first, so writers fill
+(files.py), under the names and in the layout transformers' save_pretrained writes (convert.py: a fused MoE
+expert tensor becomes one tensor per expert, a chunk written to each expert it holds), so memory peaks at
+about one saved chunk (a rank's shard of the largest tensor), not the model: `python bench/export_rss.py`
+measures it. The files are created at full size first, so writers fill
 them in parallel, each its share of the tensors: `--jobs N` processes offline, every rank of the job for
 `export.at_end`. LoRA checkpoints go to adapter.py (merged into the base, or the adapter alone). The
 default dtype (`auto`) is the source model's torch_dtype, fp32 for random init.
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from common.dist import on_rank0_then_share
@@ -42,6 +44,7 @@ from ..reading import dcp_metadata, few, meta_model, model_names, source_dirs, s
 from ..schema import schema_of
 from ..storage import reader_with, storage_for
 from .adapter import export_lora
+from .convert import Placement, memory_to_hub, overlap
 from .files import (OutTensor, assign_files, create_files, file_names, parse_size, replace_dir, safetensors_header,
                     write_index, write_model_files)
 
@@ -64,11 +67,23 @@ def chunk_runs(offsets, sizes, shape) -> tuple[list[int], int]:
     return starts, run
 
 
+def chunk_part(chunk_offsets, chunk_sizes, p: Placement):
+    """The part of a saved chunk (offsets, sizes in the in-memory tensor) that file tensor `p` holds: (the slices
+    of the chunk, its offsets and sizes in the file tensor), or None when they do not meet."""
+    box = overlap(chunk_offsets, chunk_sizes, p)
+    if box is None:
+        return None
+    (lo, hi), kept = box, [d for d in range(len(chunk_offsets)) if d not in p.dropped]
+    return (tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, chunk_offsets)),
+            [lo[d] - p.start[d] for d in kept], [hi[d] - lo[d] for d in kept])
+
+
 class ChunkToFilePlanner(LoadPlanner):
     """A DCP load planner with no state dict: it asks for every saved chunk of the exported tensors and
-    writes each one, converted a piece at a time, to its place in the output files as soon as it is read."""
+    writes each one, converted a piece at a time, to its place in the output files as soon as it is read;
+    a fused tensor (MoE experts) to each file tensor it holds part of (convert.py's Placements)."""
 
-    def __init__(self, tensors: dict[str, OutTensor], fds: list[tuple[int, int]], prefix: str):
+    def __init__(self, tensors: dict[str, list[tuple[OutTensor, Placement]]], fds: list[tuple[int, int]], prefix: str):
         self.tensors, self.fds, self.prefix = tensors, fds, prefix
 
     def set_up_planner(self, state_dict, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
@@ -98,10 +113,16 @@ class ChunkToFilePlanner(LoadPlanner):
         return torch.empty(read_item.lengths, dtype=saved)
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        out = self.tensors[read_item.dest_index.fqn[len(self.prefix):]]
+        for out, placement in self.tensors[read_item.dest_index.fqn[len(self.prefix):]]:
+            part = chunk_part(read_item.dest_offsets, read_item.lengths, placement)
+            if part is not None:
+                self.write_part(out, tensor[part[0]], part[1], part[2])
+
+    def write_part(self, out: OutTensor, tensor: torch.Tensor, offsets, sizes) -> None:
+        """Write `tensor` (sizes `sizes`) to its place (offsets) in output tensor `out`."""
         fd, data_start = self.fds[out.file]
         flat, size = tensor.contiguous().reshape(-1), out.dtype.itemsize
-        starts, run = chunk_runs(read_item.dest_offsets, read_item.lengths, out.shape)
+        starts, run = chunk_runs(offsets, sizes, out.shape)
         for i, start in enumerate(starts):
             for a in range(0, run, _PIECE):  # a bf16 export converts a piece at a time, never a whole chunk
                 piece = flat[i * run + a: i * run + min(a + _PIECE, run)].to(out.dtype)
@@ -129,23 +150,33 @@ def chunk_reader(ckpt_path: str):
     return reader_with(SingleCopyRead, ckpt_path)
 
 
-def tensor_shares(files: list[list[OutTensor]], n: int) -> list[list[str]]:
-    """Split the output tensors over n writers by bytes (largest first to the least loaded), the same everywhere."""
+def tensor_shares(files: list[list[OutTensor]], placements: list[Placement], n: int) -> list[list[str]]:
+    """Split the checkpoint's tensors over n writers by output bytes (largest first to the least loaded), the
+    same everywhere; each writer reads its tensors' saved chunks once and writes every file tensor they fill."""
+    nbytes = {t.name: t.nbytes for ts in files for t in ts}
+    per_name: dict[str, int] = {}
+    for p in placements:
+        per_name[p.name] = per_name.get(p.name, 0) + nbytes[p.key]
     load, out = [0] * n, [[] for _ in range(n)]
-    for t in sorted((t for ts in files for t in ts), key=lambda t: (-t.nbytes, t.name)):
+    for name, size in sorted(per_name.items(), key=lambda kv: (-kv[1], kv[0])):
         w = load.index(min(load))
-        out[w].append(t.name)
-        load[w] += t.nbytes
+        out[w].append(name)
+        load[w] += size
     return out
 
 
-def write_share(ckpt_path: str, out_dir: str, files: list[list[OutTensor]], share: list[str]) -> None:
-    """Stream the saved chunks of the tensors in `share` into their places in the files create_files made.
-    Writers of other shares may run at the same time, in other processes or on other ranks: each one
+def write_share(ckpt_path: str, out_dir: str, files: list[list[OutTensor]], placements: list[Placement],
+                share: list[str]) -> None:
+    """Stream the saved chunks of the checkpoint tensors in `share` into their places in the files create_files
+    made. Writers of other shares may run at the same time, in other processes or on other ranks: each one
     touches only its own tensors' byte ranges."""
     names, wanted = file_names(len(files)), set(share)
     fds = [(os.open(os.path.join(out_dir, n), os.O_RDWR), len(safetensors_header(ts))) for n, ts in zip(names, files)]
-    tensors = {t.name: t for ts in files for t in ts if t.name in wanted}
+    by_key = {t.name: t for ts in files for t in ts}
+    tensors: dict[str, list[tuple[OutTensor, Placement]]] = {}
+    for p in placements:
+        if p.name in wanted:
+            tensors.setdefault(p.name, []).append((by_key[p.key], p))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no process group: loading in a single process" is the intent
@@ -156,15 +187,15 @@ def write_share(ckpt_path: str, out_dir: str, files: list[list[OutTensor]], shar
     finally:
         for fd, _ in fds:
             os.close(fd)
-    short = [t.name for t in tensors.values() if t.written != t.nbytes]
+    short = [t.name for ts in tensors.values() for t, _ in ts if t.written != t.nbytes]
     if short:
         raise CheckpointError(f"{ckpt_path}: the saved chunks of {few(short)} do not cover the whole tensor")
 
 
 def write_weights(job: "ExportJob", jobs: int = 1) -> None:
     """Fill the files start_export created, with `jobs` processes (this one included), a share each."""
-    shares = tensor_shares(job.files, max(1, jobs))
-    args = (job.ckpt_path, job.tmp, job.files)
+    shares = tensor_shares(job.files, job.placements, max(1, jobs))
+    args = (job.ckpt_path, job.tmp, job.files, job.placements)
     if jobs <= 1:
         write_share(*args, shares[0])
         return
@@ -184,7 +215,7 @@ class ExportJob:
     tok_dir: str
     config: object
     cls_name: str
-    names: list[str]
+    placements: list[Placement]  # the tensors save_pretrained writes, each from its checkpoint tensor
     files: list[list[OutTensor]]
     dtype: torch.dtype
 
@@ -193,7 +224,7 @@ class ExportJob:
         return f"{self.out_dir}.tmp-export"  # the same name on every rank: ranks fill one folder
 
     def summary(self) -> dict:
-        return {"path": self.out_dir, "class": self.cls_name, "tensors": len(self.names), "files": len(self.files),
+        return {"path": self.out_dir, "class": self.cls_name, "tensors": len(self.placements), "files": len(self.files),
                 "bytes": sum(t.nbytes for ts in self.files for t in ts), "dtype": DTYPE_NAMES[self.dtype]}
 
 
@@ -205,7 +236,8 @@ def prepare_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_
         raise CheckpointError(f"{os.path.normpath(out_dir)} exists and is not a folder; choose a new folder")
     model_dir, tok_dir = source_dirs(ckpt_path)
     config = AutoConfig.from_pretrained(model_dir)
-    cls_name, names, aliases = model_names(meta_model(config))
+    model = meta_model(config)
+    cls_name, names, aliases = model_names(model)
     saved = dcp_metadata(ckpt_path).state_dict_metadata
     names = [n for n in names if n not in aliases]  # save_pretrained writes the tied source only
     prefix = schema_of(ckpt_path).model_prefix
@@ -215,9 +247,11 @@ def prepare_export(ckpt_path: str, out_dir: str, dtype: str = "auto", max_shard_
         raise CheckpointError(f"{ckpt_path} is not a checkpoint of {cls_name} from {model_dir}: "
                               f"missing {few(missing)}, extra {few(extra)}")
     out_dtype = source_dtype(ckpt_path, config) if dtype == "auto" else DTYPES[dtype]
-    files = assign_files(saved, names, out_dtype, parse_size(max_shard_size), prefix)
-    return ExportJob(ckpt_path, os.path.normpath(out_dir), model_dir, tok_dir, config, cls_name, names, files,
-                      out_dtype)
+    placements = memory_to_hub(model, {n: tuple(saved[prefix + n].size) for n in names})  # save_pretrained's names
+    out = {p.key: TensorStorageMetadata(saved[prefix + p.name].properties, torch.Size(p.shape), []) for p in placements}
+    files = assign_files(out, [p.key for p in placements], out_dtype, parse_size(max_shard_size))
+    return ExportJob(ckpt_path, os.path.normpath(out_dir), model_dir, tok_dir, config, cls_name, placements, files,
+                     out_dtype)
 
 
 def check_export(ckpt_path: str, out_dir: str, overwrite: bool, verify: bool, jobs: int = 1) -> None:
@@ -299,7 +333,8 @@ def export_on_ranks(ckpt_path: str, out_dir: str, dtype: str = "auto", group=Non
     on_rank0_then_share(lambda: start_export(job), group, CheckpointError)
     problem = None
     try:
-        write_share(job.ckpt_path, job.tmp, job.files, tensor_shares(job.files, world)[rank])
+        share = tensor_shares(job.files, job.placements, world)[rank]
+        write_share(job.ckpt_path, job.tmp, job.files, job.placements, share)
     except SAVE_ERRORS as e:  # agreed below, re-raised on every rank
         problem = str(save_failure(e, os.path.dirname(job.out_dir) or ".", f"the export {job.out_dir}"))
     problems = [None] * world
