@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -21,7 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from common.dtypes import DTYPES  # the one name -> dtype map (model.param_dtype, reduce_dtype, export.dtype)
 from finetune.lora import add_adapters
 from finetune.model_files import model_folder
-from finetune.shards import ModelError, copy_full_into, local_shard, seed_for
+from finetune.shards import ModelError, copy_full_into, seed_for
 
 
 def model_source(cfg_model) -> str:
@@ -221,45 +222,85 @@ def init_buffers(model: nn.Module) -> None:
 
     HF's `_init_weights` runs on every module with buffers, its parameters flagged as initialised so that
     HF's init functions skip them: they are loaded or drawn next, and drawing them here would be wasted.
+    Buffers are not sharded; a random one is drawn from the generator seeded by the module's name, so it too is
+    the same at any world size.
     """
-    for module in model.modules():
-        if next(module.buffers(recurse=False), None) is None:
-            continue
-        params = list(module.parameters(recurse=False))
-        for p in params:
-            p._is_hf_initialized = True
-        try:
-            model._init_weights(module)
-        finally:
+    with _forked_rng(model):
+        for mod_name, module in model.named_modules():
+            if next(module.buffers(recurse=False), None) is None:
+                continue
+            params = list(module.parameters(recurse=False))
             for p in params:
-                del p._is_hf_initialized
+                p._is_hf_initialized = True
+            try:
+                torch.manual_seed(seed_for(0, f"buffers:{mod_name}"))
+                model._init_weights(module)
+            finally:
+                for p in params:
+                    del p._is_hf_initialized
 
 
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int, std: float) -> None:
-    """Normal(0, std) for Linear/Embedding weights, zeros for biases, HF's own init for the rest (norms: ones,
-    or zeros where the model computes 1 + weight, as Gemma does). The same at any world size: each random
-    weight is drawn in full, on the parameter's device, from a generator seeded by (seed, name)."""
+    """Every parameter as transformers' own `_init_weights` initialises it (model.init_std as the config's
+    initializer_range): Normal(0, std) for Linear/Embedding/Conv1D weights and MoE experts, zeros for biases,
+    ones for norms (zeros where the model computes 1 + weight, as Gemma does), GPT-2's scaled projections, ...
+
+    The same at any world size: each parameter in turn is made in full on its device and `_init_weights` runs
+    on its module with the default generator seeded by (seed, name) and the module's other parameters stand-ins
+    flagged as initialised (HF's init functions skip them), then each rank keeps its shard. One full tensor at a
+    time: the largest parameter, not the model. A parameter `_init_weights` leaves untouched is refused by name."""
     owners = {}
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
-            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = module
-    for name, param in model.named_parameters():
-        module = owners[name]
-        if name.endswith("bias"):
-            local_shard(param).zero_()
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            full = _draw_normal(param, std, seed_for(seed, name), getattr(module, "padding_idx", None))
-            copy_full_into(param, full)
-        else:  # constants, so sharding does not matter; HF knows each model's (e.g. Gemma's zero-centred norms)
-            model._init_weights(module)
+            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = (module, p_name)
+    config = getattr(model, "config", None)
+    saved_std = getattr(config, "initializer_range", None)
+    if config is not None:
+        config.initializer_range = std
+    try:
+        with _forked_rng(model):
+            for name, param in model.named_parameters():
+                module, attr = owners[name]
+                copy_full_into(param, _drawn_by_hf(model, module, attr, seed_for(seed, name), name, param))
+    finally:
+        if config is not None:
+            config.initializer_range = saved_std
 
 
-def _draw_normal(param: torch.Tensor, std: float, seed: int, padding_idx: int | None) -> torch.Tensor:
-    """One full tensor drawn on the parameter's device (a GPU draws 4 GB in milliseconds, a CPU in seconds)."""
-    gen = torch.Generator(device=param.device).manual_seed(seed)
-    full = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-    full.normal_(0.0, std, generator=gen)
-    if padding_idx is not None:
-        full[padding_idx].zero_()
+def _drawn_by_hf(model: nn.Module, module: nn.Module, attr: str, seed: int, name: str,
+                 param: torch.Tensor) -> torch.Tensor:
+    """Parameter `attr` of `module` in full (fp32, on the parameter's device), as `model._init_weights(module)`
+    draws it from the default generator seeded with `seed`; the module's other parameters and its buffers are
+    left alone (meta stand-ins / flagged), so one call initialises exactly one parameter."""
+    full = torch.full(param.shape, float("nan"), dtype=torch.float32, device=param.device)
+    saved = dict(module._parameters)
+    flagged = [b for b in module.buffers(recurse=False)]
+    for other, p in saved.items():
+        if p is not None and other != attr:
+            module._parameters[other] = stand_in = nn.Parameter(torch.empty(p.shape, device="meta"), False)
+            stand_in._is_hf_initialized = True
+    module._parameters[attr] = nn.Parameter(full, requires_grad=False)
+    for b in flagged:
+        b._is_hf_initialized = True
+    try:
+        torch.manual_seed(seed)
+        model._init_weights(module)
+    finally:
+        module._parameters.update(saved)
+        for b in flagged:
+            del b._is_hf_initialized
+    if torch.isnan(full).any():
+        raise ModelError(f"cannot random-init {type(model).__name__}: transformers' _init_weights leaves {name} "
+                         f"({type(module).__name__}) uninitialised, so it could not be drawn the same at every world "
+                         "size; load weights instead (model.name_or_path)")
     return full
+
+
+@contextmanager
+def _forked_rng(model: nn.Module):
+    """The global RNG (CPU, and the CUDA device the parameters are on) as it was before, afterwards: the seeds set
+    per parameter here must not leak into dropout or data order."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield

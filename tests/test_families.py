@@ -1,0 +1,253 @@
+"""The model families the project supports, each through the same checks: the conformance list.
+
+    python -m pytest tests/test_families.py -q -n 0
+    python -m pytest tests/test_families.py -q -n 0 -k mixtral     # one family
+
+A new family: one entry in finetune/tiny_assets.py FAMILIES (its tiny config, generated into assets/families/ by
+`python -m finetune.tiny_assets`), nothing here. A family the code cannot take is refused at model build, in one line
+naming what is missing (finetune/model.py check_family). Every entry is checked for:
+- random init: every parameter equal, in full, at W=1 and W=2 (in-process gloo, one spawn for all families);
+- a folder as transformers' own save_pretrained writes it (the Hub's layout) loads at W=2: every parameter equal to
+  from_pretrained's, and the same logits;
+- train at W=2 from random init, resume its step-2 checkpoint at W=1: the same losses; the export written at the end
+  (export.at_end, every rank a share) has the tensor names and values transformers' save_pretrained writes for the
+  same weights, and from_pretrained of it gives the checkpoint's logits;
+- LoRA on the saved folder: the adapter export and the merged export agree with peft's own merge.
+MoE entries' Hub-layout checks need the per-expert <-> fused name mapping (the moelayout branch): marked xfail(strict)
+until it is merged, so they fail here once they pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from conftest import ROOT, losses, run_train, start_on_free_port
+from finetune.tiny_assets import FAMILIES, family_dir
+
+MOE = {"qwen3_moe", "mixtral", "gpt_oss"}
+NEEDS_MOELAYOUT = pytest.mark.xfail(strict=True, reason="needs moelayout: the Hub's per-expert MoE layout")
+TOKENIZER = os.path.join(ROOT, "assets", "tiny-llama")
+STEPS = ["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async_mode=off", "train.eval_interval=0",
+         f"model.tokenizer_path={TOKENIZER}"]
+
+
+def families(hub_layout: bool = False) -> list:
+    """FAMILIES as test parameters; with hub_layout, the MoE entries marked as needing moelayout's name mapping."""
+    return [pytest.param(name, marks=[NEEDS_MOELAYOUT] if hub_layout and name in MOE else [])
+            for name in FAMILIES]
+
+
+def test_committed_family_configs_are_what_the_generator_writes(tmp_path):
+    from finetune.tiny_assets import write_family
+    for name in FAMILIES:
+        with open(os.path.join(write_family(str(tmp_path), name), "config.json")) as f, \
+                open(os.path.join(family_dir(ROOT, name), "config.json")) as g:
+            assert json.load(f) == json.load(g), f"assets/families/{name}: run python -m finetune.tiny_assets"
+    assert sorted(os.listdir(os.path.join(ROOT, "assets", "families"))) == sorted(FAMILIES)
+
+
+def _model_cfg(name: str, **keys):
+    from finetune.config import load_config
+    return load_config(None, [*FAMILIES[name].overrides, *(f"model.{k}={v}" for k, v in keys.items())]).model
+
+
+def save_family(path: str, name: str) -> str:
+    """Random weights from transformers' own init, every parameter perturbed (norms and biases too), written by its
+    own save_pretrained (the Hub's layout), the character tokenizer beside them."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(FAMILIES[name].config(), dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(os.path.join(TOKENIZER, f), path)
+    return path
+
+
+def _ids():
+    return torch.randint(3, 101, (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def _full(model) -> dict:
+    """Every parameter in full (a collective on a sharded model: every rank calls it)."""
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, port: int, saved: dict, results: dict) -> None:
+    """Per family: random init at W=2 and at W=1 (each rank alone), then the saved folder loaded at W=2."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from ckpt.hf.load import load_hf_weights
+    from finetune.model import build_sharded_model, init_random
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        two = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+        alone = [dist.new_group([r]) for r in (0, 1)][rank]
+        one = DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("shard",))
+        out = {}
+        for name in FAMILIES:
+            drawn = {}
+            for w, mesh in ((2, two), (1, one)):
+                model = build_sharded_model(_model_cfg(name, config_path=family_dir(ROOT, name)), mesh,
+                                            torch.device("cpu"))
+                init_random(model, 3, 0.02)
+                drawn[w] = _full(model)
+            differ = [n for n in drawn[2] if not torch.equal(drawn[1][n], drawn[2][n])]
+            out[name] = {"init_names": sorted(drawn[1]) == sorted(drawn[2]), "init_differ": differ,
+                         "init_params": len(drawn[1])}
+            try:
+                model = build_sharded_model(_model_cfg(name, name_or_path=saved[name]), two, torch.device("cpu"))
+                load_hf_weights(model, saved[name])
+                ref = AutoModelForCausalLM.from_pretrained(saved[name], dtype=torch.float32,
+                                                           attn_implementation=model.config._attn_implementation)
+                ref_sd, loaded = ref.state_dict(), _full(model)
+                with torch.no_grad():
+                    model.eval()  # dropout off, as from_pretrained's
+                    diff = float((model(input_ids=_ids(), use_cache=False).logits -
+                                  ref(input_ids=_ids(), use_cache=False).logits).abs().max())
+                out[name]["load"] = {"differ": [n for n in loaded if not torch.equal(loaded[n], ref_sd[n])],
+                                     "logits_diff": diff}
+            except Exception as e:  # noqa: BLE001 - the message is the result (MoE: the Hub's per-expert names)
+                out[name]["load"] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        results[rank] = out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("families-hub")
+    return {name: save_family(str(root / name), name) for name in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def in_process(saved) -> dict:
+    results = mp.Manager().dict()
+    start_on_free_port(_worker, lambda port: (port, saved, results), nprocs=2)
+    return dict(results)
+
+
+@pytest.mark.parametrize("name", families())
+def test_random_init_is_the_same_at_one_and_two_ranks(in_process, name):
+    """Every parameter, not only Linear/Embedding: MoE experts and routers, norms, biases, attention sinks."""
+    for rank in (0, 1):
+        r = in_process[rank][name]
+        assert r["init_names"] and r["init_params"] > 0
+        assert r["init_differ"] == [], f"{name}: W=1 and W=2 drew other values for {r['init_differ']}"
+
+
+@pytest.mark.parametrize("name", families(hub_layout=True))
+def test_a_save_pretrained_folder_loads_exactly(in_process, name):
+    for rank in (0, 1):
+        r = in_process[rank][name]["load"]
+        assert "error" not in r, r.get("error")
+        assert r["differ"] == [], f"{name}: loaded parameters differ from from_pretrained's: {r['differ']}"
+        assert r["logits_diff"] < 1e-5
+
+
+# ---------------------------------------------------------------- runs: W=2 from random init, resume at W=1, export
+
+_runs: dict[str, object] = {}
+
+
+def trained(tmp_path_factory, name: str):
+    """Run A: W=2 from random init, 4 steps, checkpoints at 2 and 4, exported at the end (once per family)."""
+    if name not in _runs:
+        run = tmp_path_factory.mktemp(f"family-{name}") / "a"
+        run_train(run, 2, [*STEPS, *FAMILIES[name].overrides, f"model.config_path={family_dir(ROOT, name)}",
+                           "export.at_end=true"])
+        _runs[name] = run
+    return _runs[name]
+
+
+@pytest.mark.parametrize("name", families())
+def test_train_at_two_ranks_resumes_at_one_with_the_same_losses(tmp_path_factory, tmp_path, name):
+    a = trained(tmp_path_factory, name)
+    run_train(tmp_path / "b", 0, [*STEPS, *FAMILIES[name].overrides, f"model.config_path={family_dir(ROOT, name)}",
+                                  f"ckpt.resume={a / 'checkpoints' / 'step-000002'}"])
+    la, lb = losses(a), losses(tmp_path / "b")
+    assert sorted(lb) == [3, 4]
+    for s in (3, 4):
+        assert lb[s] == pytest.approx(la[s], rel=1e-4), f"{name} step {s}: {lb[s]} at W=1 after {la[s]} at W=2"
+
+
+def _safetensors(folder: str) -> dict:
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(os.listdir(folder)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(folder, f)))
+    return out
+
+
+def _checkpoint_model(ckpt: str, name: str):
+    """transformers' model of the family with the checkpoint's weights put in by name (ties left to transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    from ckpt.reading import dcp_metadata, read_items
+    from ckpt.schema import schema_of
+
+    prefix = schema_of(ckpt).model_prefix
+    keys = [k for k in dcp_metadata(ckpt).state_dict_metadata if k.startswith(prefix)]
+    state = {k[len(prefix):]: v for k, v in read_items(ckpt, keys).items()}
+    model = AutoModelForCausalLM.from_config(FAMILIES[name].config(), dtype=torch.float32,
+                                             attn_implementation=_model_cfg(name).attn_implementation)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return model.eval()
+
+
+@pytest.mark.parametrize("name", families(hub_layout=True))
+def test_export_is_what_transformers_writes_and_gives_the_checkpoints_logits(tmp_path_factory, tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    a = trained(tmp_path_factory, name)
+    export, ckpt = str(a / "hf"), str(a / "checkpoints" / "step-000004")
+    ours = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
+                                                attn_implementation=_model_cfg(name).attn_implementation).eval()
+    ours.save_pretrained(tmp_path / "theirs")
+    written, theirs = _safetensors(export), _safetensors(str(tmp_path / "theirs"))
+    assert sorted(written) == sorted(theirs), f"{name}: tensor names differ from save_pretrained's"
+    assert [n for n in written if not torch.equal(written[n], theirs[n])] == []
+    with torch.no_grad():
+        diff = (ours(input_ids=_ids()).logits - _checkpoint_model(ckpt, name)(input_ids=_ids()).logits).abs().max()
+    assert float(diff) < 1e-5
+
+
+@pytest.mark.parametrize("name", families(hub_layout=True))
+def test_lora_adapter_and_merged_exports_agree_with_peft(saved, tmp_path, name):
+    """LoRA on the saved folder at W=1, 2 steps, merged export at the end; the adapter alone exported after: peft's
+    merge of that adapter into the base has the merged export's names, values and logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from ckpt.hf.export import export_checkpoint
+
+    run = tmp_path / "lora"
+    run_train(run, 0, [*STEPS, "train.max_steps=2", *FAMILIES[name].overrides, f"model.name_or_path={saved[name]}",
+                       "model.lora.r=4", "export.at_end=true"])
+    export_checkpoint(str(run / "checkpoints" / "step-000002"), str(tmp_path / "adapter"), adapter=True)
+    attn = _model_cfg(name).attn_implementation
+    base = AutoModelForCausalLM.from_pretrained(saved[name], dtype=torch.float32, attn_implementation=attn)
+    peft_merged = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload().eval()
+    peft_merged.save_pretrained(tmp_path / "peft-merged")
+    merged, reference = _safetensors(str(run / "hf")), _safetensors(str(tmp_path / "peft-merged"))
+    assert sorted(merged) == sorted(reference) == sorted(_safetensors(saved[name]))
+    assert [n for n in merged if not torch.allclose(merged[n], reference[n], atol=1e-6)] == []
+    ours = AutoModelForCausalLM.from_pretrained(str(run / "hf"), dtype=torch.float32, attn_implementation=attn).eval()
+    with torch.no_grad():
+        assert float((ours(input_ids=_ids()).logits - peft_merged(input_ids=_ids()).logits).abs().max()) < 1e-5
+    assert any(not torch.equal(merged[n], _safetensors(saved[name])[n]) for n in merged), "the adapters did nothing"
