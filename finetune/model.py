@@ -9,6 +9,7 @@ weights (on the same device type: a GPU draws other numbers than a CPU from the 
 
 from __future__ import annotations
 
+import inspect
 import os
 import sysconfig
 from contextlib import contextmanager
@@ -73,6 +74,31 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
         raise ModelError(f"cannot find decoder blocks in {type(model).__name__}: no _no_split_modules and no "
                          "ModuleList of identical blocks; shard it by hand in finetune/model.py")
     return blocks
+
+
+# What the trainer asks of a model's forward: train_fsdp.py's step and finetune/evaluate.py call
+# model(input_ids=..., position_ids=..., use_cache=False).logits
+FORWARD_ARGS = ("input_ids", "position_ids", "use_cache")
+
+
+def check_family(model: nn.Module) -> None:
+    """What the code assumes of a model family, checked in one place on the meta model, before any sharding: one line
+    naming what is missing. tests/test_families.py runs every family of finetune/tiny_assets.py FAMILIES through
+    the rest (init at any world size, the Hub's layout in and out, resume, LoRA)."""
+    cls = type(model).__name__
+    if not callable(getattr(model, "_init_weights", None)) or getattr(model, "config", None) is None:
+        raise ModelError(f"{cls} is not a transformers PreTrainedModel (no config or _init_weights): random init "
+                         "and the buffers of a model built on meta come from transformers' _init_weights")
+    if model.get_output_embeddings() is None:
+        raise ModelError(f"{cls} has no language-model head (get_output_embeddings() is None): the loss is "
+                         "next-token prediction on the logits of a causal LM")
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    missing = [a for a in FORWARD_ARGS if a not in params and not takes_any]
+    if missing:
+        raise ModelError(f"{cls}.forward takes no {', '.join(missing)}: the trainer calls model(input_ids=..., "
+                         "position_ids=..., use_cache=False) (position_ids restart per packed document)")
+    decoder_blocks(model)  # each becomes one fully_shard group
 
 
 def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -152,6 +178,7 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
     src = model_source(cfg_model)
     with torch.device("meta"):
         model = causal_lm_from_config(cfg_model)
+    check_family(model)
     if cfg_model.lora.r:  # adapters go in on meta, before fully_shard groups the parameters
         add_adapters(model, cfg_model.lora, src, base_dtype=resolve_param_dtype(cfg_model.param_dtype, device))
     if cfg_model.activation_checkpointing:
@@ -254,18 +281,19 @@ def init_random(model: nn.Module, seed: int, std: float) -> None:
     for mod_name, module in model.named_modules():
         for p_name, _ in module.named_parameters(recurse=False):
             owners[f"{mod_name}.{p_name}" if mod_name else p_name] = (module, p_name)
-    config = getattr(model, "config", None)
-    saved_std = getattr(config, "initializer_range", None)
-    if config is not None:
-        config.initializer_range = std
+    config = model.config
+    had, saved_std = hasattr(config, "initializer_range"), getattr(config, "initializer_range", None)
+    config.initializer_range = std
     try:
         with _forked_rng(model):
             for name, param in model.named_parameters():
                 module, attr = owners[name]
                 copy_full_into(param, _drawn_by_hf(model, module, attr, seed_for(seed, name), name, param))
     finally:
-        if config is not None:
+        if had:
             config.initializer_range = saved_std
+        else:
+            del config.initializer_range
 
 
 def _drawn_by_hf(model: nn.Module, module: nn.Module, attr: str, seed: int, name: str,

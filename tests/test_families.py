@@ -30,7 +30,9 @@ import torch.multiprocessing as mp
 from conftest import ROOT, losses, run_train, start_on_free_port
 from finetune.tiny_assets import FAMILIES, family_dir
 
-MOE = {"qwen3_moe", "mixtral", "gpt_oss"}
+# MoE families whose published layout is one tensor per expert, which transformers converts to its fused experts
+# on load and back on save_pretrained (gpt-oss is published fused: it needs no mapping)
+PER_EXPERT_ON_THE_HUB = {"qwen3_moe", "mixtral"}
 NEEDS_MOELAYOUT = pytest.mark.xfail(strict=True, reason="needs moelayout: the Hub's per-expert MoE layout")
 TOKENIZER = os.path.join(ROOT, "assets", "tiny-llama")
 STEPS = ["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async_mode=off", "train.eval_interval=0",
@@ -39,10 +41,11 @@ STEPS = ["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async
 
 def families(hub_layout: bool = False) -> list:
     """FAMILIES as test parameters; with hub_layout, the MoE entries marked as needing moelayout's name mapping."""
-    return [pytest.param(name, marks=[NEEDS_MOELAYOUT] if hub_layout and name in MOE else [])
+    return [pytest.param(name, marks=[NEEDS_MOELAYOUT] if hub_layout and name in PER_EXPERT_ON_THE_HUB else [])
             for name in FAMILIES]
 
 
+@pytest.mark.quick
 def test_committed_family_configs_are_what_the_generator_writes(tmp_path):
     from finetune.tiny_assets import write_family
     for name in FAMILIES:
@@ -214,17 +217,18 @@ def _checkpoint_model(ckpt: str, name: str):
 def test_export_is_what_transformers_writes_and_gives_the_checkpoints_logits(tmp_path_factory, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
+    """transformers' reference: its model of the family built from the config, the checkpoint's weights put in by
+    state-dict name, written by its save_pretrained (a model it did not load, so in the Hub's layout)."""
     a = trained(tmp_path_factory, name)
-    export, ckpt = str(a / "hf"), str(a / "checkpoints" / "step-000004")
-    ours = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
-                                                attn_implementation=_model_cfg(name).attn_implementation).eval()
-    ours.save_pretrained(tmp_path / "theirs")
+    export, reference = str(a / "hf"), _checkpoint_model(str(a / "checkpoints" / "step-000004"), name)
+    reference.save_pretrained(tmp_path / "theirs")
     written, theirs = _safetensors(export), _safetensors(str(tmp_path / "theirs"))
     assert sorted(written) == sorted(theirs), f"{name}: tensor names differ from save_pretrained's"
     assert [n for n in written if not torch.equal(written[n], theirs[n])] == []
+    ours = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
+                                                attn_implementation=_model_cfg(name).attn_implementation).eval()
     with torch.no_grad():
-        diff = (ours(input_ids=_ids()).logits - _checkpoint_model(ckpt, name)(input_ids=_ids()).logits).abs().max()
-    assert float(diff) < 1e-5
+        assert float((ours(input_ids=_ids()).logits - reference(input_ids=_ids()).logits).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize("name", families(hub_layout=True))
@@ -251,3 +255,59 @@ def test_lora_adapter_and_merged_exports_agree_with_peft(saved, tmp_path, name):
     with torch.no_grad():
         assert float((ours(input_ids=_ids()).logits - peft_merged(input_ids=_ids()).logits).abs().max()) < 1e-5
     assert any(not torch.equal(merged[n], _safetensors(saved[name])[n]) for n in merged), "the adapters did nothing"
+
+
+# ---------------------------------------------------------------- what a family must have: refused in one line
+
+def _meta_model(name: str = "llama"):
+    from finetune.model import causal_lm_from_config
+    with torch.device("meta"):
+        return causal_lm_from_config(_model_cfg(name, config_path=family_dir(ROOT, name)))
+
+
+@pytest.mark.quick
+def test_a_family_missing_what_the_code_needs_is_refused_by_name():
+    import types
+
+    from finetune.model import ModelError, check_family
+
+    for name in FAMILIES:
+        check_family(_meta_model(name))
+    model = _meta_model()
+    model.get_output_embeddings = lambda: None
+    with pytest.raises(ModelError, match="LlamaForCausalLM has no language-model head"):
+        check_family(model)
+    model = _meta_model()
+    model.forward = types.MethodType(lambda self, input_ids, use_cache=False: None, model)
+    with pytest.raises(ModelError, match="forward takes no position_ids"):
+        check_family(model)
+
+
+@pytest.mark.quick
+def test_a_parameter_transformers_does_not_initialise_is_refused_by_name():
+    """A random init that drew it from nothing (to_empty's garbage) would differ per run and per world size."""
+    import torch.nn as nn
+
+    from finetune.model import ModelError, init_buffers, init_random
+
+    model = _meta_model()
+    model.model.layers[1].self_attn.scale = nn.Parameter(torch.empty(4, device="meta"))
+    model.to_empty(device="cpu")
+    init_buffers(model)
+    with pytest.raises(ModelError, match=r"leaves model\.layers\.1\.self_attn\.scale \(LlamaAttention\) uninit"):
+        init_random(model, 0, 0.02)
+
+
+@pytest.mark.quick
+def test_random_init_restores_the_global_rng_and_takes_init_std():
+    from finetune.model import init_buffers, init_random
+
+    model = _meta_model()
+    model.to_empty(device="cpu")
+    init_buffers(model)
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    init_random(model, 0, 0.5)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert model.config.initializer_range == 0.02  # put back
+    assert float(model.model.embed_tokens.weight.detach().std()) == pytest.approx(0.5, rel=0.05)
