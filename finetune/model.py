@@ -269,26 +269,24 @@ def init_buffers(model: nn.Module) -> None:
 
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int, std: float) -> None:
-    """Every parameter as transformers' own `_init_weights` initialises it (model.init_std as the config's
-    initializer_range): Normal(0, std) for Linear/Embedding/Conv1D weights and MoE experts, zeros for biases,
-    ones for norms (zeros where the model computes 1 + weight, as Gemma does), GPT-2's scaled projections, ...
+    """Every parameter as transformers' own init gives it (model.init_std as the config's initializer_range):
+    Normal(0, std) for Linear/Embedding/Conv1D weights and MoE experts, zeros for biases, ones for norms (zeros
+    where the model computes 1 + weight, as Gemma does), GPT-2's scaled residual projections, ...
 
-    The same at any world size: each parameter in turn is made in full on its device and `_init_weights` runs
-    on its module with the default generator seeded by (seed, name) and the module's other parameters stand-ins
-    flagged as initialised (HF's init functions skip them), then each rank keeps its shard. One full tensor at a
+    The same at any world size: each parameter in turn is made in full on its device, and `_init_weights` runs, as
+    transformers applies it (children before parents), on its module and then each module above it, the default
+    generator seeded by (seed, name); every other parameter is flagged as initialised meanwhile, so HF's init
+    functions skip it and one pass draws exactly one parameter. Each rank keeps its shard. One full tensor at a
     time: the largest parameter, not the model. A parameter `_init_weights` leaves untouched is refused by name."""
-    owners = {}
-    for mod_name, module in model.named_modules():
-        for p_name, _ in module.named_parameters(recurse=False):
-            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = (module, p_name)
     config = model.config
     had, saved_std = hasattr(config, "initializer_range"), getattr(config, "initializer_range", None)
     config.initializer_range = std
     try:
-        with _forked_rng(model):
+        with _forked_rng(model), _flagged(model):
+            chains = _init_chains(model)
             for name, param in model.named_parameters():
-                module, attr = owners[name]
-                copy_full_into(param, _drawn_by_hf(model, module, attr, seed_for(seed, name), name, param))
+                owner, attr, chain = chains[name]
+                copy_full_into(param, _drawn_by_hf(owner, attr, chain, seed_for(seed, name), name, param))
     finally:
         if had:
             config.initializer_range = saved_std
@@ -296,33 +294,54 @@ def init_random(model: nn.Module, seed: int, std: float) -> None:
             del config.initializer_range
 
 
-def _drawn_by_hf(model: nn.Module, module: nn.Module, attr: str, seed: int, name: str,
-                 param: torch.Tensor) -> torch.Tensor:
-    """Parameter `attr` of `module` in full (fp32, on the parameter's device), as `model._init_weights(module)`
-    draws it from the default generator seeded with `seed`; the module's other parameters and its buffers are
-    left alone (meta stand-ins / flagged), so one call initialises exactly one parameter."""
+def _init_chains(model: nn.Module) -> dict:
+    """{parameter name: (its module, its attribute, [(module, the _init_weights transformers applies to it)] from
+    that module up to the root)}: a module is initialised by its nearest enclosing PreTrainedModel's _init_weights."""
+    out = {}
+
+    def walk(prefix: str, module: nn.Module, chain: list) -> None:
+        is_pretrained = callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
+        chain = [(module, module._init_weights if is_pretrained else chain[-1][1]), *chain]
+        for attr, _ in module.named_parameters(recurse=False):
+            out[prefix + attr] = (module, attr, chain)
+        for child_name, child in module.named_children():
+            walk(f"{prefix}{child_name}.", child, chain)
+
+    walk("", model, [])
+    return out
+
+
+def _drawn_by_hf(owner: nn.Module, attr: str, chain: list, seed: int, name: str, param: torch.Tensor) -> torch.Tensor:
+    """Parameter `attr` of `owner` in full (fp32, on the parameter's device), as transformers' init passes over
+    `chain` draw it from the default generator seeded with `seed` (all other parameters flagged: `_flagged`)."""
     full = torch.full(param.shape, float("nan"), dtype=torch.float32, device=param.device)
-    saved = dict(module._parameters)
-    flagged = [b for b in module.buffers(recurse=False)]
-    for other, p in saved.items():
-        if p is not None and other != attr:
-            module._parameters[other] = stand_in = nn.Parameter(torch.empty(p.shape, device="meta"), False)
-            stand_in._is_hf_initialized = True
-    module._parameters[attr] = nn.Parameter(full, requires_grad=False)
-    for b in flagged:
-        b._is_hf_initialized = True
+    saved = owner._parameters[attr]
+    owner._parameters[attr] = nn.Parameter(full, requires_grad=False)
     try:
         torch.manual_seed(seed)
-        model._init_weights(module)
+        for module, init_weights in chain:
+            init_weights(module)
     finally:
-        module._parameters.update(saved)
-        for b in flagged:
-            del b._is_hf_initialized
+        owner._parameters[attr] = saved
     if torch.isnan(full).any():
-        raise ModelError(f"cannot random-init {type(model).__name__}: transformers' _init_weights leaves {name} "
-                         f"({type(module).__name__}) uninitialised, so it could not be drawn the same at every world "
-                         "size; load weights instead (model.name_or_path)")
+        raise ModelError(f"cannot random-init {type(chain[-1][0]).__name__}: transformers' _init_weights leaves "
+                         f"{name} ({type(owner).__name__}) uninitialised, so it could not be drawn the same at every "
+                         "world size; load weights instead (model.name_or_path)")
     return full
+
+
+@contextmanager
+def _flagged(model: nn.Module):
+    """Every parameter and buffer flagged as initialised (`_is_hf_initialized`: transformers' init functions skip
+    it) for the duration; the flags are removed afterwards."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    for t in tensors:
+        t._is_hf_initialized = True
+    try:
+        yield
+    finally:
+        for t in tensors:
+            del t._is_hf_initialized
 
 
 @contextmanager

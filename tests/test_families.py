@@ -39,9 +39,11 @@ STEPS = ["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async
          f"model.tokenizer_path={TOKENIZER}"]
 
 
-def families(hub_layout: bool = False) -> list:
-    """FAMILIES as test parameters; with hub_layout, the MoE entries marked as needing moelayout's name mapping."""
-    return [pytest.param(name, marks=[NEEDS_MOELAYOUT] if hub_layout and name in PER_EXPERT_ON_THE_HUB else [])
+def families(hub_layout: bool = False, runs: bool = False) -> list:
+    """FAMILIES as test parameters; with hub_layout, the MoE entries marked as needing moelayout's name mapping;
+    with runs, a family's run tests in one xdist group (one worker makes its runs once, families spread out)."""
+    return [pytest.param(name, marks=[*([NEEDS_MOELAYOUT] if hub_layout and name in PER_EXPERT_ON_THE_HUB else []),
+                                      *([pytest.mark.xdist_group(f"family-{name}")] if runs else [])])
             for name in FAMILIES]
 
 
@@ -130,16 +132,21 @@ def _worker(rank: int, port: int, saved: dict, results: dict) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("families-hub")
-    return {name: save_family(str(root / name), name) for name in FAMILIES}
+_saved: dict[str, str] = {}
+
+
+def saved_folder(tmp_path_factory, name: str) -> str:
+    """The family's save_pretrained folder, made once per pytest process."""
+    if name not in _saved:
+        _saved[name] = save_family(str(tmp_path_factory.mktemp(f"hub-{name}")), name)
+    return _saved[name]
 
 
 @pytest.fixture(scope="module")
-def in_process(saved) -> dict:
-    results = mp.Manager().dict()
-    start_on_free_port(_worker, lambda port: (port, saved, results), nprocs=2)
+def in_process(tmp_path_factory) -> dict:
+    """One pair of gloo ranks for every family's init and load checks, forked: the imports are done already."""
+    saved, results = {name: saved_folder(tmp_path_factory, name) for name in FAMILIES}, mp.Manager().dict()
+    start_on_free_port(_worker, lambda port: (port, saved, results), nprocs=2, start_method="fork")
     return dict(results)
 
 
@@ -176,7 +183,7 @@ def trained(tmp_path_factory, name: str):
     return _runs[name]
 
 
-@pytest.mark.parametrize("name", families())
+@pytest.mark.parametrize("name", families(runs=True))
 def test_train_at_two_ranks_resumes_at_one_with_the_same_losses(tmp_path_factory, tmp_path, name):
     a = trained(tmp_path_factory, name)
     run_train(tmp_path / "b", 0, [*STEPS, *FAMILIES[name].overrides, f"model.config_path={family_dir(ROOT, name)}",
@@ -213,7 +220,7 @@ def _checkpoint_model(ckpt: str, name: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("name", families(hub_layout=True))
+@pytest.mark.parametrize("name", families(hub_layout=True, runs=True))
 def test_export_is_what_transformers_writes_and_gives_the_checkpoints_logits(tmp_path_factory, tmp_path, name):
     from transformers import AutoModelForCausalLM
 
@@ -231,8 +238,8 @@ def test_export_is_what_transformers_writes_and_gives_the_checkpoints_logits(tmp
         assert float((ours(input_ids=_ids()).logits - reference(input_ids=_ids()).logits).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("name", families(hub_layout=True))
-def test_lora_adapter_and_merged_exports_agree_with_peft(saved, tmp_path, name):
+@pytest.mark.parametrize("name", families(hub_layout=True, runs=True))
+def test_lora_adapter_and_merged_exports_agree_with_peft(tmp_path_factory, tmp_path, name):
     """LoRA on the saved folder at W=1, 2 steps, merged export at the end; the adapter alone exported after: peft's
     merge of that adapter into the base has the merged export's names, values and logits."""
     from peft import PeftModel
@@ -240,6 +247,7 @@ def test_lora_adapter_and_merged_exports_agree_with_peft(saved, tmp_path, name):
 
     from ckpt.hf.export import export_checkpoint
 
+    saved = {name: saved_folder(tmp_path_factory, name)}
     run = tmp_path / "lora"
     run_train(run, 0, [*STEPS, "train.max_steps=2", *FAMILIES[name].overrides, f"model.name_or_path={saved[name]}",
                        "model.lora.r=4", "export.at_end=true"])
@@ -311,3 +319,27 @@ def test_random_init_restores_the_global_rng_and_takes_init_std():
     assert torch.equal(torch.get_rng_state(), state)
     assert model.config.initializer_range == 0.02  # put back
     assert float(model.model.embed_tokens.weight.detach().std()) == pytest.approx(0.5, rel=0.05)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", families())
+def test_random_init_draws_what_transformers_draws(name):
+    """Per parameter, init_random's values have transformers' own init: the same constants (norms' ones or zeros,
+    biases' zeros) and, for the drawn ones, the same spread (GPT-2's scaled projections, gpt-oss's router bias)."""
+    from transformers import AutoModelForCausalLM
+
+    from finetune.model import init_buffers, init_random
+
+    torch.manual_seed(0)
+    theirs = dict(AutoModelForCausalLM.from_config(FAMILIES[name].config(), dtype=torch.float32).named_parameters())
+    model = _meta_model(name)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty makes each module's tensors anew
+    init_buffers(model)
+    init_random(model, 0, model.config.initializer_range)
+    for n, p in model.named_parameters():
+        ours, ref = p.detach(), theirs[n].detach()
+        if bool((ref == ref.flatten()[0]).all()):
+            assert torch.equal(ours, ref), f"{name} {n}: transformers initialises it to {float(ref.flatten()[0])}"
+        elif ref.numel() >= 64:
+            assert float(ours.std()) == pytest.approx(float(ref.std()), rel=0.25), f"{name} {n}"
