@@ -6,7 +6,7 @@
 A new family: one entry in finetune/tiny_assets.py FAMILIES (its tiny config, generated into assets/families/ by
 `python -m finetune.tiny_assets`), nothing here. A family the code cannot take is refused at model build, in one line
 naming what is missing (finetune/model.py check_family). Every entry is checked for:
-- random init: every parameter equal, in full, at W=1 and W=2 (in-process gloo, one spawn for all families);
+- random init: every parameter equal, in full, at W=1 and W=2 (tests/family_ranks.py: one torchrun for all families);
 - a folder as transformers' own save_pretrained writes it (the Hub's layout) loads at W=2: every parameter equal to
   from_pretrained's, and the same logits;
 - train at W=2 from random init, resume its step-2 checkpoint at W=1: the same losses; the export written at the end
@@ -25,9 +25,10 @@ import shutil
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from conftest import ROOT, losses, run_train, start_on_free_port
+from conftest import ROOT, losses, run_python, run_train
+from family_ranks import ids as _ids
+from family_ranks import model_cfg as _model_cfg
 from finetune.tiny_assets import FAMILIES, family_dir
 
 # MoE families whose published layout is one tensor per expert, which transformers converts to its fused experts
@@ -57,11 +58,6 @@ def test_committed_family_configs_are_what_the_generator_writes(tmp_path):
     assert sorted(os.listdir(os.path.join(ROOT, "assets", "families"))) == sorted(FAMILIES)
 
 
-def _model_cfg(name: str, **keys):
-    from finetune.config import load_config
-    return load_config(None, [*FAMILIES[name].overrides, *(f"model.{k}={v}" for k, v in keys.items())]).model
-
-
 def save_family(path: str, name: str) -> str:
     """Random weights from transformers' own init, every parameter perturbed (norms and biases too), written by its
     own save_pretrained (the Hub's layout), the character tokenizer beside them."""
@@ -78,60 +74,6 @@ def save_family(path: str, name: str) -> str:
     return path
 
 
-def _ids():
-    return torch.randint(3, 101, (2, 16), generator=torch.Generator().manual_seed(7))
-
-
-def _full(model) -> dict:
-    """Every parameter in full (a collective on a sharded model: every rank calls it)."""
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
-
-
-def _worker(rank: int, port: int, saved: dict, results: dict) -> None:
-    """Per family: random init at W=2 and at W=1 (each rank alone), then the saved folder loaded at W=2."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from transformers import AutoModelForCausalLM
-
-    from ckpt.hf.load import load_hf_weights
-    from finetune.model import build_sharded_model, init_random
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        two = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
-        alone = [dist.new_group([r]) for r in (0, 1)][rank]
-        one = DeviceMesh.from_group(alone, "cpu", mesh_dim_names=("shard",))
-        out = {}
-        for name in FAMILIES:
-            drawn = {}
-            for w, mesh in ((2, two), (1, one)):
-                model = build_sharded_model(_model_cfg(name, config_path=family_dir(ROOT, name)), mesh,
-                                            torch.device("cpu"))
-                init_random(model, 3, 0.02)
-                drawn[w] = _full(model)
-            differ = [n for n in drawn[2] if not torch.equal(drawn[1][n], drawn[2][n])]
-            out[name] = {"init_names": sorted(drawn[1]) == sorted(drawn[2]), "init_differ": differ,
-                         "init_params": len(drawn[1])}
-            try:
-                model = build_sharded_model(_model_cfg(name, name_or_path=saved[name]), two, torch.device("cpu"))
-                load_hf_weights(model, saved[name])
-                ref = AutoModelForCausalLM.from_pretrained(saved[name], dtype=torch.float32,
-                                                           attn_implementation=model.config._attn_implementation)
-                ref_sd, loaded = ref.state_dict(), _full(model)
-                with torch.no_grad():
-                    model.eval()  # dropout off, as from_pretrained's
-                    diff = float((model(input_ids=_ids(), use_cache=False).logits -
-                                  ref(input_ids=_ids(), use_cache=False).logits).abs().max())
-                out[name]["load"] = {"differ": [n for n in loaded if not torch.equal(loaded[n], ref_sd[n])],
-                                     "logits_diff": diff}
-            except Exception as e:  # noqa: BLE001 - the message is the result (MoE: the Hub's per-expert names)
-                out[name]["load"] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-        results[rank] = out
-    finally:
-        dist.destroy_process_group()
-
-
 _saved: dict[str, str] = {}
 
 
@@ -144,10 +86,19 @@ def saved_folder(tmp_path_factory, name: str) -> str:
 
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory) -> dict:
-    """One pair of gloo ranks for every family's init and load checks, forked: the imports are done already."""
-    saved, results = {name: saved_folder(tmp_path_factory, name) for name in FAMILIES}, mp.Manager().dict()
-    start_on_free_port(_worker, lambda port: (port, saved, results), nprocs=2, start_method="fork")
-    return dict(results)
+    """One pair of gloo ranks (tests/family_ranks.py, forked from tests/zygote.py: imports done) for every family's
+    init and load checks: {rank: {family: what it found}}."""
+    root = tmp_path_factory.mktemp("family-ranks")
+    with open(root / "saved.json", "w") as f:
+        json.dump({name: saved_folder(tmp_path_factory, name) for name in FAMILIES}, f)
+    proc = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                       os.path.join(ROOT, "tests", "family_ranks.py"), str(root / "saved.json"), str(root)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = {}
+    for rank in (0, 1):
+        with open(root / f"rank{rank}.json") as f:
+            out[rank] = json.load(f)
+    return out
 
 
 @pytest.mark.parametrize("name", families())
