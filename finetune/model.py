@@ -2,9 +2,10 @@
 
     python -m pytest tests/test_train_e2e.py
 
-Random init is world-size independent: each parameter is drawn in full, on its device, from a generator
-seeded by (seed, parameter name) and each rank keeps only its shard, so W=1 and W=8 start from the same
-weights (on the same device type: a GPU draws other numbers than a CPU from the same seed).
+Random init is world-size independent: each parameter, whatever its kind (MoE experts, routers, norms, sinks), is
+drawn in full, on its device, as transformers' own `_init_weights` draws it, from a generator seeded by (seed,
+parameter name), and each rank keeps only its shard, so W=1 and W=8 start from the same weights (on the same device
+type: a GPU draws other numbers than a CPU from the same seed). tests/test_families.py checks it for every family.
 """
 
 from __future__ import annotations
