@@ -2,15 +2,18 @@
 
     python -m pytest tests/test_train_e2e.py
 
-Random init is world-size independent: each parameter is drawn in full, on its device, from a generator
-seeded by (seed, parameter name) and each rank keeps only its shard, so W=1 and W=8 start from the same
-weights (on the same device type: a GPU draws other numbers than a CPU from the same seed).
+Random init is world-size independent: each parameter, whatever its kind (MoE experts, routers, norms, sinks), is
+drawn in full, on its device, as transformers' own `_init_weights` draws it, from a generator seeded by (seed,
+parameter name), and each rank keeps only its shard, so W=1 and W=8 start from the same weights (on the same device
+type: a GPU draws other numbers than a CPU from the same seed). tests/test_families.py checks it for every family.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import sysconfig
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -21,7 +24,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from common.dtypes import DTYPES  # the one name -> dtype map (model.param_dtype, reduce_dtype, export.dtype)
 from finetune.lora import add_adapters
 from finetune.model_files import model_folder
-from finetune.shards import ModelError, copy_full_into, local_shard, seed_for
+from finetune.shards import ModelError, copy_full_into, seed_for
 
 
 def model_source(cfg_model) -> str:
@@ -72,6 +75,31 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
         raise ModelError(f"cannot find decoder blocks in {type(model).__name__}: no _no_split_modules and no "
                          "ModuleList of identical blocks; shard it by hand in finetune/model.py")
     return blocks
+
+
+# What the trainer asks of a model's forward: train_fsdp.py's step and finetune/evaluate.py call
+# model(input_ids=..., position_ids=..., use_cache=False).logits
+FORWARD_ARGS = ("input_ids", "position_ids", "use_cache")
+
+
+def check_family(model: nn.Module) -> None:
+    """What the code assumes of a model family, checked in one place on the meta model, before any sharding: one line
+    naming what is missing. tests/test_families.py runs every family of finetune/tiny_assets.py FAMILIES through
+    the rest (init at any world size, the Hub's layout in and out, resume, LoRA)."""
+    cls = type(model).__name__
+    if not callable(getattr(model, "_init_weights", None)) or getattr(model, "config", None) is None:
+        raise ModelError(f"{cls} is not a transformers PreTrainedModel (no config or _init_weights): random init "
+                         "and the buffers of a model built on meta come from transformers' _init_weights")
+    if model.get_output_embeddings() is None:
+        raise ModelError(f"{cls} has no language-model head (get_output_embeddings() is None): the loss is "
+                         "next-token prediction on the logits of a causal LM")
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    missing = [a for a in FORWARD_ARGS if a not in params and not takes_any]
+    if missing:
+        raise ModelError(f"{cls}.forward takes no {', '.join(missing)}: the trainer calls model(input_ids=..., "
+                         "position_ids=..., use_cache=False) (position_ids restart per packed document)")
+    decoder_blocks(model)  # each becomes one fully_shard group
 
 
 def resolve_param_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -151,6 +179,7 @@ def build_sharded_model(cfg_model, mesh, device: torch.device) -> nn.Module:
     src = model_source(cfg_model)
     with torch.device("meta"):
         model = causal_lm_from_config(cfg_model)
+    check_family(model)
     if cfg_model.lora.r:  # adapters go in on meta, before fully_shard groups the parameters
         add_adapters(model, cfg_model.lora, src, base_dtype=resolve_param_dtype(cfg_model.param_dtype, device))
     if cfg_model.activation_checkpointing:
@@ -221,45 +250,105 @@ def init_buffers(model: nn.Module) -> None:
 
     HF's `_init_weights` runs on every module with buffers, its parameters flagged as initialised so that
     HF's init functions skip them: they are loaded or drawn next, and drawing them here would be wasted.
+    Buffers are not sharded; a random one is drawn from the generator seeded by the module's name, so it too is
+    the same at any world size.
     """
-    for module in model.modules():
-        if next(module.buffers(recurse=False), None) is None:
-            continue
-        params = list(module.parameters(recurse=False))
-        for p in params:
-            p._is_hf_initialized = True
-        try:
-            model._init_weights(module)
-        finally:
+    with _forked_rng(model):
+        for mod_name, module in model.named_modules():
+            if next(module.buffers(recurse=False), None) is None:
+                continue
+            params = list(module.parameters(recurse=False))
             for p in params:
-                del p._is_hf_initialized
+                p._is_hf_initialized = True
+            try:
+                torch.manual_seed(seed_for(0, f"buffers:{mod_name}"))
+                model._init_weights(module)
+            finally:
+                for p in params:
+                    del p._is_hf_initialized
 
 
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int, std: float) -> None:
-    """Normal(0, std) for Linear/Embedding weights, zeros for biases, HF's own init for the rest (norms: ones,
-    or zeros where the model computes 1 + weight, as Gemma does). The same at any world size: each random
-    weight is drawn in full, on the parameter's device, from a generator seeded by (seed, name)."""
-    owners = {}
-    for mod_name, module in model.named_modules():
-        for p_name, _ in module.named_parameters(recurse=False):
-            owners[f"{mod_name}.{p_name}" if mod_name else p_name] = module
-    for name, param in model.named_parameters():
-        module = owners[name]
-        if name.endswith("bias"):
-            local_shard(param).zero_()
-        elif isinstance(module, (nn.Linear, nn.Embedding)):
-            full = _draw_normal(param, std, seed_for(seed, name), getattr(module, "padding_idx", None))
-            copy_full_into(param, full)
-        else:  # constants, so sharding does not matter; HF knows each model's (e.g. Gemma's zero-centred norms)
-            model._init_weights(module)
+    """Every parameter as transformers' own init gives it (model.init_std as the config's initializer_range):
+    Normal(0, std) for Linear/Embedding/Conv1D weights and MoE experts, zeros for biases, ones for norms (zeros
+    where the model computes 1 + weight, as Gemma does), GPT-2's scaled residual projections, ...
+
+    The same at any world size: each parameter in turn is made in full on its device, and `_init_weights` runs, as
+    transformers applies it (children before parents), on its module and then each module above it, the default
+    generator seeded by (seed, name); every other parameter is flagged as initialised meanwhile, so HF's init
+    functions skip it and one pass draws exactly one parameter. Each rank keeps its shard. One full tensor at a
+    time: the largest parameter, not the model. A parameter `_init_weights` leaves untouched is refused by name."""
+    config = model.config
+    had, saved_std = hasattr(config, "initializer_range"), getattr(config, "initializer_range", None)
+    config.initializer_range = std
+    try:
+        with _forked_rng(model), _flagged(model):
+            chains = _init_chains(model)
+            for name, param in model.named_parameters():
+                owner, attr, chain = chains[name]
+                copy_full_into(param, _drawn_by_hf(owner, attr, chain, seed_for(seed, name), name, param))
+    finally:
+        if had:
+            config.initializer_range = saved_std
+        else:
+            del config.initializer_range
 
 
-def _draw_normal(param: torch.Tensor, std: float, seed: int, padding_idx: int | None) -> torch.Tensor:
-    """One full tensor drawn on the parameter's device (a GPU draws 4 GB in milliseconds, a CPU in seconds)."""
-    gen = torch.Generator(device=param.device).manual_seed(seed)
-    full = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-    full.normal_(0.0, std, generator=gen)
-    if padding_idx is not None:
-        full[padding_idx].zero_()
+def _init_chains(model: nn.Module) -> dict:
+    """{parameter name: (its module, its attribute, [(module, the _init_weights transformers applies to it)] from
+    that module up to the root)}: a module is initialised by its nearest enclosing PreTrainedModel's _init_weights."""
+    out = {}
+
+    def walk(prefix: str, module: nn.Module, chain: list) -> None:
+        is_pretrained = callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
+        chain = [(module, module._init_weights if is_pretrained else chain[-1][1]), *chain]
+        for attr, _ in module.named_parameters(recurse=False):
+            out[prefix + attr] = (module, attr, chain)
+        for child_name, child in module.named_children():
+            walk(f"{prefix}{child_name}.", child, chain)
+
+    walk("", model, [])
+    return out
+
+
+def _drawn_by_hf(owner: nn.Module, attr: str, chain: list, seed: int, name: str, param: torch.Tensor) -> torch.Tensor:
+    """Parameter `attr` of `owner` in full (fp32, on the parameter's device), as transformers' init passes over
+    `chain` draw it from the default generator seeded with `seed` (all other parameters flagged: `_flagged`)."""
+    full = torch.full(param.shape, float("nan"), dtype=torch.float32, device=param.device)
+    saved = owner._parameters[attr]
+    owner._parameters[attr] = nn.Parameter(full, requires_grad=False)
+    try:
+        torch.manual_seed(seed)
+        for module, init_weights in chain:
+            init_weights(module)
+    finally:
+        owner._parameters[attr] = saved
+    if torch.isnan(full).any():
+        raise ModelError(f"cannot random-init {type(chain[-1][0]).__name__}: transformers' _init_weights leaves "
+                         f"{name} ({type(owner).__name__}) uninitialised, so it could not be drawn the same at every "
+                         "world size; load weights instead (model.name_or_path)")
     return full
+
+
+@contextmanager
+def _flagged(model: nn.Module):
+    """Every parameter and buffer flagged as initialised (`_is_hf_initialized`: transformers' init functions skip
+    it) for the duration; the flags are removed afterwards."""
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    for t in tensors:
+        t._is_hf_initialized = True
+    try:
+        yield
+    finally:
+        for t in tensors:
+            del t._is_hf_initialized
+
+
+@contextmanager
+def _forked_rng(model: nn.Module):
+    """The global RNG (CPU, and the CUDA device the parameters are on) as it was before, afterwards: the seeds set
+    per parameter here must not leak into dropout or data order."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        yield
