@@ -13,8 +13,8 @@ naming what is missing (finetune/model.py check_family). Every entry is checked 
   (export.at_end, every rank a share) has the tensor names and values transformers' save_pretrained writes for the
   same weights, and from_pretrained of it gives the checkpoint's logits;
 - LoRA on the saved folder: the adapter export and the merged export agree with peft's own merge.
-MoE entries' Hub-layout checks need the per-expert <-> fused name mapping (the moelayout branch): marked xfail(strict)
-until it is merged, so they fail here once they pass.
+MoE entries published one tensor per expert (Qwen3-MoE, Mixtral) load and export through transformers' own conversion
+rules (ckpt/hf/convert.py); gpt-oss is published fused.
 """
 
 from __future__ import annotations
@@ -31,21 +31,15 @@ from family_ranks import ids as _ids
 from family_ranks import model_cfg as _model_cfg
 from finetune.tiny_assets import FAMILIES, family_dir
 
-# MoE families whose published layout is one tensor per expert, which transformers converts to its fused experts
-# on load and back on save_pretrained (gpt-oss is published fused: it needs no mapping)
-PER_EXPERT_ON_THE_HUB = {"qwen3_moe", "mixtral"}
-NEEDS_MOELAYOUT = pytest.mark.xfail(strict=True, reason="needs moelayout: the Hub's per-expert MoE layout")
 TOKENIZER = os.path.join(ROOT, "assets", "tiny-llama")
 STEPS = ["train.max_steps=4", "ckpt.interval=2", "ckpt.keep_last=0", "ckpt.async_mode=off", "train.eval_interval=0",
          f"model.tokenizer_path={TOKENIZER}"]
 
 
-def families(hub_layout: bool = False, runs: bool = False) -> list:
-    """FAMILIES as test parameters; with hub_layout, the MoE entries marked as needing moelayout's name mapping;
-    with runs, a family's run tests in one xdist group (one worker makes its runs once, families spread out)."""
-    return [pytest.param(name, marks=[*([NEEDS_MOELAYOUT] if hub_layout and name in PER_EXPERT_ON_THE_HUB else []),
-                                      *([pytest.mark.xdist_group(f"family-{name}")] if runs else [])])
-            for name in FAMILIES]
+def families(runs: bool = False) -> list:
+    """FAMILIES as test parameters; with runs, a family's run tests in one xdist group (one worker makes its runs
+    once, families spread out)."""
+    return [pytest.param(name, marks=[pytest.mark.xdist_group(f"family-{name}")] if runs else []) for name in FAMILIES]
 
 
 @pytest.mark.quick
@@ -110,7 +104,7 @@ def test_random_init_is_the_same_at_one_and_two_ranks(in_process, name):
         assert r["init_differ"] == [], f"{name}: W=1 and W=2 drew other values for {r['init_differ']}"
 
 
-@pytest.mark.parametrize("name", families(hub_layout=True))
+@pytest.mark.parametrize("name", families())
 def test_a_save_pretrained_folder_loads_exactly(in_process, name):
     for rank in (0, 1):
         r = in_process[rank][name]["load"]
@@ -171,12 +165,12 @@ def _checkpoint_model(ckpt: str, name: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("name", families(hub_layout=True, runs=True))
+@pytest.mark.parametrize("name", families(runs=True))
 def test_export_is_what_transformers_writes_and_gives_the_checkpoints_logits(tmp_path_factory, tmp_path, name):
-    from transformers import AutoModelForCausalLM
-
     """transformers' reference: its model of the family built from the config, the checkpoint's weights put in by
     state-dict name, written by its save_pretrained (a model it did not load, so in the Hub's layout)."""
+    from transformers import AutoModelForCausalLM
+
     a = trained(tmp_path_factory, name)
     export, reference = str(a / "hf"), _checkpoint_model(str(a / "checkpoints" / "step-000004"), name)
     reference.save_pretrained(tmp_path / "theirs")
@@ -189,7 +183,7 @@ def test_export_is_what_transformers_writes_and_gives_the_checkpoints_logits(tmp
         assert float((ours(input_ids=_ids()).logits - reference(input_ids=_ids()).logits).abs().max()) < 1e-5
 
 
-@pytest.mark.parametrize("name", families(hub_layout=True, runs=True))
+@pytest.mark.parametrize("name", families(runs=True))
 def test_lora_adapter_and_merged_exports_agree_with_peft(tmp_path_factory, tmp_path, name):
     """LoRA on the saved folder at W=1, 2 steps, merged export at the end; the adapter alone exported after: peft's
     merge of that adapter into the base has the merged export's names, values and logits."""
