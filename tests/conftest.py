@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import glob
 import os
 import shutil
 import signal
@@ -464,6 +465,15 @@ def assert_loss_falls(run_dir, n: int = 5) -> None:
 def losses(run_dir) -> dict[int, float]:
     steps, _ = read_metrics(os.path.join(str(run_dir), "metrics.jsonl"))
     return {s: r["loss"] for s, r in steps.items()}
+
+
+def read_hf_tensors(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a HF folder's *.safetensors files, by name."""
+    from safetensors.torch import load_file
+    out = {}
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
 
 
 def events(run_dir, name: str | None = None) -> list[dict]:

@@ -26,7 +26,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT, losses, run_python, run_train
+from conftest import ROOT, losses, read_hf_tensors, run_python, run_train
 from family_ranks import ids as _ids
 from family_ranks import model_cfg as _model_cfg
 from finetune.tiny_assets import FAMILIES, family_dir
@@ -139,15 +139,6 @@ def test_train_at_two_ranks_resumes_at_one_with_the_same_losses(tmp_path_factory
         assert lb[s] == pytest.approx(la[s], rel=1e-4), f"{name} step {s}: {lb[s]} at W=1 after {la[s]} at W=2"
 
 
-def _safetensors(folder: str) -> dict:
-    from safetensors.torch import load_file
-    out = {}
-    for f in sorted(os.listdir(folder)):
-        if f.endswith(".safetensors"):
-            out.update(load_file(os.path.join(folder, f)))
-    return out
-
-
 def _checkpoint_model(ckpt: str, name: str):
     """transformers' model of the family with the checkpoint's weights put in by name (ties left to transformers)."""
     from transformers import AutoModelForCausalLM
@@ -174,7 +165,7 @@ def test_export_is_what_transformers_writes_and_gives_the_checkpoints_logits(tmp
     a = trained(tmp_path_factory, name)
     export, reference = str(a / "hf"), _checkpoint_model(str(a / "checkpoints" / "step-000004"), name)
     reference.save_pretrained(tmp_path / "theirs")
-    written, theirs = _safetensors(export), _safetensors(str(tmp_path / "theirs"))
+    written, theirs = read_hf_tensors(export), read_hf_tensors(str(tmp_path / "theirs"))
     assert sorted(written) == sorted(theirs), f"{name}: tensor names differ from save_pretrained's"
     assert [n for n in written if not torch.equal(written[n], theirs[n])] == []
     ours = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
@@ -201,13 +192,13 @@ def test_lora_adapter_and_merged_exports_agree_with_peft(tmp_path_factory, tmp_p
     base = AutoModelForCausalLM.from_pretrained(saved[name], dtype=torch.float32, attn_implementation=attn)
     peft_merged = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload().eval()
     peft_merged.save_pretrained(tmp_path / "peft-merged")
-    merged, reference = _safetensors(str(run / "hf")), _safetensors(str(tmp_path / "peft-merged"))
-    assert sorted(merged) == sorted(reference) == sorted(_safetensors(saved[name]))
+    merged, reference = read_hf_tensors(str(run / "hf")), read_hf_tensors(str(tmp_path / "peft-merged"))
+    assert sorted(merged) == sorted(reference) == sorted(read_hf_tensors(saved[name]))
     assert [n for n in merged if not torch.allclose(merged[n], reference[n], atol=1e-6)] == []
     ours = AutoModelForCausalLM.from_pretrained(str(run / "hf"), dtype=torch.float32, attn_implementation=attn).eval()
     with torch.no_grad():
         assert float((ours(input_ids=_ids()).logits - peft_merged(input_ids=_ids()).logits).abs().max()) < 1e-5
-    assert any(not torch.equal(merged[n], _safetensors(saved[name])[n]) for n in merged), "the adapters did nothing"
+    assert any(not torch.equal(merged[n], read_hf_tensors(saved[name])[n]) for n in merged), "the adapters did nothing"
 
 
 # ---------------------------------------------------------------- what a family must have: refused in one line

@@ -23,7 +23,7 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from conftest import FAST, ROOT, start_on_free_port, run_train, token_cache
+from conftest import FAST, ROOT, read_hf_tensors, start_on_free_port, run_train, token_cache
 from finetune.config import load_config
 from finetune.data import cache_path, open_samples
 from finetune.metrics import read_metrics
@@ -61,13 +61,6 @@ def save_tiny_hf(path: str, family: str) -> str:
     for name in TOKENIZER_FILES:
         shutil.copy(os.path.join(ROOT, "assets", "tiny-llama", name), path)
     return path
-
-
-def read_hf_tensors(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -12,23 +12,14 @@ save_pretrained writes one tensor per expert; ckpt/hf/convert.py follows its own
 
 from __future__ import annotations
 
-import glob
 import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import start_on_free_port
+from conftest import read_hf_tensors, start_on_free_port
 from finetune.metrics import read_metrics
 from tiny_moe import MOE_FAMILIES, save_tiny_moe
-
-
-def read_tensors(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        out.update(load_file(f))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +39,7 @@ def test_layout_maps_agree_with_transformers(moe_models, family):
 
     from ckpt.hf.convert import hub_to_memory, memory_to_hub
 
-    files = read_tensors(moe_models[family])
+    files = read_hf_tensors(moe_models[family])
     assert MOE_FAMILIES[family][1] in files, sorted(files)[:8]
     model = AutoModelForCausalLM.from_pretrained(moe_models[family], dtype=torch.float32)
     memory = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or "lm_head.weight" in files}
@@ -153,7 +144,7 @@ def test_load_hub_layout_w2_then_export_as_save_pretrained(moe_models, tmp_path)
         out = str(tmp_path / f"export-{family}")
         info = export_checkpoint(os.path.join(ckpt_root, family, "step-000001"), out, "auto", max_shard_size="20KB",
                                  jobs=2 if family == "mixtral" else 1)
-        src, dst = read_tensors(path), read_tensors(out)
+        src, dst = read_hf_tensors(path), read_hf_tensors(out)
         assert sorted(dst) == sorted(src) and info["tensors"] == len(src), family
         for name, tensor in src.items():
             assert dst[name].dtype == tensor.dtype and torch.equal(dst[name], tensor), f"{family}: {name}"
@@ -202,9 +193,9 @@ def test_train_w2_resume_w1_export_like_save_pretrained(moe_models, family, tmp_
 
     # the export: save_pretrained's names, dtype (the source's: bf16 Mixtral) and values, and the trained logits
     trained = _trained(src, str(tmp_path / "a" / "checkpoints" / "step-000004"))
-    dtype = next(iter(read_tensors(src).values())).dtype
+    dtype = next(iter(read_hf_tensors(src).values())).dtype
     trained.to(dtype).save_pretrained(str(tmp_path / "reference"))
-    want, got = read_tensors(str(tmp_path / "reference")), read_tensors(str(tmp_path / "a" / "hf"))
+    want, got = read_hf_tensors(str(tmp_path / "reference")), read_hf_tensors(str(tmp_path / "a" / "hf"))
     assert MOE_FAMILIES[family][1] in got and sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
@@ -368,7 +359,7 @@ def test_attention_lora_on_a_hub_layout_moe_trains_and_merges_to_the_same_layout
                                            "model.lora.target_modules=q_proj,v_proj", "train.max_steps=2"])
     assert "fused 3-D expert weights (model.layers.0.mlp.experts.gate_up_proj, ...) are not adapted" in proc.stdout
     info = export_checkpoint(str(tmp_path / "run" / "checkpoints" / "step-000002"), str(tmp_path / "merged"))
-    src, out = read_tensors(base), read_tensors(str(tmp_path / "merged"))
+    src, out = read_hf_tensors(base), read_hf_tensors(str(tmp_path / "merged"))
     assert sorted(out) == sorted(src) and info["tensors"] == len(src)
     changed = sorted(k for k in src if not torch.equal(src[k], out[k]))
     assert changed == [f"model.layers.{i}.self_attn.{m}_proj.weight" for i in (0, 1) for m in "qv"]

@@ -158,9 +158,8 @@ def _builds(rank: int, port: int, q) -> None:
     leave()
 
 
-def test_one_rank_builds_the_others_wait_as_long_as_it_lives():
-    """The result and the error reach the waiter; a builder that dies, a store that goes and a result this rank
-    does not see each end the wait with one line naming what it waited for."""
+def _spawn_on_a_store(target, n: int):
+    """A TCPStore here and n spawned processes running target(i, its port, queue): (store, queue, processes)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -168,9 +167,16 @@ def test_one_rank_builds_the_others_wait_as_long_as_it_lives():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_builds, args=(r, store.port, q)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(i, store.port, q)) for i in range(n)]
     for p in procs:
         p.start()
+    return store, q, procs
+
+
+def test_one_rank_builds_the_others_wait_as_long_as_it_lives():
+    """The result and the error reach the waiter; a builder that dies, a store that goes and a result this rank
+    does not see each end the wait with one line naming what it waited for."""
+    store, q, procs = _spawn_on_a_store(_builds, 2)
     got: dict = {}
     while ("dead", 1) not in got:
         rank, name, out, took = q.get(timeout=120)
@@ -230,16 +236,7 @@ def test_each_builds_waits_for_every_builder_as_long_as_they_live():
     """Three builders (one per node, before any process group): each returns once the slowest is done; one's
     failure is every one's line; a builder that dies without a word ends the others' wait within dead_after_s of
     the last sign of life, naming it."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_each, args=(me, store.port, q)) for me in range(3)]
-    for p in procs:
-        p.start()
+    store, q, procs = _spawn_on_a_store(_each, 3)
     got = {}
     while len(got) < 8:
         me, name, out, took = q.get(timeout=120)
