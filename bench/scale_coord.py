@@ -106,11 +106,14 @@ def worker(port: int, world: int, first: int, count: int, handoff_s: float) -> N
     for name in STORE_PATHS:
         _barrier(raw, name, count, world)
         before = [s.totals() for s in stores]
-        ends = [0.0] * count
+        ends, errors = [0.0] * count, []
         start = time.perf_counter()
 
         def one(i: int) -> None:
-            _run_path(name, first + i, world, stores[i], handoff_s)
+            try:
+                _run_path(name, first + i, world, stores[i], handoff_s)
+            except BaseException as e:  # noqa: BLE001 - counted and reported: the row then says the path failed
+                errors.append(f"rank {first + i}: {type(e).__name__}: {e}")
             ends[i] = time.perf_counter()
         threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
         for t in threads:
@@ -118,7 +121,7 @@ def worker(port: int, world: int, first: int, count: int, handoff_s: float) -> N
         for t in threads:
             t.join()
         per = [{k: s.totals()[k] - b[k] for k in ("requests", "bytes")} for s, b in zip(stores, before)]
-        print("PATH " + json.dumps({"path": name, "first": first, "per_rank": per,
+        print("PATH " + json.dumps({"path": name, "first": first, "per_rank": per, "errors": errors,
                                     "seconds": max(ends) - start}), flush=True)
 
 
@@ -144,8 +147,10 @@ def store_paths(world: int, procs: int, handoff_s: float) -> dict:
         parts = sorted((json.loads(x[5:]) for x in lines if x.startswith("PATH ") and f'"path": "{name}"' in x),
                        key=lambda r: r["first"])
         per_rank = [r for part in parts for r in part["per_rank"]]
+        errors = [e for part in parts for e in part["errors"]]
         result[name] = {"requests": [r["requests"] for r in per_rank], "bytes": [r["bytes"] for r in per_rank],
-                        "seconds": max(part["seconds"] for part in parts)}
+                        "seconds": max(part["seconds"] for part in parts), "errors": len(errors),
+                        "first_error": errors[0] if errors else None}
     return result
 
 
@@ -259,11 +264,13 @@ def store_rows(world: int, m: dict) -> list[dict]:
     for name in STORE_PATHS:
         path, when, formula = FORMULAS[name]
         req, nbytes = m[name]["requests"], m[name]["bytes"]
+        failed = (f"FAILED on {m[name]['errors']} ranks (first: {m[name]['first_error']}); figures up to the failure; "
+                  if m[name]["errors"] else "")
         rows.append({"path": path, "when": when, "formula": formula, "W": world, "N": world // RANKS_PER_NODE,
                      "requests_per_rank": sum(req) / world, "requests_total": sum(req),
                      "bytes_per_rank": sum(nbytes) / world, "bytes_total": sum(nbytes),
                      "busiest_share": 1.0, "seconds": m[name]["seconds"],
-                     "note": "measured: W TCPStore clients (threads) against one libuv TCPStore server; busiest: "
+                     "note": failed + "measured: W TCPStore clients (threads) against one libuv TCPStore server; busiest: "
                              f"the store's server (every request); busiest rank {max(req)} requests"})
     rows.append({"path": "each rank's first connection to torchrun's store", "when": "at start",
                  "formula": "W connections to the agent's store, one per rank (another W for the bad-input report)",

@@ -73,16 +73,18 @@ def worker(ckpt_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def measure(world: int, lazy: str) -> dict:
-    """Per phase: store requests and bytes summed over the ranks, and rank 0's, at this W (real processes)."""
+def measure(world: int, lazy: str | None) -> dict:
+    """Per phase: store requests and bytes summed over the ranks, and rank 0's, at this W (real processes).
+    `lazy`: TORCH_GLOO_LAZY_INIT for the workers; None: as this process has it (unset: the project's default)."""
     import torch.distributed as dist
     from datetime import timedelta
     store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=120), use_libuv=True,
                           wait_for_workers=False)
     work = tempfile.mkdtemp(prefix="scale-gloo-")
     env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
-               TORCHELASTIC_USE_AGENT_STORE="True", TORCH_GLOO_LAZY_INIT=lazy, OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT)
+               TORCHELASTIC_USE_AGENT_STORE="True", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    if lazy is not None:
+        env["TORCH_GLOO_LAZY_INIT"] = lazy
     t0 = time.perf_counter()
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", work],
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE, text=True)
