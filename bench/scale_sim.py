@@ -118,8 +118,13 @@ def _cell(r: dict | None) -> str:
 
 
 def _how(rows: list[dict]) -> str:
-    notes = {(r["note"] or "").split(":")[0].split(";")[0] for r in rows}
-    return "/".join(sorted(notes)) or "-"
+    """Which W were measured and which extrapolated (the row's note says how), and any failure."""
+    kinds: dict[str, list[int]] = {}
+    for r in sorted(rows, key=lambda r: r["W"]):
+        note = r["note"] or ""
+        kind = "FAILED" if note.startswith("FAILED") else "measured" if note.startswith("measured") else "extrapolated"
+        kinds.setdefault(kind, []).append(r["W"])
+    return "; ".join(f"{kind} at W={','.join(map(str, ws))}" for kind, ws in kinds.items()) or "-"
 
 
 def table(result: dict) -> list[str]:
@@ -157,6 +162,22 @@ def sums_at(result: dict, world: int) -> list[str]:
     return lines
 
 
+def gloo_counts(result: dict) -> list[str]:
+    """scale_gloo's measured points (real processes, every store request counted): the fits' inputs."""
+    measured = result["sections"].get("scale_gloo", {}).get("details", {}).get("measured", [])
+    if not measured:
+        return []
+    lines = ["Gloo groups counted at small W (scale_gloo, real processes; the rows above are fitted on these):", "",
+             "| W | TORCH_GLOO_LAZY_INIT | store requests at start (5 groups) | bytes at start | first save's requests "
+             "| first save's bytes | rank 0's at the first save |", "|---|---|---|---|---|---|---|"]
+    for m in sorted(measured, key=lambda m: (m["lazy"], m["world"])):
+        ph = m["phases"]
+        start = [sum(ph[p][k] for p in ("init", "ckpt_groups", "memory_groups")) for k in ("requests", "bytes")]
+        lines.append(f"| {m['world']} | {m['lazy']} | {start[0]} | {start[1]} | {ph['first_save']['requests']} | "
+                     f"{ph['first_save']['bytes']} | {ph['first_save']['rank0_requests']} |")
+    return lines + [""]
+
+
 def render(result: dict) -> str:
     """The generated block of docs/scale.md, between BEGIN and END."""
     status = [f"- {name}: {s['status']}" + (f" ({s['detail'].splitlines()[0]})" if s.get("detail") else "")
@@ -164,7 +185,8 @@ def render(result: dict) -> str:
               for name, s in result["sections"].items()]
     big = max(result["worlds"])
     return "\n".join([BEGIN, "", provenance.markdown_line(result), "", "Sections:", *status, "", *table(result), "",
-                      f"At W={big} (N={big // 8}), path by path:", *sums_at(result, big), "", END])
+                      *gloo_counts(result), f"At W={big} (N={big // 8}), path by path:", *sums_at(result, big), "",
+                      END])
 
 
 def write_docs(result: dict, doc: str) -> None:
