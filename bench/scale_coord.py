@@ -1,6 +1,6 @@
 """The job's store paths and DCP's plan steps, run with the project's own code at W = 64..2048 on one machine.
 
-    python bench/scale_coord.py --worlds 64,256,1024,2048 --out bench/results/runs/scale_sections/scale_coord.json
+    python bench/scale_coord.py --worlds 64,256,1024,2048 --out /tmp/scale_coord.json   # bench/scale_sim.py runs it
     python bench/scale_coord.py --worlds 8 --plan-worlds 2,4 --handoff-s 2 --out /tmp/c.json   # seconds, a smoke test
 
 One section of bench/scale_sim.py (its row contract). Store paths: a real TCPStore server in this process (libuv,

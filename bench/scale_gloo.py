@@ -1,6 +1,6 @@
 """Store traffic of the job's gloo groups: counted at W = 2..4 real processes, fitted, extrapolated to W = 2048.
 
-    python bench/scale_gloo.py --worlds 64,256,1024,2048 --out bench/results/runs/scale_sections/scale_gloo.json
+    python bench/scale_gloo.py --worlds 64,256,1024,2048 --out /tmp/scale_gloo.json   # bench/scale_sim.py runs it
     python bench/scale_gloo.py --measure 2,4 --worlds 64 --out /tmp/g.json     # seconds, for a smoke test
 
 One section of bench/scale_sim.py (its row contract). Each measured world: a real TCPStore server in this process
