@@ -32,7 +32,7 @@ from ckpt import CheckpointError, TrainingCheckpoints, collective_timed_out, los
 from ckpt.faults import fault_point, wants
 from ckpt.hf.load import load_hf_weights
 from ckpt.schema import schema_of
-from common.dist import end_process_group, free_port, torchrun_restart
+from common.dist import end_process_group, free_port, lazy_gloo_pairs, torchrun_restart
 from common.handoff import job_store, one_rank_builds
 from common.launcher import EXIT_BAD_INPUT, EXIT_ERROR, EXIT_FAILED, EXIT_PREEMPTED, tell_torchrun
 from common.progress import phase
@@ -113,6 +113,7 @@ def init_distributed(timeout: timedelta) -> tuple[int, int, torch.device]:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    lazy_gloo_pairs()  # before the first gloo group: none connects a full mesh through the one store
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)

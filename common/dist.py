@@ -1,8 +1,8 @@
 """Rank-0 helpers shared by data loading and ckpt/: rank-0 work whose result or error every rank receives, the
-first problem any rank found (every rank learns it), a small integer all-reduce, a free local port for a one-process
-group, the world-size divisibility rule, which start of the workers this is (every launcher's restarts), and the end
-of the process groups (aborted after an error). (Rank-0 work the others wait for without a collective deadline, such
-as tokenizing: handoff.py.)
+first problem any rank found (every rank learns it), a small integer all-reduce, gloo pairs connected when first
+used, a free local port for a one-process group, the world-size divisibility rule, which start of the workers this
+is (every launcher's restarts), and the end of the process groups (aborted after an error). (Rank-0 work the others
+wait for without a collective deadline, such as tokenizing: handoff.py.)
 
     python -m pytest tests/test_ckpt_unit.py -q -k rank0
 """
@@ -44,6 +44,20 @@ def on_rank0_then_share(fn: Callable[[], object], group, error_type: type[Except
     if out[1] is not None:
         raise error_type(out[1])
     return out[0]
+
+
+def lazy_gloo_pairs() -> None:
+    """Gloo groups made from now on, in this process and the ones it starts (DCP's process-mode uploaders inherit the
+    environment), connect a pair of ranks when a collective first uses it, not every pair when the group is made.
+
+    gloo's default connects a group's full mesh at creation, through the job's one store: every rank sets a key of
+    8W + ~150 bytes (its address and a pair id per peer) and waits for and reads all W keys, 2W^2 + W requests and
+    ~8W^3 bytes per group, and W - 1 sockets per rank; the job makes 5 gloo groups at start (the default group's, 2
+    checkpoint, 2 memory-tier) and the uploaders' world at the first save. With TORCH_GLOO_LAZY_INIT=1 (torch 2.13
+    reads it whenever a gloo group is made) each rank sets one short key per group, and a pair costs one wait + get
+    when first used: a ring all-reduce touches 2 peers, a gather connects its root to each rank once. Counted by
+    bench/scale_gloo.py and tests/test_gloo_groups.py; docs/scale.md. A value the user set is kept."""
+    os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
 
 
 def first_problem(problem: str | None, group) -> str | None:

@@ -365,3 +365,17 @@ def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subpro
         for when, outcome in (("setup", "skipped"), ("teardown", "passed"))))
     assert tests_of(str(tmp_path / "skip")) == {"tests/test_x.py::t":
                                                 {"seconds": 1.0, "cpu_s": 0.0, "outcome": "skipped"}}
+
+
+def test_scale_sim_reports_a_missing_section_as_missing(tmp_path):
+    """A section script the checkout lacks gives no rows and says so in the results and the rendered table."""
+    import scale_sim
+    got = scale_sim.run_section("scale_not_a_section", [64], str(tmp_path))
+    assert got == {"status": "missing", "detail": "bench/scale_not_a_section.py is not in this checkout", "rows": []}
+    result = {"worlds": [64], "sections": {"scale_not_a_section": got}, "provenance": {
+        "git_commit": "0" * 40, "git_dirty": False, "finished_utc": "2026-12-02T00:00:00Z", "command": "python x",
+        "load_average_before": [0, 0, 0], "load_average_after": [0, 0, 0],
+        "machine": {"cpu": "c", "cores": 2, "ram_GiB": 1, "kernel": "k"}}}
+    text = scale_sim.render(result)
+    assert "- scale_not_a_section: missing (bench/scale_not_a_section.py is not in this checkout)" in text
+    assert "| per step | FSDP's own collectives" in text  # the unsimulated paths are listed by formula

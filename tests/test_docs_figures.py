@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
 from conftest import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import scale_sim  # noqa: E402 - bench/scale_sim.py renders docs/scale.md's table
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 
@@ -376,6 +380,16 @@ def test_doc_quotes_the_results_table(doc, md):
         rows = [line for line in f.read().splitlines() if line.startswith("| ") and not line.startswith("|---")]
     text = doc_text(doc)
     assert rows and [r for r in rows if " ".join(r.split()) not in text] == []
+
+
+def test_scale_table_is_the_results_file():
+    """docs/scale.md's table is what `bench/scale_sim.py --from bench/results/scale_sim.json --write-docs` renders
+    from the committed results file, whose run names a clean commit and its command."""
+    result = load("scale_sim.json")
+    with open(os.path.join(ROOT, "docs", "scale.md")) as f:
+        assert scale_sim.render(result) in f.read()
+    p = result["provenance"]
+    assert len(p["git_commit"]) == 40 and p["command"].startswith("python bench/scale_sim.py") and not p["git_dirty"]
 
 
 def test_every_quoted_run_names_its_commit_and_command():
