@@ -55,9 +55,11 @@ def model_config(vocab_size: int) -> dict:
 @dataclass(frozen=True)
 class Family:
     """A model family in the conformance list: its tiny config (the character tokenizer's 101 ids) and the training
-    overrides it needs, e.g. an attention kernel other than sdpa."""
+    overrides it needs, e.g. an attention kernel other than sdpa; and what LoRA adapts in its check (a MoE's fused
+    3-D experts are refused with all-linear: docs/moe.md)."""
     config: Callable[[], object]
     overrides: tuple[str, ...] = ()
+    lora_targets: str = "all-linear"
 
 
 def _common(**kw) -> dict:
@@ -78,6 +80,7 @@ def _transformers(cls_name: str, **kw) -> Callable[[], object]:
 _TWO_KINDS = {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
 # The conformance list: one entry per family; tests/test_families.py runs the same checks for each (random init equal
 # at W=1 and W=2, a save_pretrained folder loads, train W=2 -> resume W=1, export = save_pretrained, LoRA).
+ATTENTION = "q_proj,k_proj,v_proj,o_proj"  # LoRA targets of a MoE family: its experts stay frozen
 FAMILIES = {
     "llama": Family(_transformers("LlamaConfig", **_common())),
     "qwen2": Family(_transformers("Qwen2Config", **_common())),  # q/k/v biases
@@ -89,12 +92,13 @@ FAMILIES = {
                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, resid_pdrop=0.0, embd_pdrop=0.0,
                                  attn_pdrop=0.0)),  # Conv1D, learned positions, tied; no dropout: exact losses
     "qwen3_moe": Family(_transformers("Qwen3MoeConfig", **_common(), num_experts=4, num_experts_per_tok=2,
-                                      moe_intermediate_size=32)),  # fused 3-D experts, router
+                                      moe_intermediate_size=32), lora_targets=ATTENTION),  # fused 3-D experts, router
     "mixtral": Family(_transformers("MixtralConfig", **_common(intermediate_size=32), num_local_experts=4,
-                                    num_experts_per_tok=2)),
+                                    num_experts_per_tok=2), lora_targets=ATTENTION),
     "gpt_oss": Family(_transformers("GptOssConfig", **_common(intermediate_size=32, max_position_embeddings=131072),
                                     num_local_experts=4, num_experts_per_tok=2, **_TWO_KINDS),
-                      overrides=("model.attn_implementation=eager",)),  # attention sinks: no sdpa in transformers
+                      overrides=("model.attn_implementation=eager",),  # attention sinks: no sdpa in transformers
+                      lora_targets=ATTENTION),
 }
 
 

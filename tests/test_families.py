@@ -186,7 +186,8 @@ def test_lora_adapter_and_merged_exports_agree_with_peft(tmp_path_factory, tmp_p
     saved = {name: saved_folder(tmp_path_factory, name)}
     run = tmp_path / "lora"
     run_train(run, 0, [*STEPS, "train.max_steps=2", *FAMILIES[name].overrides, f"model.name_or_path={saved[name]}",
-                       "model.lora.r=4", "export.at_end=true"])
+                       "model.lora.r=4", f"model.lora.target_modules={FAMILIES[name].lora_targets}",
+                       "export.at_end=true"])
     export_checkpoint(str(run / "checkpoints" / "step-000002"), str(tmp_path / "adapter"), adapter=True)
     attn = _model_cfg(name).attn_implementation
     base = AutoModelForCausalLM.from_pretrained(saved[name], dtype=torch.float32, attn_implementation=attn)
