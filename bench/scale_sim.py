@@ -4,13 +4,16 @@
                                                     # and the table in docs/scale.md
     python bench/scale_sim.py --from bench/results/scale_sim.json --write-docs   # docs/scale.md from the file
     python bench/scale_sim.py --sections scale_coord --worlds 8 --out /tmp/s --docs /tmp/s/scale.md  # a smoke
+    python bench/scale_sim.py --sections scale_watchdog --keep bench/results/scale_sim.json   # one section again
 
 Each section is its own script, bench/<section>.py, run as a subprocess with `--worlds ... --out FILE.json`; it
 writes {"rows": [...]}, a row per (path, W) with keys ROW_KEYS (formula in W and nodes N, N = W / 8; busiest_share:
 the fraction of the total the busiest process carries; None where a figure does not apply or was not taken; note:
 how the row was got, measured or extrapolated). A section script this checkout lacks is reported as missing, with
 no rows; one that fails is reported failed, with its last lines of stderr. The results file records the commit,
-date, load and command (bench/provenance.py) and each section's status, seconds and own details. docs/scale.md's
+date, load and command (bench/provenance.py) and each section's status, seconds and own details; with --keep, a
+section not run this time is carried over from an earlier results file with that file's commit, date and load
+(`ran_at`), which docs/scale.md prints beside it. docs/scale.md's
 table is rendered from the results file only (tests/test_docs_figures.py checks it is), with the paths no section
 simulates listed by formula (UNSIMULATED).
 """
@@ -181,12 +184,30 @@ def gloo_counts(result: dict) -> list[str]:
 def render(result: dict) -> str:
     """The generated block of docs/scale.md, between BEGIN and END."""
     status = [f"- {name}: {s['status']}" + (f" ({s['detail'].splitlines()[0]})" if s.get("detail") else "")
-              + (f", {s['seconds']:.0f} s" if s.get("seconds") is not None else "")
+              + (f", {s['seconds']:.0f} s" if s.get("seconds") is not None else "") + _ran_at(s)
               for name, s in result["sections"].items()]
     big = max(result["worlds"])
     return "\n".join([BEGIN, "", provenance.markdown_line(result), "", "Sections:", *status, "", *table(result), "",
                       *gloo_counts(result), f"At W={big} (N={big // 8}), path by path:", *sums_at(result, big), "",
                       END])
+
+
+def _ran_at(section: dict) -> str:
+    """For a section carried over from an earlier run (--keep): where and when it ran."""
+    at = section.get("ran_at")
+    if not at:
+        return ""
+    return (f"; carried over from the run at {at['git_commit'][:7]}{' (dirty)' if at.get('git_dirty') else ''}, "
+            f"{at['started_utc']}, load {at['load_average_before'][0]:.1f} before")
+
+
+def carried_over(source: str, names: list[str]) -> dict:
+    """The sections of the results file `source` named in `names`, each with the run's provenance as `ran_at`."""
+    with open(source) as f:
+        earlier = json.load(f)
+    at = earlier["provenance"]
+    return {name: {**earlier["sections"][name], "ran_at": earlier["sections"][name].get("ran_at", at)}
+            for name in names if name in earlier["sections"]}
 
 
 def write_docs(result: dict, doc: str) -> None:
@@ -209,6 +230,7 @@ def main(argv=None):
     p.add_argument("--docs", default=DOC, help="the markdown file whose generated table is rewritten")
     p.add_argument("--from", dest="source", help="render the docs from this results file; run nothing")
     p.add_argument("--write-docs", action="store_true", help="with --from: rewrite --docs (else print the block)")
+    p.add_argument("--keep", metavar="RESULTS", help="carry the sections not run from this earlier results file")
     args = p.parse_args(argv)
     if args.source:
         with open(args.source) as f:
@@ -221,11 +243,15 @@ def main(argv=None):
     started = provenance.start(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     os.makedirs(args.out, exist_ok=True)
+    chosen = args.sections.split(",")
+    kept = carried_over(args.keep, [n for n in SECTIONS if n not in chosen]) if args.keep else {}
     with tempfile.TemporaryDirectory(prefix="scale-sim-") as tmp:
-        sections = {}
-        for name in args.sections.split(","):
-            sections[name] = run_section(name, worlds, tmp)
-            print(f"{name}: {sections[name]['status']}", flush=True)
+        ran = {}
+        for name in chosen:
+            ran[name] = run_section(name, worlds, tmp)
+            print(f"{name}: {ran[name]['status']}", flush=True)
+    sections = {name: ran.get(name) or kept[name] for name in SECTIONS if name in ran or name in kept}
+    sections.update({name: ran[name] for name in ran if name not in sections})
     result = provenance.record({"worlds": worlds, "ranks_per_node": 8, "sections": sections}, "scale_sim",
                                args.out, started)
     write_docs(result, args.docs)

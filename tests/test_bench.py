@@ -379,3 +379,18 @@ def test_scale_sim_reports_a_missing_section_as_missing(tmp_path):
     text = scale_sim.render(result)
     assert "- scale_not_a_section: missing (bench/scale_not_a_section.py is not in this checkout)" in text
     assert "| per step | FSDP's own collectives" in text  # the unsimulated paths are listed by formula
+
+
+def test_scale_sim_carries_a_section_not_run_with_the_commit_it_ran_at(tmp_path):
+    """--keep: a section not run this time comes from the earlier results file, and the docs say where it ran."""
+    import json
+
+    import scale_sim
+    at = {"git_commit": "a" * 40, "git_dirty": False, "started_utc": "2026-12-02T01:30:31Z",
+          "load_average_before": [3.5, 0, 0]}
+    earlier = {"sections": {"scale_coord": {"status": "ok", "rows": [], "seconds": 9.0}}, "provenance": at}
+    (tmp_path / "earlier.json").write_text(json.dumps(earlier))
+    kept = scale_sim.carried_over(str(tmp_path / "earlier.json"), ["scale_coord", "scale_gloo"])
+    assert kept == {"scale_coord": {"status": "ok", "rows": [], "seconds": 9.0, "ran_at": at}}
+    assert scale_sim._ran_at(kept["scale_coord"]) == \
+        "; carried over from the run at aaaaaaa, 2026-12-02T01:30:31Z, load 3.5 before"
