@@ -105,15 +105,15 @@ def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * per, rows), min((rank + 1) * per, rows)
 
 
-def buckets_read(params, saved: int, loading: int) -> list[list[int]]:
-    """For each of `loading` ranks, the index buckets (of a save by `saved` ranks) its FSDP shards meet."""
+def buckets_read(params, saved: int, loading: int) -> list[list[tuple[int, int]]]:
+    """For each of `loading` ranks, the index's (group, bucket)s (of a save by `saved` ranks) its FSDP shards meet."""
     b = metadata_index.Bucketing(saved, RANKS_PER_NODE)
-    dims = {s[0] for _, s in sharded(params)}
+    groups = metadata_index.size_groups(s[0] for _, s in sharded(params))
     out = []
     for r in range(loading):
-        need: set[int] = set()
-        for rows in dims:
-            need.update(b.of_rows(rows, *shard_rows(rows, loading, r)))
+        need: set[tuple[int, int]] = set()
+        for rows, group in groups.items():
+            need.update((group, n) for n in b.of_rows(rows, *shard_rows(rows, loading, r)))
         out.append(sorted(need))
     return out
 
@@ -143,12 +143,13 @@ def index_costs(params, saved: int, loading: int) -> dict:
     bucket files' mean size."""
     need = buckets_read(params, saved, loading)
     busiest = max(range(loading), key=lambda r: len(need[r]))
-    per = math.ceil(saved / RANKS_PER_NODE)
-    lo, hi = min(need[busiest]), max(need[busiest])
+    per = math.ceil(saved / RANKS_PER_NODE) * len(set(metadata_index.size_groups(s[0] for _, s in
+                                                                                  sharded(params)).values()))
+    lo, hi = min(n for _, n in need[busiest]), max(n for _, n in need[busiest])
     ranks = range(max(0, lo * RANKS_PER_NODE - 1), min(saved, (hi + 1) * RANKS_PER_NODE + 1))
     files = metadata_index.build(metadata(params, saved, ranks), saved, RANKS_PER_NODE)
     top = files[metadata_index.INDEX]
-    mine = [files[metadata_index.bucket_file(n)] for n in need[busiest]]
+    mine = [files[metadata_index.bucket_file(*gn)] for gn in need[busiest]]
     seconds = timed_loads(top) + sum(timed_loads(b) for b in mine)
     mean_bucket = sum(map(len, mine)) / len(mine)
     reads = sum(len(n) for n in need)
@@ -183,7 +184,7 @@ def rows_for(model: str, params, world: int, g: dict, after: dict, other: dict, 
             (world - 1) * len(stripped), rounds / max(1, world - 1), timed_loads(stripped),
             "measured: checksum.SavedMetadata pickled as DCP's broadcast pickles it; the coordinator keeps the whole"),
         row("save: metadata index written", "every checkpoint (the coordinator)",
-            "1 + ceil(W/8) files, ~b x T x W (+ T headers) bytes", 0, 1 + after["buckets"], 0,
+            "1 + G x ceil(W/8) files (G: groups of dim-0 sizes, 4 for Llama), ~b x T x W (+ T headers) bytes", 0, 1 + after["buckets"], 0,
             after["written_bytes"], 1.0, g["index_build_s"],
             "bytes: the index's top measured, bucket files at the mean of those built (the busiest resuming rank's); "
             f"seconds: metadata_index.build on the coordinator (uploader), {measured}"),
@@ -191,13 +192,13 @@ def rows_for(model: str, params, world: int, g: dict, after: dict, other: dict, 
             "every rank reads and unpickles M: W x b x T x W", 1, world, m, world * m, 1 / world, g["seconds"],
             f"bytes and seconds {measured}"),
         row("resume: metadata read per rank, after (same W)", "on resume",
-            "index top (~T headers + W per-rank items) + 1-2 buckets (~8 x b x T) per rank",
+            "index top (~T headers + W per-rank items) + 1-2 buckets per size group (~8 x b x T in all) per rank",
             after["busiest_files"], after["total_files"], after["busiest_bytes"], after["total_bytes"],
             after["busiest_bytes"] / max(1, after["total_bytes"]), after["seconds"],
             f"busiest rank's files built and timed (measured); {after['busiest_bytes'] / m:.2%} of the global "
             f"file; total from the bucket files' mean size; no rank opens .metadata"),
         row(f"resume: metadata read per rank, after (saved at W, loaded at {other_world})", "on resume at another W",
-            "index top + the buckets each new shard's rows meet", other["busiest_files"], other["total_files"],
+            "index top + the buckets each new shard's rows meet (1-2 per size group)", other["busiest_files"], other["total_files"],
             other["busiest_bytes"], other["total_bytes"], other["busiest_bytes"] / max(1, other["total_bytes"]),
             other["seconds"], f"loading W={other_world}; {other['busiest_bytes'] / m:.2%} of the global file; "
                               "busiest rank's files built and timed (measured)"),

@@ -10,12 +10,15 @@ object, small files that the commit marker lists and checksums like any other:
 - `.metadata.index` (INDEX): every key's header (dtype, size), the whole entries of the keys saved as one chunk
   (a replicated tensor, a bytes item, a rank's own RNG), DCP's planner_data, storage_meta and version, and
   how the rest is bucketed. O(tensors) (+ one entry per rank for per-rank items), read by every rank.
-- `.metadata.index-<b>`, one per `ranks_per_bucket` saving ranks (torchrun's ranks per node; ceil(W / 8) files
-  with 8): the chunks, and their storage entries, of every key saved in several chunks whose dim-0 rows meet
-  bucket b. A key of n rows saved by W ranks has ceil(n / W) rows per rank, so bucket b holds rows
-  [b x ranks_per_bucket x ceil(n / W), ...): at the same W, rank r's FSDP shard lies in bucket r // 8; at another
-  W, the buckets its new shard's rows meet. A chunk goes into every bucket its rows meet, so any chunk overlapping
-  a shard is in a bucket that shard meets, whatever the sharding.
+- `.metadata.index-<g>-<b>`, one per `ranks_per_bucket` saving ranks (torchrun's ranks per node; ceil(W / 8)
+  with 8) and per group g of keys of like dim-0 size (each distinct size its own group, up to GROUPS): the chunks,
+  and their storage entries, of the group's keys saved in several chunks whose dim-0 rows meet bucket b. A key of
+  n rows saved by W ranks has ceil(n / W) rows per rank, so bucket b holds rows [b x ranks_per_bucket x
+  ceil(n / W), ...): at the same W, rank r's FSDP shard lies in bucket r // 8 of every group; at another W, the
+  buckets its new shard's rows meet, which for keys of one size are the same one or two (keys of different sizes,
+  e.g. 1,024 KV rows and 8,192 hidden rows over 1,536 ranks, map a rank to different saved ranks: hence the
+  groups). A chunk goes into every bucket its rows meet, so any chunk overlapping a shard is in a bucket that
+  shard meets, whatever the sharding. Llama: 4 sizes, so 4 x ceil(W / 8) + 1 files.
 On resume (resume.py) every rank reads INDEX (verify checks its references against the manifest; the model check
 and the train-state fit need only headers) and `IndexedLoadPlanner` adds, before DCP plans the load, the buckets
 this rank's shards meet; then it checks that the chunks found cover every shard it loads, else it reads the global
@@ -38,10 +41,17 @@ from .storage import join
 
 INDEX = ".metadata.index"
 FORMAT = 1
+GROUPS = 8  # at most this many groups of key sizes: the file count is at most GROUPS x ceil(W / 8) + 1
 
 
-def bucket_file(bucket: int) -> str:
-    return f"{INDEX}-{bucket:05d}"
+def bucket_file(group: int, bucket: int) -> str:
+    return f"{INDEX}-{group}-{bucket:05d}"
+
+
+def size_groups(rows: Iterable[int]) -> dict[int, int]:
+    """{dim-0 size: its group}: each distinct size its own group, or, past GROUPS sizes, neighbouring sizes share."""
+    sizes = sorted(set(rows))
+    return {n: i * min(GROUPS, len(sizes)) // len(sizes) for i, n in enumerate(sizes)}
 
 
 def is_index_file(name: str) -> bool:
@@ -98,7 +108,9 @@ def build(md: Metadata, world_size: int, ranks_per_bucket: int) -> dict[str, byt
     single = {idx: info for idx, info in storage.items() if idx.fqn not in apart}
     top = Metadata(headers, planner_data=md.planner_data, storage_data=single, storage_meta=md.storage_meta,
                    version=md.version)
-    buckets: list[dict] = [{"chunks": {}, "storage_data": {}} for _ in range(b.buckets)]
+    groups = size_groups(md.state_dict_metadata[key].size[0] for key in bucketed)
+    buckets = {(g, n): {"chunks": {}, "storage_data": {}} for g in sorted(set(groups.values()))
+               for n in range(b.buckets)}
     for key in bucketed:
         entry = md.state_dict_metadata[key]
         for chunk in entry.chunks:
@@ -106,20 +118,23 @@ def build(md: Metadata, world_size: int, ranks_per_bucket: int) -> dict[str, byt
                 continue  # an empty shard: nothing to read
             idx = MetadataIndex(key, chunk.offsets)
             for n in b.of_rows(*_rows(entry.size, chunk.offsets, chunk.sizes)):
-                buckets[n]["chunks"].setdefault(key, []).append(chunk)
-                buckets[n]["storage_data"][idx] = storage[idx]
+                bucket = buckets[groups[entry.size[0]], n]
+                bucket["chunks"].setdefault(key, []).append(chunk)
+                bucket["storage_data"][idx] = storage[idx]
     out = {INDEX: pickle.dumps({"format": FORMAT, "world_size": world_size, "ranks_per_bucket": b.ranks_per_bucket,
-                                "metadata": top})}
-    out.update({bucket_file(n): pickle.dumps(content) for n, content in enumerate(buckets)})
+                                "groups": groups, "metadata": top})}
+    out.update({bucket_file(*gn): pickle.dumps(content) for gn, content in buckets.items()})
     return out
 
 
 class IndexedMetadata(Metadata):
     """INDEX's Metadata (every key's header, one-chunk entries whole), with what completes it: `index_path` (the
     checkpoint), `bucketing`, `read(name) -> bytes` and `manifest` (the names the commit marker lists; None: not
-    checked). `buckets_read`: the bucket files read so far (the tests count them)."""
+    checked). `buckets_read`: the bucket files read so far (the tests count them); `groups`: {dim-0 size: its
+    group of bucket files}."""
     index_path: str
     bucketing: Bucketing
+    groups: dict[int, int]
     read: Callable[[str], bytes]
     manifest: set[str] | None
     buckets_read: list[str]
@@ -133,6 +148,7 @@ def read_index(path: str, read: Callable[[str], bytes], manifest: Iterable[str] 
     md.__class__ = IndexedMetadata
     md.index_path, md.read, md.buckets_read = path, read, []
     md.bucketing = Bucketing(content["world_size"], content["ranks_per_bucket"])
+    md.groups = content["groups"]
     md.manifest = None if manifest is None else set(manifest)
     _check_references(md, md.storage_data)
     return md
@@ -146,15 +162,16 @@ def _check_references(md: IndexedMetadata, storage: dict) -> None:
         raise MetadataIndexError(f"{join(md.index_path, name)}: referenced by .metadata but not in the manifest")
 
 
-def _needed_buckets(md: IndexedMetadata, state: dict) -> set[int]:
-    """The buckets that hold the chunks of every bucketed key of flat `state` that this rank's shards meet."""
-    needed: set[int] = set()
+def _needed_buckets(md: IndexedMetadata, state: dict) -> set[tuple[int, int]]:
+    """The (group, bucket)s that hold the chunks of every bucketed key of flat `state` that this rank's shards meet."""
+    needed: set[tuple[int, int]] = set()
     for key, value in state.items():
         entry = md.state_dict_metadata.get(key)
         if not isinstance(entry, TensorStorageMetadata) or entry.chunks:
             continue  # a one-chunk entry is in INDEX already
+        group = md.groups[entry.size[0]]
         for chunk in _create_chunk_list(value):
-            needed.update(md.bucketing.of_rows(*_rows(entry.size, chunk.offsets, chunk.sizes)))
+            needed.update((group, n) for n in md.bucketing.of_rows(*_rows(entry.size, chunk.offsets, chunk.sizes)))
     return needed
 
 
@@ -195,8 +212,8 @@ def complete(md: Metadata, state: dict) -> None:
     every entry of the global .metadata instead. A Metadata that is not an index's: nothing to do."""
     if not isinstance(md, IndexedMetadata):
         return
-    for n in sorted(_needed_buckets(md, state)):
-        _add_bucket(md, bucket_file(n))
+    for group, n in sorted(_needed_buckets(md, state)):
+        _add_bucket(md, bucket_file(group, n))
     if uncovered(md, state):
         whole = pickle.loads(md.read(".metadata"))
         md.buckets_read.append(".metadata")

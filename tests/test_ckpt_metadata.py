@@ -47,7 +47,7 @@ def test_after_a_save_only_the_coordinator_holds_the_global_metadata(tmp_path):
     start_on_free_port(_save_and_report, lambda port: (port, root, world), nprocs=world, start_method="spawn")
     rank0, rank1 = (pickle.load(open(os.path.join(root, f"rank{r}.pkl"), "rb")) for r in range(world))
     assert rank0["type"] == "SavedMetadata" and rank0["entries"] == 6 and rank0["storage"] == 6 * world
-    index = [".metadata.index", ".metadata.index-00000"]  # one bucket: 8 ranks per bucket without torchrun
+    index = [".metadata.index", ".metadata.index-0-00000"]  # one size group, one bucket: 8 ranks per bucket
     assert rank0["digests"] == index + sorted(f"__{r}_0.distcp" for r in range(world))
     # no entry, no storage item: what rank 1 received has the same few bytes whatever the tensors and W
     assert rank1 == {"type": "Metadata", "entries": 0, "storage": 0, "pickled": rank1["pickled"], "digests": []}
@@ -129,7 +129,7 @@ def test_resume_reads_only_the_index_entries_each_rank_loads(tmp_path):
     opened = {(w, r): json.load(open(os.path.join(root, f"opened{w}-{r}.json"))) for w, n in ((4, 4), (3, 3))
               for r in range(n)}
     assert all(o["right"] for o in opened.values())
-    top, b0, b1 = ".metadata.index", ".metadata.index-00000", ".metadata.index-00001"
+    top, b0, b1 = ".metadata.index", ".metadata.index-0-00000", ".metadata.index-0-00001"  # one size group
     for world in (4, 3):
         verified = [opened[world, r]["verify"] for r in range(world)]
         assert all(top in v for v in verified)  # every rank: the index's top (its references checked)
