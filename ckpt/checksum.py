@@ -14,7 +14,8 @@ thread of an async save), and the digests travel to rank 0 with DCP's own write 
 
 Only the coordinator keeps DCP's global Metadata after a save (`SavedMetadata`): DCP broadcasts the object its
 finish step leaves to every rank (torch 2.13 state_dict_saver.py `finish_checkpoint` returns the planner's
-global Metadata, and `_DistWrapper.all_reduce` broadcasts it), which at 70B on 2,048 ranks is ~630 MB each.
+global Metadata, and `_DistWrapper.all_reduce` broadcasts it): at 70B on 2,048 ranks, hundreds of MB each
+(bench/scale_metadata.py).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import io
 import os
 import pickle
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 
 import xxhash
-from multiprocessing.reduction import ForkingPickler
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
