@@ -204,7 +204,8 @@ def test_verify_reads_a_checkpoint_on_the_store_and_catches_a_flipped_byte(store
     url = f"{root}/step-000005"
     storage_for(url).put_folder(local, url)
     ok = ckpt_cli("verify", url, "--jobs", "2", env=store.env)
-    assert ok.returncode == 0 and ok.stdout.startswith(f"OK: {url}: step 5, 3 files"), ok.stderr[-2000:]
+    # 4: the shard, .metadata, its index (.metadata.index: ckpt/metadata_index.py) and meta.json
+    assert ok.returncode == 0 and ok.stdout.startswith(f"OK: {url}: step 5, 4 files"), ok.stderr[-2000:]
     assert "a checkpoints folder (1 step-* folder)" in ckpt_cli("verify", root, env=store.env).stderr
 
     objects = storage_for(url)
