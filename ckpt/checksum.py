@@ -11,20 +11,29 @@ say nothing and mean SHA-256.
 `ChecksummingWriter` is DCP's FileSystemWriter with fsync on and a `HashingFileSystem`: every file a
 rank writes is hashed on its way to disk, in the thread or process that uploads (never the training
 thread of an async save), and the digests travel to rank 0 with DCP's own write results.
+
+Only the coordinator keeps DCP's global Metadata after a save (`SavedMetadata`): DCP broadcasts the object its
+finish step leaves to every rank (torch 2.13 state_dict_saver.py `finish_checkpoint` returns the planner's
+global Metadata, and `_DistWrapper.all_reduce` broadcasts it): at 70B on 2,048 ranks, hundreds of MB each
+(bench/scale_metadata.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import pickle
 from contextlib import contextmanager
+from multiprocessing.reduction import ForkingPickler
 
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.futures import Future
 
+from . import metadata_index
 from .storage import storage_for
 
 ALGORITHM = "xxh3_128"
@@ -104,13 +113,49 @@ class _HashingStream:
         return getattr(self._stream, name)
 
 
+class SavedMetadata(Metadata):
+    """DCP's global Metadata once the coordinator's finish has written it: whole in that process, with
+    `file_digests` (every file's digest, for the commit marker) and `data_files` (the data files it references).
+
+    DCP broadcasts this very object to every rank after finish and returns it from dcp.save (in the coordinator's
+    process, the object itself). Pickled for that broadcast, it becomes a Metadata with no entries: no other rank
+    receives or unpickles the O(tensors x W) entries, and none uses them (the commit is rank 0's, committer.py).
+    Pickled by multiprocessing (the process-mode uploader handing its result to the training process of the
+    same rank, which on rank 0 commits), it carries the commit's inputs, `file_digests` and `data_files`: O(W)
+    names, on the coordinator only."""
+
+    def __reduce__(self):
+        return Metadata, ({}, None, None, self.storage_meta, self.version)
+
+
+def _commit_summary(storage_meta, version, file_digests: dict, data_files: set) -> Metadata:
+    summary = Metadata({}, storage_meta=storage_meta, version=version)
+    summary.file_digests, summary.data_files = file_digests, data_files
+    return summary
+
+
+ForkingPickler.register(SavedMetadata, lambda m: (_commit_summary, (m.storage_meta, m.version, m.file_digests,
+                                                                    m.data_files)))
+
+
+def data_files(metadata) -> set[str]:
+    """The data files a DCP Metadata reads from (a commit summary names them itself)."""
+    named = getattr(metadata, "data_files", None)
+    if named is not None:
+        return set(named)
+    return {info.relative_path for info in (metadata.storage_data or {}).values()}
+
+
 class ChecksummingWriter(FileSystemWriter):
     """FileSystemWriter that fsyncs and checksums every file it writes.
 
     Each rank's digests ride to rank 0 on its write results, which DCP gathers there for .metadata;
-    rank 0's finish puts them, as `metadata.file_digests`, on the Metadata that DCP then broadcasts and
-    returns from dcp.save / the async upload future, in the training process whichever thread or
-    process uploaded. The .metadata file is written before that, unchanged."""
+    rank 0's finish writes .metadata (unchanged: the plain Metadata), then puts the digests, as
+    `metadata.file_digests`, on the Metadata that DCP returns from dcp.save / the async upload future, in the
+    training process whichever thread or process uploaded, and makes it a `SavedMetadata`: the other ranks
+    receive an empty one. `shares_metadata` (the memory tier, whose every rank needs the digests and whose
+    node leaders write .metadata): every rank receives all of it, as DCP does."""
+    shares_metadata = False
 
     def __init__(self, path: str, inner_fs: FileSystem | None = None, **writer_options):
         # The backend says whether DCP must fsync each file: an object is durable once its PUT (the stream's
@@ -129,11 +174,33 @@ class ChecksummingWriter(FileSystemWriter):
         return done
 
     def finish(self, metadata, results) -> None:
+        # DCP's save-plan cache hands the same object to every save: what the last finish added comes off first
+        metadata.__class__ = Metadata
+        for added in ("file_digests", "data_files"):
+            vars(metadata).pop(added, None)
         if self.renames:
             super().finish(metadata, results)
         else:
             self._finish_without_rename(metadata, results)
         metadata.file_digests = {name: d for r in results for name, d in getattr(r, "digests", {}).items()}
+        if not self.shares_metadata:
+            metadata.file_digests.update(self._write_index(metadata, len(results)))
+            metadata.data_files = data_files(metadata)
+            metadata.__class__ = SavedMetadata
+
+    def _write_index(self, metadata, world_size: int) -> dict[str, dict]:
+        """The coordinator: the index of .metadata (metadata_index.py), one bucket per node's ranks (torchrun's
+        LOCAL_WORLD_SIZE; 8 without it), durable like .metadata. Returns the index files' digests."""
+        ranks_per_bucket = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
+        for name, data in metadata_index.build(metadata, world_size, ranks_per_bucket).items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
+                f.write(data)
+                if self.sync_files:
+                    try:
+                        os.fsync(f.fileno())
+                    except (AttributeError, io.UnsupportedOperation):
+                        os.sync()
+        return {name: d for name, d in self.fs.digests.items() if metadata_index.is_index_file(name)}
 
 
     def _finish_without_rename(self, metadata, results) -> None:

@@ -14,10 +14,10 @@ resume) or a complete one.
 
 Verification is in parts so it can be split: `check_marker` and `check_listing` (marker, no stray data
 files, meta.json: small files and one listing, one rank), `check_references` (every file .metadata references is in the
-manifest: it unpickles .metadata, O(tensors x W), so on resume every rank runs it on its own and its load
-reuses the object, resume.py) and `check_files` (sizes and checksums of any subset of the files).
-`check_manifest` is the first three. Resume gives each rank its share (`shares`, resume.py); `python -m
-ckpt verify` checks every file, on `--jobs` threads.
+manifest: it unpickles .metadata, O(tensors x W); on resume each rank checks instead the references of the metadata
+index entries it reads, metadata_index.py, resume.py) and `check_files` (sizes and checksums of any subset of the
+files). `check_manifest` is the first three. Resume gives each rank its share (`shares`, resume.py); `python -m
+ckpt verify` checks every file, on `--jobs` threads, then that the index says what .metadata says (`check_index`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from common.shared_paths import unseen
-from .checksum import ALGORITHM, LEGACY_ALGORITHM, file_digest
+from . import metadata_index
+from .checksum import ALGORITHM, LEGACY_ALGORITHM, data_files, file_digest
 from .layout import COMMIT_FILE, step_of
 from .storage import join, storage_for
 
@@ -40,8 +41,8 @@ class VerifyError(Exception):
 
 
 def referenced_files(metadata) -> set[str]:
-    """The data files a DCP Metadata reads from."""
-    return {info.relative_path for info in (metadata.storage_data or {}).values()}
+    """The data files a DCP Metadata (or a save's commit summary, checksum.py SavedMetadata) reads from."""
+    return data_files(metadata)
 
 
 def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files: list[str]) -> dict[str, dict]:
@@ -117,6 +118,20 @@ def check_manifest(ckpt_path: str) -> dict:
     check_references(ckpt_path, marker)
     check_listing(ckpt_path, marker)
     return marker
+
+
+def check_index(ckpt_path: str, marker: dict, metadata) -> None:
+    """The metadata index (metadata_index.py), which resume reads instead of .metadata, says exactly what .metadata
+    says. A checkpoint without one: nothing to check. Raises VerifyError."""
+    if metadata_index.INDEX not in marker["files"]:
+        return
+    store = storage_for(ckpt_path)
+    try:
+        metadata_index.check_agrees(metadata, lambda name: store.read(join(ckpt_path, name)), ckpt_path)
+    except metadata_index.MetadataIndexError as e:
+        raise VerifyError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a torn index file: the same verdict
+        raise VerifyError(f"{join(ckpt_path, metadata_index.INDEX)}: unreadable ({type(e).__name__})") from None
 
 
 def check_marker(ckpt_path: str) -> dict:
@@ -201,10 +216,17 @@ def shares(files: dict[str, dict], world_size: int) -> list[list[str]]:
 
 
 def verify_checkpoint(ckpt_path: str, jobs: int = 1) -> dict:
-    """The full check in one process: manifest, then every file's size and checksum. Returns the marker;
-    raises VerifyError naming the first bad file."""
-    marker = check_manifest(ckpt_path)
+    """The full check in one process: manifest, then every file's size and checksum, then that the metadata index
+    says what the intact .metadata says. Returns the marker; raises VerifyError naming the first bad file."""
+    marker = check_marker(ckpt_path)
+    # .metadata and the index's top intact before they are read, as resume checks what it reads (resume.py)
+    problem = check_files(ckpt_path, marker, [n for n in (METADATA_FILE, metadata_index.INDEX) if n in marker["files"]])
+    if problem:
+        raise VerifyError(problem)
+    metadata = check_references(ckpt_path, marker)
+    check_listing(ckpt_path, marker)
     problem = check_files(ckpt_path, marker, held_files(marker), jobs)
     if problem:
         raise VerifyError(problem)
+    check_index(ckpt_path, marker, metadata)
     return marker

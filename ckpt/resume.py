@@ -4,10 +4,12 @@ trainer asks for (base check, its own config check, load, the RNG rule of state.
 
     python -m pytest tests/test_ckpt_unit.py tests/test_ckpt_resume.py -q
 
-Every rank takes part in each call: rank 0 lists the folders and checks the marker, each rank checks that
-.metadata references only manifest files and the sizes and checksums of its share of the files (O(bytes /
-W)), and all agree on one verdict. Each rank unpickles .metadata once per resume: verify keeps it for the
-model check and for dcp.load, which would read it again (~20 s at 70B on 512 ranks).
+Every rank takes part in each call: rank 0 lists the folders and checks the marker, each rank checks the sizes
+and checksums of its share of the files (O(bytes / W)), and all agree on one verdict. No rank reads the global
+.metadata (O(tensors x W): ~630 MB at 70B on 2,048 ranks): each reads the checkpoint's metadata index
+(metadata_index.py), whose references to data files it checks against the manifest; verify keeps it for the model
+check and the train-state fit (headers only), and dcp.load's planner adds the index buckets this rank's shards
+meet. A checkpoint written before the index: each rank reads .metadata once, as before.
 """
 
 from __future__ import annotations
@@ -22,13 +24,15 @@ import torch.distributed.checkpoint as dcp
 from common.dist import first_problem, on_rank0_then_share
 from common.progress import phase
 from common.words import plural
+from .checksum import new_hasher
 from .commit_protocol import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
 from .layout import list_step_dirs, read_meta, read_saved_config, step_of
 from .lora_base import check_same_base
+from .metadata_index import INDEX, IndexedLoadPlanner, MetadataIndexError, read_index
 from .state import (DERIVED_SEED, ModelOptimizer, derived_seed, fit_to_checkpoint, reseed_all, restores_rng, rng_key,
                     rng_world_size)
-from .storage import reader_with, storage_for
+from .storage import join, reader_with, storage_for
 
 
 def choose_checkpoint(ckpt_dir: str, resume: str, pg, on_log: Callable[[str], None], on_event: Callable[..., None],
@@ -67,7 +71,7 @@ def verify(path: str, pg) -> dict:
     _verified.clear()
     marker, listing_problem = on_rank0_then_share(lambda: _marker_and_listing(path), pg, VerifyError)
     try:  # check_manifest's order: references, then the listing
-        metadata, problem = check_references(path, marker), listing_problem
+        metadata, problem = _checked_metadata(path, marker), listing_problem
     except VerifyError as e:  # the same on every rank (one file); still joins the agreement below
         metadata, problem = None, str(e)
     problem = problem or check_files(path, marker, shares(marker["files"], world_size)[rank])
@@ -76,6 +80,40 @@ def verify(path: str, pg) -> dict:
         raise VerifyError(problem)
     _verified[os.path.normpath(path)] = metadata
     return marker
+
+
+def _checked_metadata(path: str, marker: dict):
+    """The metadata index's top (INDEX), its references checked against the manifest; a checkpoint without one:
+    the whole .metadata (check_references). Raises VerifyError."""
+    if INDEX not in marker["files"]:
+        return check_references(path, marker)
+    try:
+        return read_index(path, checked_reader(path, marker), marker["files"])
+    except (MetadataIndexError, VerifyError) as e:
+        raise VerifyError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - missing, torn or not a pickle: the same verdict
+        raise VerifyError(f"{join(path, INDEX)}: unreadable ({type(e).__name__})") from None
+
+
+def checked_reader(path: str, marker: dict) -> Callable[[str], bytes]:
+    """read(name) -> the bytes of `path`'s file `name`, whole, once they match the manifest's size and checksum
+    (VerifyError, the words of check_file): a rank checks the metadata index files it reads itself, before the
+    agreement on every rank's share has covered them."""
+    store, algorithm = storage_for(path), marker["algorithm"]
+
+    def read(name: str) -> bytes:
+        full, expected = join(path, name), marker["files"].get(name)
+        data = store.read(full)
+        if expected is None:
+            raise VerifyError(f"{full}: not in the manifest")
+        if len(data) != expected["size"]:
+            raise VerifyError(f"{full}: size {len(data)} != {expected['size']} in manifest")
+        hasher = new_hasher(algorithm)
+        hasher.update(data)
+        if hasher.hexdigest() != expected[algorithm]:
+            raise VerifyError(f"{full}: checksum mismatch ({algorithm})")
+        return data
+    return read
 
 
 def _marker_and_listing(path: str) -> tuple[dict, str | None]:
@@ -95,7 +133,8 @@ class _VerifiedRead:
         metadata = _verified.get(os.path.normpath(str(self.path)))
         if metadata is None or kwargs.get("rank") is not None:  # DCP's per-rank fallback reads its own file
             return super().read_metadata(*args, **kwargs)
-        metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
+        if metadata.storage_meta is not None:
+            metadata.storage_meta.load_id = self.load_id  # as FileSystemReader.read_metadata does
         return metadata
 
 
@@ -111,8 +150,9 @@ def _verified_reader(path: str):
 
 
 def saved_metadata(path: str):
-    """The DCP Metadata of `path`, unpickled once per resume: the one verify() or trust_metadata() kept, else read
-    now and kept for the model check, the train-state fit and dcp.load alike (load() drops it)."""
+    """The DCP Metadata of `path`, unpickled once per resume: the one verify() or trust_metadata() kept (after
+    verify: the metadata index's top, every key's header), else .metadata read now and kept for the model check,
+    the train-state fit and dcp.load alike (load() drops it)."""
     key = os.path.normpath(path)
     if _verified.get(key) is None:
         _verified[key] = storage_for(path).dcp_reader(path).read_metadata()
@@ -126,7 +166,7 @@ def load(path: str, state: dict, pg, model_state: dict | None = None, prefix: st
         if model_state is not None:
             check_model_matches(path, model_state, prefix)
         try:
-            dcp.load(state, storage_reader=_verified_reader(path), process_group=pg)
+            dcp.load(state, storage_reader=_verified_reader(path), process_group=pg, planner=IndexedLoadPlanner())
         except SAVE_ERRORS as e:
             raise CheckpointError(f"loading {path} failed: {cause_line(e)}") from e
     finally:

@@ -54,7 +54,8 @@ def rewrite_marker(path, edit):
 def test_marker_lists_every_file_and_verifies(tmp_path):
     path = fake_checkpoint(tmp_path, 5)
     marker = verify_checkpoint(path)
-    assert marker["step"] == 5 and set(marker["files"]) == {".metadata", DATA, "meta.json"}
+    # .metadata.index: no bucket file, as no tensor is saved in several chunks (ckpt/metadata_index.py)
+    assert marker["step"] == 5 and set(marker["files"]) == {".metadata", ".metadata.index", DATA, "meta.json"}
     assert marker["algorithm"] == "xxh3_128"
     assert marker["files"][DATA]["size"] == os.path.getsize(os.path.join(path, DATA))  # hashed as written
     assert not [n for n in os.listdir(path) if ".tmp" in n]  # the tmp marker was renamed away
@@ -77,7 +78,8 @@ DAMAGE = [
     (lambda p: flip_byte(p, "meta.json", -2), "meta.json: checksum mismatch"),
     (lambda p: open(os.path.join(p, "__9_0.distcp"), "wb").write(b"z"), "__9_0.distcp: data file not in manifest"),
     (lambda p: rewrite_marker(p, lambda m: m["files"].pop(DATA)), f"{DATA}: referenced by .metadata but not in"),
-    (lambda p: os.truncate(os.path.join(p, ".metadata"), 10), ".metadata: unreadable"),
+    # checked against the manifest before it is unpickled, as resume checks the index files it reads
+    (lambda p: os.truncate(os.path.join(p, ".metadata"), 10), ".metadata: size 10 != "),
 ]
 
 
@@ -286,9 +288,10 @@ def test_model_check_refuses_saved_tensors_the_model_lacks(tmp_path):
 
 
 def test_resume_unpickles_metadata_once(tmp_path, monkeypatch):
-    """verify (its reference check), the model check and dcp.load share one unpickled .metadata: at 70B on 512
+    """verify (its reference check), the model check and dcp.load never unpickle the global .metadata: at 70B on 512
     ranks that file would be ~155 MB and tens of seconds to unpickle (extrapolated from W=64 by
-    bench/ckpt_scale.py, not measured), which rank 0 used to do three times (ckpt/resume.py)."""
+    bench/ckpt_scale.py, not measured), which rank 0 used to do three times, then once (ckpt/resume.py); they
+    read the metadata index instead (ckpt/metadata_index.py). A load without verify reads .metadata once."""
     from torch.distributed.checkpoint import FileSystemReader
 
     mgr = CheckpointManager(str(tmp_path), "off", keep_last=2)
@@ -302,9 +305,9 @@ def test_resume_unpickles_metadata_once(tmp_path, monkeypatch):
     path = mgr.choose_checkpoint("auto")
     state = {"w": torch.zeros(10)}
     mgr.load(path, state, model_state={"w": torch.zeros(10)})
-    assert calls == [path] and torch.equal(state["w"], torch.arange(10.0))
-    mgr.load(path, state)  # not verified again: read again, not reused from the earlier resume
-    assert calls == [path, path]
+    assert calls == [] and torch.equal(state["w"], torch.arange(10.0))
+    mgr.load(path, state)  # not verified again: read, not reused from the earlier resume
+    assert calls == [path]
     mgr.close()
 
 

@@ -42,6 +42,7 @@ BEFORE_SPARE = "runs/memory_bench/2026-11-25T234616Z-f9daa0bdf.json"  # memory_b
 GOODPUT, GOODPUT_ARITH = "goodput_bench.json", "goodput_arithmetic.json"
 GOODPUT_BEFORE = "runs/goodput_bench/2026-11-26T205412Z-1cd4c7ab6.json"  # the preset's batch, no watchdog
 MB = 1048576
+SM = "scale_metadata.json"
 OUTCOMES = ("passed", "skipped", "failed")
 
 
@@ -326,6 +327,13 @@ FIGURES = [
                                                             "assumptions.restart_s", "assumptions.detection_s")),
     (PERF, "a job MTBF of {} h to {} h", each(GOODPUT_ARITH, ".1f", "rows.3.mtbf_h", "rows.0.mtbf_h")),
     (PERF, "At {} to {} GB per rank", each(GOODPUT_ARITH, ".2f", "rows.0.rank_GB", "rows.2.rank_GB")),
+    # checkpoint-integrity.md: DCP metadata at 70B on 2,048 ranks (rows 49-55: 70B, W=2048; bench/scale_metadata.py)
+    (INTEGRITY, "the global `.metadata` is {} MB", [(SM, "rows.49.bytes_total / 1000000", ".0f")]),
+    (INTEGRITY, "receives {} bytes instead of it", [(SM, "rows.51.bytes_per_rank", "d")]),
+    (INTEGRITY, "the busiest rank reads {} MB of the index, {} of the global file",
+     [(SM, "rows.54.bytes_per_rank / 1000000", ".2f"), (SM, "rows.54.bytes_per_rank / rows.49.bytes_total", ".2%")]),
+    (INTEGRITY, "({} MB resuming at W=1536, {})",
+     [(SM, "rows.55.bytes_per_rank / 1000000", ".2f"), (SM, "rows.55.bytes_per_rank / rows.49.bytes_total", ".2%")]),
 ]
 
 # results tables quoted whole: every table row of the .md a run wrote is in the doc

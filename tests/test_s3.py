@@ -204,7 +204,8 @@ def test_verify_reads_a_checkpoint_on_the_store_and_catches_a_flipped_byte(store
     url = f"{root}/step-000005"
     storage_for(url).put_folder(local, url)
     ok = ckpt_cli("verify", url, "--jobs", "2", env=store.env)
-    assert ok.returncode == 0 and ok.stdout.startswith(f"OK: {url}: step 5, 3 files"), ok.stderr[-2000:]
+    # 4: the shard, .metadata, its index (.metadata.index: ckpt/metadata_index.py) and meta.json
+    assert ok.returncode == 0 and ok.stdout.startswith(f"OK: {url}: step 5, 4 files"), ok.stderr[-2000:]
     assert "a checkpoints folder (1 step-* folder)" in ckpt_cli("verify", root, env=store.env).stderr
 
     objects = storage_for(url)
@@ -261,7 +262,7 @@ def test_two_ranks_save_to_the_store_commit_once_and_load_at_one_rank(store, tmp
     start_on_free_port(_save_worker, lambda port: (2, port, url, dict(store.env)), nprocs=2)
     objects = storage_for(url)
     names = objects.listdir(url)
-    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp", "commit.json", "meta.json"], names
+    assert names == [".metadata", ".metadata.index", "__0_0.distcp", "__1_0.distcp", "commit.json", "meta.json"], names
     marker = verify_checkpoint(url, jobs=2)
     assert marker["world_size"] == 2 and set(marker["files"]) == set(names) - {"commit.json"}
     first = objects.read(f"{url}/commit.json")

@@ -205,7 +205,9 @@ def test_dcp_save_and_load_round_trip_through_the_backend(root):
     path = _step(root, store)
     state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.tensor([1, 2, 3]), "meta": {"step": 2}}
     metadata = dcp.save(state, storage_writer=ChecksummingWriter(path), no_dist=True)
-    assert set(metadata.file_digests) == {n for n in store.listdir(path) if n.endswith(".distcp")}
+    # the data files, and the index of .metadata the writer writes beside it (ckpt/metadata_index.py)
+    assert set(metadata.file_digests) == {n for n in store.listdir(path) if n.endswith(".distcp") or
+                                          n.startswith(".metadata.index")}
     assert ".metadata" in store.listdir(path)
     loaded = {"w": torch.zeros(3, 4), "b": torch.zeros(3, dtype=torch.long), "meta": {"step": 0}}
     dcp.load(loaded, storage_reader=store.dcp_reader(path), no_dist=True)

@@ -84,6 +84,7 @@ class TierWriter(CheckpointWriter):
     of that name where there is one."""
     dedup_to_lowest_rank = True
     local_filesystem = InPlaceFileSystem
+    shares_metadata = True  # every rank's copies need the digests, every leader writes .metadata (step 3)
 
     def write_data(self, plan, planner):
         shards = [i for i in plan.items if i.type == WriteItemType.SHARD]
