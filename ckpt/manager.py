@@ -153,17 +153,29 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_pg)
         return [bool(v) for v in t.tolist()]
 
-    def poll(self) -> None:
-        """Raise the error of a finished background save, on every rank at once. Call it every step:
-        while a save is in flight it costs one tiny all-reduce, otherwise nothing."""
-        if self._inflight is None:  # the same on every rank: saves start and settle on all ranks together
-            return
+    def flags(self) -> tuple[bool, ...]:
+        """This rank's (failed, running) of the save in flight, for `settle` once OR-ed over all ranks (the training
+        loop's own per-step all-reduce carries them: loop.py after_step); () with none in flight, the same on
+        every rank: saves start and settle on all ranks together."""
+        if self._inflight is None:
+            return ()
         done = self._inflight.done()
-        failed, running = self.any_rank(done and self._inflight.exception() is not None, not done)
+        return done and self._inflight.exception() is not None, not done
+
+    def settle(self, failed: bool, running: bool) -> None:
+        """`flags()` OR-ed over all ranks: a save that failed on any rank raises on every rank at this same call;
+        one done everywhere is no longer in flight."""
         if failed:
             self.wait()  # raises everywhere
         elif not running:
             self._inflight = None
+
+    def poll(self) -> None:
+        """Raise the error of a finished background save, on every rank at once, for a caller with no per-step
+        all-reduce of its own to carry `flags()`: one tiny all-reduce while a save is in flight."""
+        flags = self.flags()
+        if flags:
+            self.settle(*self.any_rank(*flags))
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed on every rank; if it failed on any rank,
