@@ -121,11 +121,9 @@ class TrainingCheckpoints:
 
     @fault_at("after_step")
     def after_step(self, step: int, agree: Callable[[list[bool]], tuple[bool, list[bool]]]) -> bool:
-        """Raise a finished background save's error; save if an interval rule says so. `agree(flags)`: the loop's
-        one per-step all-reduce (collective: every rank gets the same answer), returning (any rank asks to stop,
-        each of `flags` OR-ed over all ranks); `flags` are the in-flight saves' (failed, running) on this rank,
-        so that a save in flight adds no collective of its own to a step. Returns True when a stop is asked at
-        this step: the caller leaves the loop and `finish` saves it. A request at the last step just finishes."""
+        """Raise a finished background save's error; save if an interval rule says so. `agree(flags)`: the loop's one
+        per-step all-reduce, (any rank asks to stop, each of `flags` OR-ed over all ranks); `flags`: the saves in
+        flight's (failed, running) here, so a save adds no collective to a step. True: stop now (`finish` saves)."""
         disk, memory = self.mgr.flags(), self.memory.flags()  # () when none in flight: the same on every rank
         stop, agreed = agree([*disk, *memory]) if step < self.max_steps or disk or memory else (False, [])
         if disk:

@@ -154,28 +154,16 @@ class CheckpointManager:
         return [bool(v) for v in t.tolist()]
 
     def flags(self) -> tuple[bool, ...]:
-        """This rank's (failed, running) of the save in flight, for `settle` once OR-ed over all ranks (the training
-        loop's own per-step all-reduce carries them: loop.py after_step); () with none in flight, the same on
-        every rank: saves start and settle on all ranks together."""
-        if self._inflight is None:
-            return ()
-        done = self._inflight.done()
-        return done and self._inflight.exception() is not None, not done
+        """This rank's (failed, running) of the save in flight, () with none (on every rank); OR-ed for `settle`."""
+        done = self._inflight is not None and self._inflight.done()  # once: both flags from the same moment
+        return () if self._inflight is None else (done and self._inflight.exception() is not None, not done)
 
     def settle(self, failed: bool, running: bool) -> None:
-        """`flags()` OR-ed over all ranks: a save that failed on any rank raises on every rank at this same call;
-        one done everywhere is no longer in flight."""
+        """`flags()` OR-ed over all ranks: a save failed on any rank raises on every rank at this same call."""
         if failed:
             self.wait()  # raises everywhere
         elif not running:
             self._inflight = None
-
-    def poll(self) -> None:
-        """Raise the error of a finished background save, on every rank at once, for a caller with no per-step
-        all-reduce of its own to carry `flags()`: one tiny all-reduce while a save is in flight."""
-        flags = self.flags()
-        if flags:
-            self.settle(*self.any_rank(*flags))
 
     def wait(self) -> None:
         """Block until the in-flight save (if any) is committed on every rank; if it failed on any rank,
