@@ -178,10 +178,12 @@ class HangWatchdog:
         beats no more, and the others must not take that for a frozen rank (a preempted rank's final save may
         still run on the others)."""
         self.state = ("done", self.state[1], time.monotonic())
-        self._publish()
         self._stop = True
         self._changed.set()
         self._wake.set()
+        if self._beater.ident is not None:  # a beat of the phase before, in flight, must not land after `done`
+            self._beater.join(timeout=5)
+        self._publish()
         if self._signals:  # the pipe stays open: the thread may still read it once, and a closed fd number is reused
             signal.set_wakeup_fd(-1)
 

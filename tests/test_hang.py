@@ -373,3 +373,23 @@ def test_a_frozen_rank_is_still_named_through_a_slow_store(monkeypatch, exits_ra
     assert sorted(os.listdir(tmp_path / "hang")) == [f"rank{r}-attempt0.txt" for r in range(3)], \
         "the live ranks wrote their stacks"
     assert store.records_read <= 8 * 4
+
+
+@pytest.mark.quick
+def test_a_closed_watchdog_says_done_after_its_last_beat(monkeypatch):
+    """close() from the main thread while the beat thread publishes the phase before: `done` is the record that
+    stays (a stale `checkpoint` with a heartbeat that never moves again would be a frozen rank to the readers)."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.01)
+    store = CountingStore(slow_s=0.0)
+    slow_set = store.set
+    def set_(key, value):  # the beat thread's `set` is slow to land: the main thread's is not
+        time.sleep(0.1 if threading.current_thread().name == "hang-beat" else 0)
+        slow_set(key, value)
+    store.set = set_
+    dog = HangWatchdog(5.0, 1, 2, "unused", None, store)
+    dog.state = ("checkpoint", 3, time.monotonic())
+    dog._beater.start()
+    time.sleep(0.25)
+    dog.close()
+    time.sleep(0.3)
+    assert json.loads(store.store.get(dog._key(1)))["phase"] == "done"
