@@ -1,7 +1,7 @@
 """The hang watchdog (finetune/hang.py) at W = 64..2048 on one machine: the project's own HangWatchdog objects, one
 per simulated rank, each with its own client of one real TCPStore, counted.
 
-    python bench/scale_watchdog.py                                   # W = 64,256,1024,2048, ~6 min on 2 cores
+    python bench/scale_watchdog.py                                   # W = 64,256,1024,2048, ~10 min on 2 cores
     python bench/scale_watchdog.py --worlds 64,256 --out /tmp/w.json  # what the scale simulation runs
 
 The store is hosted as torchrun's agent hosts it (TCPStore is_master, use_libuv=True, in this process), its keys
@@ -38,6 +38,7 @@ import socket
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -101,8 +102,11 @@ def worker(host: str, port: int, ranks: list[int], world: int, conn, run_dir: st
         raise SystemExit(code)
     real_exit, os._exit = os._exit, exit_
     hang.HangWatchdog._dump_stacks = lambda self: os.path.join(run_dir, "hang", f"rank{self.rank}.txt")
-    clients = {r: dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=300), use_libuv=True)
-               for r in ranks}
+    def client(_):  # a rank's own connection; made 32 at a time (the server accepts ~25 a second here)
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=300), use_libuv=True,
+                             wait_for_workers=False)
+    with ThreadPoolExecutor(32) as pool:
+        clients = dict(zip(ranks, pool.map(client, ranks)))
     log = SimpleNamespace(event_from_any_rank=lambda name, **kw: None)
     conn.send("ready")
     while (case := conn.recv()) is not None:
@@ -112,6 +116,7 @@ def worker(host: str, port: int, ranks: list[int], world: int, conn, run_dir: st
         phase = "step" if name == "steady" else "checkpoint"
         for dog in dogs:
             dog.where = {"host": f"node{dog.rank // RANKS_PER_NODE}", "pid": 1 << 30}  # no kill reaches a process
+            dog.state = (phase, 1, time.monotonic())  # the record a rank frozen at the case's start leaves
             dog._publish()
             dog._signals = os.pipe()
             for fd in dog._signals:
@@ -175,7 +180,7 @@ def run_world(world: int, processes: int, run_dir: str) -> list[dict]:
     for c in pipes:
         assert c.recv() == "ready"
     cases = [("steady", 600.0, STEADY_S, None), ("slow save", TIMEOUT_S, TIMEOUT_S * SAVE_PERIODS + 1, None),
-             ("sigterm", 600.0, 8.0, None), ("frozen", TIMEOUT_S, TIMEOUT_S + 25.0, world - 3)]
+             ("sigterm", 600.0, 6.0, None), ("frozen", TIMEOUT_S, TIMEOUT_S + 20.0, world - 3)]
     out = {}
     for n, (name, timeout, seconds, frozen) in enumerate(cases):
         for c in pipes:
