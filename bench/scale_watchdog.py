@@ -57,12 +57,13 @@ class Counted:
     """A store client that counts key operations and bytes (see the module's docstring)."""
 
     def __init__(self, store):
-        self.store, self.ops, self.bytes, self.lock = store, 0, 0, threading.Lock()
+        self.store, self.ops, self.bytes, self.records, self.lock = store, 0, 0, 0, threading.Lock()
 
-    def _count(self, ops: int, nbytes: int) -> None:
+    def _count(self, ops: int, nbytes: int, keys=()) -> None:
         with self.lock:
             self.ops += ops
             self.bytes += nbytes
+            self.records += sum(k.startswith("finetune/progress/") for k in keys)  # the records read, exactly
 
     def set(self, key, value):
         self._count(1, len(key) + len(value))
@@ -74,16 +75,16 @@ class Counted:
 
     def get(self, key):
         out = self.store.get(key)
-        self._count(1, len(key) + len(out))
+        self._count(1, len(key) + len(out), [key])
         return out
 
     def check(self, keys):
-        self._count(len(keys), sum(map(len, keys)))
+        self._count(len(keys), sum(map(len, keys)), keys)
         return self.store.check(keys)
 
     def multi_get(self, keys):
         out = self.store.multi_get(keys)
-        self._count(len(keys), sum(map(len, keys)) + sum(map(len, out)))
+        self._count(len(keys), sum(map(len, keys)) + sum(map(len, out)), keys)
         return out
 
 
@@ -123,7 +124,7 @@ def worker(host: str, port: int, ranks: list[int], world: int, conn, run_dir: st
                 os.set_blocking(fd, False)
         conn.send("published")
         t0 = conn.recv()  # every rank's record is in: the case starts now, on every worker's clock
-        before = {r: (s.ops, s.bytes) for r, s in stores.items()}
+        before = {r: (s.ops, s.bytes, s.records) for r, s in stores.items()}
         for dog in dogs:
             dog.state = (phase, 1, time.monotonic())
             if dog.rank == frozen:
@@ -148,7 +149,8 @@ def worker(host: str, port: int, ranks: list[int], world: int, conn, run_dir: st
         ops = {r: s.ops - before[r][0] for r, s in stores.items()}
         nbytes = {r: s.bytes - before[r][1] for r, s in stores.items()}
         verdicts = {d.rank: d._news() and d._verdict() for d in dogs}
-        conn.send({"ops": ops, "bytes": nbytes,
+        records = {r: s.records - before[r][2] for r, s in stores.items()}
+        conn.send({"ops": ops, "bytes": nbytes, "records": records,
                    "ended": {r: (code, when - t0) for r, (code, when) in ended.items()},
                    "verdict": next((v for v in verdicts.values() if v), None)})
         ended.clear()
@@ -206,13 +208,14 @@ def run_world(world: int, processes: int, run_dir: str) -> list[dict]:
 
 
 def merge(reports: list[dict], seconds: float) -> dict:
-    ops, nbytes, ended, verdict = {}, {}, {}, None
+    ops, nbytes, records, ended, verdict = {}, {}, {}, {}, None
     for r in reports:
         ops.update(r["ops"])
+        records.update(r["records"])
         nbytes.update(r["bytes"])
         ended.update(r["ended"])
         verdict = verdict or r["verdict"]
-    return {"ops": ops, "bytes": nbytes, "ended": ended, "verdict": verdict, "seconds": seconds}
+    return {"ops": ops, "bytes": nbytes, "records": records, "ended": ended, "verdict": verdict, "seconds": seconds}
 
 
 def summary(case: dict) -> str:
@@ -276,7 +279,9 @@ def per_check(r: dict, case: dict, steady: dict, steady_rate: dict, checks: int,
     rate_b = {k: steady["bytes"][k] / steady["seconds"] for k in steady["bytes"]}
     extra_b = {k: max(0.0, case["bytes"][k] - rate_b.get(k, 0) * span) / checks for k in case["bytes"]}
     total, total_b = sum(extra.values()), sum(extra_b.values())
-    return r | {"requests_per_rank": round(total / world, 2), "requests_total": round(total, 1),
+    records = sum(case["records"].values()) / checks
+    return r | {"records_read_total": round(records, 1), "records_read_per_W": round(records / world, 2),
+                "requests_per_rank": round(total / world, 2), "requests_total": round(total, 1),
                 "bytes_per_rank": round(total_b / world, 1), "bytes_total": round(total_b),
                 "busiest_share": round(max(extra.values()) / total, 4) if total else None}
 
