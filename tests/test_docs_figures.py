@@ -52,15 +52,14 @@ def each(results: str, fmt: str, *paths: str) -> list:
 # (doc, phrase with a {} per figure, [(results file under bench/results/, JSON path, format), ...]).
 # A path is a dotted key path, or `a / b` or `a - b` of two such paths or numbers.
 FIGURES = [
-    # reliability.md: the hang watchdog's store traffic (bench/scale_watchdog.py; rows: 4 per W, W = 64..2048)
-    ("docs/reliability.md", "({} a second in all at W=1024)", [("scale_watchdog.json", "rows.8.requests_total", ",.0f")]),
-    ("docs/reliability.md", "ran the 4,096 threads at {} a rank and second",
-     [("scale_watchdog.json", "rows.12.requests_per_rank", ".2f")]),
-    ("docs/reliability.md", "at W=1024, {} key operations per check",
-     [("scale_watchdog.json", "rows.9.requests_total", ",.0f")]),
-    ("docs/reliability.md", "at W=2048, {} at a SIGTERM to every rank",
-     [("scale_watchdog.json", "rows.14.requests_total", ",.0f")]),
-    ("docs/reliability.md", "had exited 76 {} s after the timeout", [("scale_watchdog.json", "rows.15.seconds", ".1f")]),
+    # reliability.md: the hang watchdog's store traffic at W=2048 (bench/scale_watchdog.py --worlds 2048)
+    *[("docs/reliability.md", phrase, [("scale_watchdog-2048.json", path, fmt) for path, fmt in sources])
+      for phrase, sources in (
+          ("({} a second in all at W=2048)", [("rows.0.requests_total", ",.0f")]),
+          ("Measured at W=2048: {} records read per check ({}W)",
+           [("rows.1.records_read_total", ",.0f"), ("rows.1.records_read_per_W", ".1f")]),
+          ("no verdict; {} at a SIGTERM to every rank", [("rows.2.records_read_total", ",.0f")]),
+          ("had exited 76 {} s after the timeout", [("rows.3.seconds", ".1f")]))],
     # testing.md: line coverage before issue 48's changes and now, one results file (bench/test_suite.py --before)
     *[("docs/testing.md", f"| {p} | {{}} / {{}} | {{}} | {{}} / {{}} | {{}} |",
        [("test_suite.json", f"{side}coverage.{p}.{k}", fmt) for side in ("coverage_before.", "")
