@@ -148,10 +148,13 @@ class Preemption:
     def _handler(self, signum, _frame):
         self.requested = True
 
-    def agreed(self, device) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # any rank signalled -> all stop at the same step
-        return bool(flag.item())
+    def agreed(self, device, flags: list[bool] = ()) -> tuple[bool, list[bool]]:
+        """(any rank signalled, each of `flags` OR-ed over all ranks): the checkpoints' flags (a save in flight
+        failed, is still running) ride on this one all-reduce, so that a save in flight adds none to a step."""
+        t = torch.tensor([float(self.requested), *map(float, flags)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # any rank signalled -> all stop at the same step
+        stop, *agreed = (bool(v) for v in t.tolist())
+        return stop, agreed
 
 
 # ---------------------------------------------------------------- one optimizer step
@@ -453,7 +456,7 @@ def train(cfg: Config, rank: int, world_size: int, device: torch.device) -> int:
                     eval_loss[progress.step] = run_eval(model, eval_set, cfg, device, rank, world_size,
                                                         progress.step, log, watch)
                 watch.enter("checkpoint", progress.step)
-                if checkpoints.after_step(progress.step, lambda: preempt.agreed(device)):
+                if checkpoints.after_step(progress.step, lambda flags: preempt.agreed(device, flags)):
                     log.info(f"preemption signal: saving step {progress.step} and exiting with {EXIT_PREEMPTED}")
                     log.event("preempted", step=progress.step)
                     exit_code = EXIT_PREEMPTED

@@ -10,7 +10,7 @@ what a failure means, how to resume, and exports the final checkpoint.
         while ...:
             with checkpoints.step_in_progress(step + 1):   # a failure in here is never checkpointed
                 train_step(..., before_optimizer_step=checkpoints.before_optimizer_step)
-            if checkpoints.after_step(step, stop_requested):   # True: stop now (preempted)
+            if checkpoints.after_step(step, agree):   # agree(flags): the loop's all-reduce; True: stop now
                 break
     checkpoints.finish(step, preempted=stopped)    # saves if options.save_at_end or preempted
     checkpoints.export(step, out_dir, dtype)       # a HF folder of the final checkpoint
@@ -120,15 +120,18 @@ class TrainingCheckpoints:
         self.mid_step = False
 
     @fault_at("after_step")
-    def after_step(self, step: int, stop_requested: Callable[[], bool]) -> bool:
-        """Raise a finished background save's error; save if an interval rule says so. Returns True when
-        `stop_requested()` (collective: every rank gets the same answer) asks to stop at this step: the
-        caller leaves the loop and `finish` saves it. A request at the last step just finishes."""
-        self._tolerated(step, self.mgr.poll)
-        self.memory.poll(step)
+    def after_step(self, step: int, agree: Callable[[list[bool]], tuple[bool, list[bool]]]) -> bool:
+        """Raise a finished background save's error; save if an interval rule says so. `agree(flags)`: the loop's one
+        per-step all-reduce, (any rank asks to stop, each of `flags` OR-ed over all ranks); `flags`: the saves in
+        flight's (failed, running) here, so a save adds no collective to a step. True: stop now (`finish` saves)."""
+        disk, memory = self.mgr.flags(), self.memory.flags()  # () when none in flight: the same on every rank
+        stop, agreed = agree([*disk, *memory]) if step < self.max_steps or disk or memory else (False, [])
+        if disk:
+            self._tolerated(step, lambda: self.mgr.settle(*agreed[:len(disk)]))
+        self.memory.settle(step, agreed[len(disk):])
         self.mgr.prepare_staging(self.state)  # once: the optimizer state exists after a step; a no-op after
         self.memory.prepare_staging(self.state)
-        if step < self.max_steps and stop_requested():
+        if step < self.max_steps and stop:
             return True
         if step < self.max_steps and self.policy.should_save(step):  # the same answer on all ranks
             self.memory.before_disk_save(step)

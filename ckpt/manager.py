@@ -153,13 +153,13 @@ class CheckpointManager:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._agree_pg)
         return [bool(v) for v in t.tolist()]
 
-    def poll(self) -> None:
-        """Raise the error of a finished background save, on every rank at once. Call it every step:
-        while a save is in flight it costs one tiny all-reduce, otherwise nothing."""
-        if self._inflight is None:  # the same on every rank: saves start and settle on all ranks together
-            return
-        done = self._inflight.done()
-        failed, running = self.any_rank(done and self._inflight.exception() is not None, not done)
+    def flags(self) -> tuple[bool, ...]:
+        """This rank's (failed, running) of the save in flight, () with none (on every rank); OR-ed for `settle`."""
+        done = self._inflight is not None and self._inflight.done()  # once: both flags from the same moment
+        return () if self._inflight is None else (done and self._inflight.exception() is not None, not done)
+
+    def settle(self, failed: bool, running: bool) -> None:
+        """`flags()` OR-ed over all ranks: a save failed on any rank raises on every rank at this same call."""
         if failed:
             self.wait()  # raises everywhere
         elif not running:

@@ -3,19 +3,30 @@ naming the rank, instead of the whole job waiting train.collective_timeout_minut
 
     python -m pytest tests/test_hang.py -q
 
-Each rank runs one watchdog thread. The training loop tells it the phase it enters (`enter("step", 8)`: an
-attribute write and an Event.set, no I/O on the training thread); the thread then, and at least every CHECK_S,
+Each rank runs two threads. The training loop tells them the phase it enters (`enter("step", 8)`: an
+attribute write and two Event.sets, no I/O on the training thread); the beat thread then, and every CHECK_S,
 publishes this rank's record (step, phase, a heartbeat counter, host, pid) under its own key in the process group's
-store (torchrun's store, whose keys init_distributed prefixes by the restart attempt), one `set`, and looks at its
-own phase only: O(1) per rank per step, nothing grows with the world size. A record is as fresh as the last
+store (torchrun's store, whose keys init_distributed prefixes by the restart attempt), one `set`, on its own
+cadence whatever the watchdog thread is doing; the watchdog thread looks at its own phase: O(1) per rank per step,
+nothing grows with the world size. A record is as fresh as the last
 publish: a rank frozen a few microseconds after entering a phase may still show the phase before. Why the store
 and not a file in run.dir: the store is reachable from every node, run.dir may not be.
 
 The rule, on each rank: a `step` phase (a training step and its log line) lasting longer than the timeout is a hang.
 Every other phase (startup and the first steps under `auto`, eval, checkpoint) may legitimately take
-long: past the timeout (and every timeout after) the rank reads every rank's record twice, 3 x CHECK_S apart, and
-calls it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long eval is not a
-hang. Reading the W records happens only then, when something already looks wrong.
+long: past the timeout (and every timeout after) the two readers, rank 0 and rank W/2 (`readers`: on two nodes
+whenever there are two, so a frozen reader is named by the other), read every other rank's record twice, in one
+`multi_get` each time, a window apart, and call it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead
+machine): a slow save or a long eval is not a hang. The window is 3 x CHECK_S plus twice the slowest store time the
+reader saw (its pass, its own last beat): a beat that waited behind a slow pass in the store's one queue still lands
+inside it, so a slow pass never makes a verdict. A record the store cannot give, even once retried, names no one.
+A reader's verdict (who stopped, where) is published as the job's first news under FAILED_KEY, which every rank
+reads anyway (below), and every rank acts on it: per check 2(W-1) keys per reader (W-1 more once, the first
+time, to see that every record exists), at most 6W in all, where every rank reading every record cost 4W^2 (16.8M
+keys at W=2048). A TCPStore client serialises its requests: a reader's beat waits for its one multi_get in flight
+at most, never for a pass. On a `step` overrun a reader judges at once, naming
+the frozen ranks or else those elsewhere; another rank waits one timeout more for that verdict, then reads the
+records itself (both readers frozen: a double failure, the one case that reads W^2).
 
 On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
 torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt) and the collectives' flight records
@@ -35,15 +46,17 @@ A rank that fails is no hang. An exception leaving the loop (`failed`, before th
 traceback to <run.dir>/hang/rank<r>-attempt<k>-traceback.txt, publishes the terminal phase `failed`, and, if it is
 the job's first failure, prints its first line and that traceback whatever its rank and publishes the line under
 one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
-`check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s);
+`check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s;
+read once it exists: the first news never changes);
 a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
 for its emergency save) exits with EXIT_FAILED (77, as the failed rank itself: common/launcher.py), the lowest
 of them printing `error: rank k failed: <its line>` and a `failed` event: no stacks, no hang file, no restart.
 A SIGTERM (torchrun stopping the workers once one exited) reaches the loop only at a step boundary, and a Python
 signal handler runs only once the main thread is out of the collective it is blocked in; the watchdog hears the
 signal through signal.set_wakeup_fd (written by the C handler at once) and ends the rank at once when a rank
-failed (EXIT_FAILED) or stopped beating (EXIT_ERROR: its peer is gone, the collective never returns); a SIGTERM
-with every rank alive (a preemption) waits for the step boundary as before.
+failed (EXIT_FAILED) or stopped beating (EXIT_ERROR: its peer is gone, the collective never returns; a reader that
+finds one tells the others, signalled too, with a `signal` verdict); a SIGTERM with every rank alive (a
+preemption) waits for the step boundary as before.
 
 The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
 first, with no stacks, no line and no exit 76. The verdict itself takes seconds (3 x CHECK_S of frozen checks and
@@ -174,8 +187,12 @@ class HangWatchdog:
         self.step_times = deque(maxlen=50)  # recent `step` phases, for auto: bounded, O(1)
         self.heartbeat, self.where = 0, {"host": socket.gethostname(), "pid": os.getpid()}
         self._last_records: dict[int, dict] = {}
-        self._stop, self._changed, self._signals = False, threading.Event(), None  # (read, write) of the wakeup fd
+        self._stop, self._signals = False, None  # (read, write) of the wakeup fd
+        self._changed, self._wake = threading.Event(), threading.Event()  # the beat thread's; the watchdog thread's
+        self._ended: dict | None = None  # FAILED_KEY's record once read: the first failure or hang never changes
+        self._all_published, self.beat_s = False, 0.0  # every peer's record seen once; the last beat's store time
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._beater = threading.Thread(target=self._beat_on, name="hang-beat", daemon=True)
 
     @classmethod
     def start(cls, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store,
@@ -184,8 +201,15 @@ class HangWatchdog:
         if timeout != 0:
             dog._publish()  # every rank has a record before any rank could look for it
             dog._hear_signals()
+            dog._beater.start()
             dog._thread.start()
         return dog
+
+    def readers(self) -> tuple[int, ...]:
+        """The ranks that read the other ranks' records: rank 0 and rank W/2 (on another node whenever there are
+        two), so that one frozen reader is named by the other. Every other rank reads none: it learns a verdict
+        from the key it looks at anyway (FAILED_KEY)."""
+        return tuple(sorted({0, self.world_size // 2})) if self.world_size > 1 else ()
 
     def _hear_signals(self) -> None:
         """Main thread: the signals that have a Python handler are written to a pipe the watchdog reads."""
@@ -209,16 +233,20 @@ class HangWatchdog:
         if old_phase == "step":
             self.step_times.append(now - since)
         self.state = (phase, step, now)
-        self._changed.set()  # publish it now, from the watchdog thread
+        self._changed.set()  # publish it now, from the beat thread
+        self._wake.set()
 
     def close(self) -> None:
         """Main thread, once the loop and its emergency save are over. Its record says `done`: a closed watchdog
         beats no more, and the others must not take that for a frozen rank (a preempted rank's final save may
         still run on the others)."""
         self.state = ("done", self.state[1], time.monotonic())
-        self._publish()
         self._stop = True
         self._changed.set()
+        self._wake.set()
+        if self._beater.ident is not None:  # a beat of the phase before, in flight, must not land after `done`
+            self._beater.join(timeout=5)
+        self._publish()
         if self._signals:  # the pipe stays open: the thread may still read it once, and a closed fd number is reused
             signal.set_wakeup_fd(-1)
 
@@ -245,6 +273,7 @@ class HangWatchdog:
         phase, step, _ = self.state
         self.state = ("failed", step, time.monotonic())
         self._changed.set()
+        self._wake.set()
         trace = "".join(traceback.format_exception(error))  # kept now: torchrun may end this rank before the
         kept = self._keep("-traceback.txt", trace.encode(), "the traceback")  # emergency save is over and re-raises
         first = True
@@ -280,27 +309,40 @@ class HangWatchdog:
         """auto: below the collective timeout, which would otherwise end the job first."""
         return seconds if self.cap is None else min(seconds, CAP_SHARE * self.cap)
 
-    # ---- the watchdog thread
+    # ---- the beat thread: this rank's record, on its own cadence, whatever the watchdog thread is reading
 
-    def _run(self) -> None:
-        checked, failure_seen = None, None  # (since, how many timeouts) of the slow phase last checked; when seen
+    def _beat_on(self) -> None:
         while True:
             self._changed.wait(CHECK_S)
             self._changed.clear()
             if self._stop:
                 return
             self._beat()
+
+    # ---- the watchdog thread
+
+    def _run(self) -> None:
+        checked, failure_seen = None, None  # (since, how many timeouts) of the slow phase last checked; when seen
+        while True:
+            self._wake.wait(CHECK_S)
+            self._wake.clear()
+            if self._stop:
+                return
             phase, step, since = self.state
-            failure = self._failure()
+            failure, verdict = self._failure(), self._verdict()  # one look at FAILED_KEY: one of them, or none
+            if verdict:  # a reader's: every rank acts on it
+                return self._obey(verdict)
             if failure and failure_seen is None:
                 failure_seen = time.monotonic()
             if failure and phase != "failed" and time.monotonic() - failure_seen >= FAIL_GRACE_S:
                 return self._failed_elsewhere(failure)
             if self._signalled():
-                frozen = [] if failure else self._frozen_ranks()
+                frozen = [] if failure or not self.reads() else self._frozen_ranks()
                 blocked = self.state == (phase, step, since)  # a preempted rank moves on meanwhile
                 if self._stop:  # the loop ended meanwhile: this rank is not blocked in a collective
                     return
+                if frozen and blocked and not failure:  # the other ranks, signalled too, cannot see it themselves
+                    self._tell("signal", frozen, frozen)
                 if failure or (frozen and blocked):  # a peer is gone: the collective this rank waits in never ends
                     self._kill_frozen_here(frozen, self._last_records)
                     sys.stdout.flush()
@@ -310,25 +352,79 @@ class HangWatchdog:
             limit = self.timeout()
             waited = time.monotonic() - since
             if phase == "step" and limit is not None:
-                if waited > limit:
+                # a reader judges at once; another rank waits a timeout more for a reader's verdict (both readers
+                # frozen: it reads the records itself)
+                if waited > limit * (1 if self.reads() else 2):
                     return self._hang(phase, step, since, limit)
                 continue
-            limit = limit if limit is not None else self._capped(AUTO_FLOOR_S)
+            limit = self._limit()
             periods = int(waited // limit)
-            if periods >= 1 and checked != (since, periods):
+            if self.reads() and periods >= 1 and checked != (since, periods):
                 checked = (since, periods)
-                if self._frozen_ranks():
-                    return self._hang(phase, step, since, limit)
+                frozen = self._frozen_ranks()
+                if self._stop:  # the loop ended meanwhile (its peers' records may not say `done` yet)
+                    return
+                if frozen:
+                    return self._hang(phase, step, since, limit, self._tell("hang", frozen, frozen))
+
+    def _limit(self) -> float:
+        """The limit this rank holds its current phase to: the step limit, auto's floor before it is known."""
+        limit = self.timeout()
+        return limit if limit is not None else self._capped(AUTO_FLOOR_S)
+
+    def reads(self) -> bool:
+        return self.rank in self.readers()
+
+    def _news(self) -> dict | None:
+        """FAILED_KEY's record: the job's first failure, or a reader's verdict. One key per look until it exists,
+        then kept: the first one never changes."""
+        if self._ended is None:
+            try:
+                if self.store.check([FAILED_KEY]):
+                    self._ended = json.loads(self.store.get(FAILED_KEY))
+            except Exception:  # noqa: BLE001 - the store gone (agent stopping): torchrun ends this rank
+                pass
+        return self._ended
 
     def _failure(self) -> dict | None:
-        """The job's first failure, if another rank published one: one store round trip."""
-        try:
-            if not self.store.check([FAILED_KEY]):
-                return None
-            failure = json.loads(self.store.get(FAILED_KEY))
-        except Exception:  # noqa: BLE001 - the store gone (agent stopping): torchrun ends this rank
+        """The job's first failure, if another rank published one."""
+        news = self._news()
+        return news if news and "verdict" not in news and news["rank"] != self.rank else None
+
+    def _verdict(self) -> dict | None:
+        """A reader's verdict, if one was the job's first news as last read (`_news`): {why, by, frozen, stuck,
+        records}."""
+        news = self._ended
+        if not news or "verdict" not in news:
             return None
-        return failure if failure["rank"] != self.rank else None
+        verdict = dict(news["verdict"])
+        verdict["records"] = {int(r): rec for r, rec in verdict["records"].items()}  # JSON keys are strings
+        return verdict
+
+    def _tell(self, why: str, frozen: list[int], stuck: list[int]) -> dict:
+        """A reader's verdict (why: "hang", or "signal": frozen ranks heard at a SIGTERM), published as the job's
+        first news if it is (one `add`, one `set`, of O(stuck) bytes); the verdict to act on: the first one."""
+        records = {r: self._last_records[r] for r in {*frozen, *stuck} if r in self._last_records}
+        verdict = {"why": why, "by": self.rank, "frozen": frozen, "stuck": stuck, "records": records}
+        try:
+            if self.store.add(FAILED_KEY + "/count", 1) == 1:
+                self.store.set(FAILED_KEY, json.dumps({"rank": self.rank, "verdict": verdict}))
+                return verdict
+        except Exception:  # noqa: BLE001 - no store: this rank acts on its own verdict
+            return verdict
+        time.sleep(CHECK_S)  # another rank's news: between its `add` and its `set`, at worst
+        self._news()
+        return self._verdict() or verdict
+
+    def _obey(self, verdict: dict) -> None:
+        """A reader's verdict: a hang (stacks, the line if this rank tells it, exit 76), or ranks frozen at a
+        SIGTERM (the collective this rank waits in never ends: exit 1)."""
+        if verdict["why"] == "signal":
+            self._kill_frozen_here(verdict["frozen"], verdict["records"])
+            sys.stdout.flush()
+            os._exit(EXIT_FAILED)
+        phase, step, since = self.state
+        self._hang(phase, step, since, self._limit(), verdict)
 
     def _failed_elsewhere(self, failure: dict) -> None:
         """Another rank failed and this one did not: its error ends the job, with EXIT_FAILED (77: the launchers do not
@@ -349,7 +445,9 @@ class HangWatchdog:
 
     def _beat(self) -> None:
         self.heartbeat += 1
+        t0 = time.monotonic()
         self._publish()
+        self.beat_s = time.monotonic() - t0  # how long the store took: a reader's window allows for it
 
     def _publish(self) -> None:
         phase, step, _ = self.state
@@ -359,24 +457,39 @@ class HangWatchdog:
         except Exception:  # noqa: BLE001 - the store gone (agent stopping): nothing left to watch for
             pass
 
-    def _records(self) -> dict[int, dict]:
-        """Every rank's record that can be read now: O(W), only when something already looks wrong."""
-        out = {}
-        for r in range(self.world_size):
+    def _records(self) -> dict[int, dict] | None:
+        """The other ranks' records, in one multi_get of W-1 keys (a reader's, only when something already looks
+        wrong); None when the store could not be read, even once retried: an unread record is no frozen rank."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        for attempt in range(2):
             try:
-                if self.store.check([self._key(r)]):
-                    out[r] = json.loads(self.store.get(self._key(r)))
-            except Exception:  # noqa: BLE001 - unreadable counts as not making progress
-                pass
-        return out
+                have = others if self._all_published else self._published(others)
+                return dict(zip(have, map(json.loads, self.store.multi_get([self._key(r) for r in have]))))
+            except Exception:  # noqa: BLE001 - the store busy or gone: once more, then no verdict
+                if attempt == 0:
+                    time.sleep(CHECK_S)
+        return None
+
+    def _published(self, ranks: list[int]) -> list[int]:
+        """The ranks with a record (a missing key would hold multi_get until the store's timeout): one `check` of
+        them all, one per rank only while some rank has not published yet (a slow start)."""
+        if self.store.check([self._key(r) for r in ranks]):
+            self._all_published = True
+            return ranks
+        return [r for r in ranks if self.store.check([self._key(r)])]
 
     def _frozen_ranks(self) -> list[int]:
-        """Ranks whose heartbeat did not move in 3 x CHECK_S, this rank excluded; their records in _last_records."""
+        """Ranks whose heartbeat did not move over 3 x CHECK_S plus twice the slowest store time seen (this pass,
+        this rank's last beat): a beat that waited behind a slow pass in the store's queue still lands inside the
+        window. This rank excluded; their records in _last_records; [] when the store could not be read."""
+        t0 = time.monotonic()
         before = self._records()
-        for _ in range(3):  # beating on meanwhile: the other ranks may be checking this one right now
-            time.sleep(CHECK_S)
-            self._beat()
+        if before is None:
+            return []
+        time.sleep(3 * CHECK_S + 2 * max(time.monotonic() - t0, self.beat_s))
         after = self._records()
+        if after is None:
+            return []
         frozen = [r for r in range(self.world_size) if r != self.rank and
                   (r not in after or r not in before or after[r]["heartbeat"] == before[r]["heartbeat"])
                   and not (r in after and after[r]["phase"] == "done")]
@@ -391,17 +504,19 @@ class HangWatchdog:
         elsewhere = [r for r, rec in self._last_records.items() if (rec["step"], rec["phase"]) != (my_step, "step")]
         return elsewhere or list(range(self.world_size))
 
-    def _hang(self, phase: str, step: int, since: float, limit: float) -> None:
-        frozen = self._frozen_ranks()
+    def _hang(self, phase: str, step: int, since: float, limit: float, verdict: dict | None = None) -> None:
+        """A hang: `verdict` a reader's; None: this rank judges (reading the records) and tells the others."""
+        if verdict is None:
+            frozen = self._frozen_ranks()
+            verdict = self._tell("hang", frozen, self._stuck_ranks(frozen, step))
         failure = self._failure()
         if failure:  # the rank that stopped raised: its error, not a hang
             return self._failed_elsewhere(failure)
         waited = time.monotonic() - since  # from the last progress to this verdict: what the hang cost
-        stuck, records = self._stuck_ranks(frozen, step), self._last_records
+        frozen, stuck, records = verdict["frozen"], verdict["stuck"], verdict["records"]
         stacks = self._dump_stacks()
         flights = dump_flight_records(self.run_dir, self.rank)
-        alive = [r for r in range(self.world_size) if r not in stuck or r == self.rank]
-        if self.rank == min(alive):
+        if self.rank == min((r for r in range(self.world_size) if r not in stuck), default=verdict["by"]):
             if not flights:
                 print(f"warning: no flight record of the collectives in {os.path.dirname(stacks)}: torch "
                       f"{torch.__version__} has neither of {[name for _, name in FLIGHT_RECORDERS]}", file=sys.stderr,

@@ -3,11 +3,14 @@
     python -m pytest tests/test_per_rank.py -q
 
 The pattern (docs/loggers.md, "Per-rank values"): each rank measures a few numbers; at a log interval (every rank
-reaches the same steps) `gather_to_rank0` brings them to rank 0 in one dist.gather of k float64s per rank; rank 0
-records each as a list indexed by rank in that step's metrics.jsonl record; finetune/loggers.py PER_RANK sends
-every entry to TensorBoard and W&B as <name>/rank_<r>; `python -m finetune.metrics` draws a per-rank panel.
-Cost at 512 GPUs, k = 2 numbers: rank 0 receives 512 x 2 x 8 B = 8 KiB per interval and every other rank sends
-16 B, one latency-bound collective per log interval (not per step); metrics.jsonl grows by ~10 KB per interval.
+reaches the same steps) `gather_to_rank0` brings them to rank 0 in one dist.gather of k float64s per rank, a CPU
+tensor: the values are host numbers already, and with the "cpu:gloo,cuda:nccl" default group a CPU tensor goes
+over gloo, whose full mesh is open since init, not over NCCL (a CUDA tensor there: a NCCL gather, rank 0 setting
+up point-to-point connections to each of W-1 peers on its GPU, and a device sync). Rank 0 records each as a list
+indexed by rank in that step's metrics.jsonl record; finetune/loggers.py PER_RANK sends every entry to TensorBoard
+and W&B as <name>/rank_<r>; `python -m finetune.metrics` draws a per-rank panel.
+Cost at 2048 ranks, k = 2 numbers: every rank but 0 sends one 16 B message to rank 0, which receives 2047 of them
+(32 KiB) one after another over TCP, per log interval (not per step); metrics.jsonl grows by ~40 KB per interval.
 
 Peak memory, this rank's since the previous interval (the peak is reset after each read):
 - CUDA: torch.cuda.max_memory_allocated (`peak_memory_gib`, what tensors held) and max_memory_reserved
@@ -32,10 +35,10 @@ GIB = 2 ** 30
 FAR_RATIO, FAR_GIB = 1.2, 1.0  # "far above the others": 20% above their median and 1 GiB (not noise on small runs)
 
 
-def gather_to_rank0(values: list[float], rank: int, world_size: int, device) -> list[list[float]] | None:
+def gather_to_rank0(values: list[float], rank: int, world_size: int) -> list[list[float]] | None:
     """Every rank's `values` (the same count on each), on rank 0 as [rank][i]; None on the other ranks.
-    Collective: every rank calls it at the same step."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    Collective: every rank calls it at the same step; over the default group's CPU backend (gloo)."""
+    mine = torch.tensor(values, dtype=torch.float64)  # on the CPU whatever the training device: gloo, not NCCL
     if world_size == 1:
         return [values]
     bucket = [torch.empty_like(mine) for _ in range(world_size)] if rank == 0 else None
@@ -82,7 +85,7 @@ class RankPeaks:
 
     def gather(self) -> dict[str, list[float]]:
         """Collective. {field: [value of rank 0, 1, ...]} on rank 0; {} elsewhere."""
-        rows = gather_to_rank0(self.memory.read(), self.rank, self.world_size, self.device)
+        rows = gather_to_rank0(self.memory.read(), self.rank, self.world_size)
         return {} if rows is None else {name: [row[i] for row in rows] for i, name in enumerate(self.memory.names)}
 
     @staticmethod

@@ -14,15 +14,23 @@ import time
 import warnings
 from types import SimpleNamespace
 
+from concurrent.futures import Future
+
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ckpt import CheckpointError, CheckpointSchema, DiskFullError, TrainingCheckpoints
 from ckpt.checksum import ChecksummingWriter
 from ckpt.commit_protocol import commit_checkpoint
+from ckpt.manager import CheckpointManager
+from ckpt.memory_tier.tier import MemoryTier
 from ckpt.describe import inspect_path, world_size_problem
 from ckpt.schema import schema_of
+
+
+NO_STOP, STOP = (lambda flags: (False, flags)), (lambda flags: (True, flags))  # the loop's all-reduce at W=1
 
 
 class RecordingManager:
@@ -32,8 +40,8 @@ class RecordingManager:
     def wait_for_staging(self):
         self.calls.append("wait_for_staging")
 
-    def poll(self):
-        self.calls.append("poll")
+    def flags(self):  # no save in flight
+        return ()
 
     def prepare_staging(self, state):  # allocating staging buffers early changes no decision of the loop
         pass
@@ -83,18 +91,18 @@ def checkpoints(mgr, continue_on_save_error=False, save_at_end=True, interval="2
 def test_interval_and_stop_request():
     mgr = RecordingManager()
     ck = checkpoints(mgr)
-    assert not ck.after_step(1, lambda: False) and ("save", 1, False) not in mgr.calls
-    assert not ck.after_step(2, lambda: False) and ("save", 2, False) in mgr.calls
-    assert ck.after_step(3, lambda: True)  # a stop request: no periodic save, the caller's finish saves
+    assert not ck.after_step(1, NO_STOP) and ("save", 1, False) not in mgr.calls
+    assert not ck.after_step(2, NO_STOP) and ("save", 2, False) in mgr.calls
+    assert ck.after_step(3, STOP)  # a stop request: no periodic save, the caller's finish saves
     assert ("save", 3, False) not in mgr.calls
-    assert not ck.after_step(10, lambda: True)  # at the last step a request just finishes
+    assert not ck.after_step(10, STOP)  # at the last step a request just finishes
 
 
 def test_auto_interval_counts_the_staging_wait_of_the_last_save():
     lines = []
     mgr = StagingManager(staging_s=0.2)
     ck = checkpoints(mgr, interval="auto", lines=lines)
-    assert not ck.after_step(1, lambda: False) and ("save", 1, False) in mgr.calls  # auto: a first save measures C
+    assert not ck.after_step(1, NO_STOP) and ("save", 1, False) in mgr.calls  # auto: a first save measures C
     ck.before_optimizer_step()  # the next step waits for step 1's staged copy
     costs = [float(c) for c in re.findall(r"sqrt\(2 x C (\d+\.\d+)s", "\n".join(lines))]
     assert len(costs) == 1 and costs[0] >= 0.2  # save() alone reported 0.01 s
@@ -104,10 +112,10 @@ def test_auto_interval_counts_the_staging_wait_of_the_last_save():
 
 def test_failed_periodic_save_stops_or_is_tolerated():
     with pytest.raises(CheckpointError):
-        checkpoints(RecordingManager(CheckpointError("boom"))).after_step(2, lambda: False)
+        checkpoints(RecordingManager(CheckpointError("boom"))).after_step(2, NO_STOP)
     lines = []
     checkpoints(RecordingManager(CheckpointError("boom")), continue_on_save_error=True, lines=lines).after_step(
-        2, lambda: False)
+        2, NO_STOP)
     assert any(line.startswith("warning: checkpoint failed, training continues") for line in lines)
 
 
@@ -188,3 +196,34 @@ def test_a_checkpoint_without_schema_still_inspects(tmp_path, capsys):
     assert "data.global_batch_size=4 is not divisible by world size 3" in capsys.readouterr().out
     assert inspect_path(path, world_size=2) == 0
     assert "data: continues at global sample 12" in capsys.readouterr().out
+
+
+def test_a_save_in_flight_adds_no_collective_to_a_step(monkeypatch, tmp_path):
+    """While a disk save and a memory save are in flight, a step's one collective is the loop's own all-reduce
+    (`agree`), which carries their (failed, running) flags: none on the checkpoint groups (there were two a step,
+    a gloo ring each, 2(W-1) hops). A disk save that failed on another rank (its flag OR-ed in) raises on this
+    rank at that same call."""
+    reduced, other_rank_failed = [], []  # the checkpoint groups' all-reduces; once set, another rank's flags are 1
+    def all_reduce(t, op=None, group=None):
+        reduced.append(group)
+        t.fill_(1.0 if other_rank_failed else 0.0)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    log = SimpleNamespace(info=lambda line: None, event=lambda *a, **k: None)
+    disk = CheckpointManager(str(tmp_path / "disk"), groups=(None, "disk agreement group"))
+    memory = MemoryTier(log, interval=100)
+    memory.mgr = CheckpointManager(str(tmp_path / "memory"), groups=(None, "memory agreement group"))
+    disk._inflight, memory.mgr._inflight = Future(), Future()  # both uploads still running on this rank
+    options = SimpleNamespace(interval="100", interval_minutes=0.0, mtbf_hours=24.0, save_at_end=True,
+                              continue_on_save_error=False)
+    ck = TrainingCheckpoints(disk, options, 10, log, memory)
+    ck.track({}, lambda step: {})
+    agreed = []
+    for step in (1, 2, 3):
+        assert not ck.after_step(step, lambda flags: agreed.append(flags) or (False, flags))
+    assert reduced == [], "a checkpoint group's own all-reduce in a step"
+    assert agreed == [[False, True, False, True]] * 3, "the loop's one all-reduce carries both saves' flags"
+    disk._inflight.set_result(None)  # done here; on another rank it failed
+    other_rank_failed.append(True)
+    with pytest.raises(CheckpointError, match="failed on another rank"):
+        ck.after_step(4, lambda flags: (False, [True, False, *flags[2:]]))
+    assert reduced == ["disk agreement group"], "wait()'s agreement on the outcome: once, at the failure"

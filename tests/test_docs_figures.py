@@ -57,6 +57,14 @@ def each(results: str, fmt: str, *paths: str) -> list:
 # (doc, phrase with a {} per figure, [(results file under bench/results/, JSON path, format), ...]).
 # A path is a dotted key path, or `a / b` or `a - b` of two such paths or numbers.
 FIGURES = [
+    # reliability.md: the hang watchdog's store traffic at W=2048 (bench/scale_watchdog.py --worlds 2048)
+    *[("docs/reliability.md", phrase, [("scale_watchdog-2048.json", path, fmt) for path, fmt in sources])
+      for phrase, sources in (
+          ("({} a second in all at W=2048)", [("rows.0.requests_total", ",.0f")]),
+          ("Measured at W=2048: {} records read per check ({}W)",
+           [("rows.1.records_read_total", ",.0f"), ("rows.1.records_read_per_W", ".1f")]),
+          ("no verdict; {} at a SIGTERM to every rank", [("rows.2.records_read_total", ",.0f")]),
+          ("had exited 76 {} s after the timeout", [("rows.3.seconds", ".1f")]))],
     # testing.md: line coverage before issue 48's changes and now, one results file (bench/test_suite.py --before)
     *[("docs/testing.md", f"| {p} | {{}} / {{}} | {{}} | {{}} / {{}} | {{}} |",
        [("test_suite.json", f"{side}coverage.{p}.{k}", fmt) for side in ("coverage_before.", "")

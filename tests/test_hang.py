@@ -18,6 +18,7 @@ import pickle
 import signal
 import socket
 import subprocess
+import threading
 import time
 from types import SimpleNamespace
 
@@ -396,12 +397,146 @@ def test_a_frozen_rank_on_this_host_is_sigkilled_one_on_another_host_is_not():
 
 
 @pytest.mark.quick
-def test_a_store_that_is_gone_is_no_failure_and_no_record():
-    """The agent stopping takes the store with it: the watchdog thread reads no failure, no peer record, and its
-    own publishing does not raise (torchrun ends the rank)."""
+def test_a_store_that_is_gone_is_no_failure_and_no_frozen_rank(monkeypatch):
+    """The agent stopping takes the store with it: the watchdog thread reads no failure, no peer record (read once
+    more, then no verdict: an unread record is no frozen rank), and its own publishing does not raise (torchrun
+    ends the rank)."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.01)
     def gone(*_):
         raise RuntimeError("Connection reset by peer")
-    dog = HangWatchdog(5.0, 0, 2, "unused", None, SimpleNamespace(check=gone, get=gone, set=gone))
-    assert dog._failure() is None and dog._records() == {}
+    dog = HangWatchdog(5.0, 0, 2, "unused", None, SimpleNamespace(check=gone, get=gone, set=gone, multi_get=gone))
+    assert dog._failure() is None and dog._records() is None and dog._frozen_ranks() == []
     dog._beat()
     assert dog.heartbeat == 1
+
+
+# ---- the cost of a check: W watchdogs in one process (threads), each with its beat thread, on one store that
+# counts the record keys read (a multi_get or check of k keys reads k). Only the readers (rank 0 and rank W/2)
+# read the records; the others learn a verdict from FAILED_KEY, which every rank looks at once per CHECK_S anyway.
+class CountingStore:
+    """A store that counts the progress records read, and can hold every request behind one lock for `slow_s` per
+    record read (a store's single thread, busy: a beat's `set` waits behind a slow read)."""
+
+    def __init__(self, slow_s: float = 0.0):
+        self.store, self.slow_s, self.lock, self.records_read = dist.HashStore(), slow_s, threading.Lock(), 0
+
+    def _served(self, keys, call):
+        with self.lock:
+            n = sum(k.startswith("finetune/progress/") for k in keys)
+            self.records_read += n
+            out = call()  # read first, answered late: the value is as old as the request
+            time.sleep(self.slow_s * n)
+            return out
+
+    def get(self, key):
+        return self._served([key], lambda: self.store.get(key))
+
+    def multi_get(self, keys):
+        return self._served(keys, lambda: self.store.multi_get(keys))
+
+    def check(self, keys):
+        return self._served(keys, lambda: self.store.check(keys))
+
+    def set(self, key, value):
+        return self._served([], lambda: self.store.set(key, value))
+
+    def add(self, key, value):
+        return self._served([], lambda: self.store.add(key, value))
+
+
+def watchdogs(store, world_size: int, run_dir, frozen=(), timeout: float = 0.5, overran: float = 0.6):
+    """W watchdogs in a checkpoint phase that began `overran` seconds ago, their beat and watchdog threads running
+    (no signal pipe: one process); the ranks in `frozen` have a record but never beat again."""
+    log = SimpleNamespace(event_from_any_rank=lambda name, **kw: None)
+    dogs = [HangWatchdog(timeout, r, world_size, str(run_dir), log, store) for r in range(world_size)]
+    for dog in dogs:
+        dog.where["pid"] = NO_SUCH_PID
+        dog.state = ("checkpoint", 3, time.monotonic() - overran)
+        dog._publish()
+    for dog in dogs:
+        if dog.rank not in frozen:
+            dog._beater.start()
+            dog._thread.start()
+    return dogs
+
+
+def stop(dogs) -> None:
+    for dog in dogs:
+        dog._stop = True
+        dog._changed.set()
+        dog._wake.set()
+    for dog in dogs:
+        for t in (dog._beater, dog._thread):
+            if t.ident is not None:
+                t.join(10)
+
+
+def verdict_of(store) -> dict | None:
+    return json.loads(store.store.get(finetune.hang.FAILED_KEY)) if store.store.check([finetune.hang.FAILED_KEY]) \
+        else None
+
+
+@pytest.mark.quick
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # a false verdict: SystemExit
+def test_a_slow_phase_check_reads_at_most_8w_record_keys_in_all(monkeypatch, exits_raise, tmp_path):
+    """A save overrunning the timeout on all W ranks at once: one check reads <= 8W records in all (it read 4W^2:
+    every rank read every record, check + get, twice) and, with every rank beating, names no one."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.05)
+    store, w = CountingStore(), 16
+    dogs = watchdogs(store, w, tmp_path, timeout=2.0, overran=2.1)  # one period due now, the next in 2 s
+    time.sleep(1.2)  # a check takes 3 x CHECK_S plus its reads
+    stop(dogs)
+    assert 0 < store.records_read <= 8 * w, f"{store.records_read} record keys read in one check at W={w}"
+    assert verdict_of(store) is None, "every rank beat: no verdict"
+
+
+@pytest.mark.quick
+def test_a_slow_reading_pass_gives_no_false_verdict(monkeypatch, exits_raise, tmp_path):
+    """Every store request waits behind a reader's pass, which takes longer than the 3 x CHECK_S window (a busy
+    store at W=2048): beats land late, and the window, stretched by the pass time measured, still sees them."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.05)
+    store = CountingStore(slow_s=0.1)  # 3 records read: a 0.3 s pass, twice the base window of 0.15 s
+    dogs = watchdogs(store, 4, tmp_path, timeout=3.0, overran=3.1)
+    time.sleep(2.5)
+    stop(dogs)
+    assert store.records_read >= 6, "the readers read"
+    assert verdict_of(store) is None and not (tmp_path / "hang").exists()
+
+
+@pytest.mark.quick
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the threads' SystemExit(76)
+def test_a_frozen_rank_is_still_named_through_a_slow_store(monkeypatch, exits_raise, tmp_path):
+    """The same slow store, rank 3 frozen (its record stays, its heartbeat stops): the readers' verdict names it,
+    and every other rank acts on that verdict (its stacks written, exit 76) without reading a record."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.05)
+    store = CountingStore(slow_s=0.1)
+    dogs = watchdogs(store, 4, tmp_path, frozen=(3,), timeout=3.0, overran=3.1)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and any(d._thread.is_alive() for d in dogs if d.rank != 3):
+        time.sleep(0.1)
+    stop(dogs)
+    news = verdict_of(store)
+    assert news and news["verdict"]["frozen"] == [3] and news["verdict"]["by"] in (0, 2), news
+    assert sorted(os.listdir(tmp_path / "hang")) == [f"rank{r}-attempt0.txt" for r in range(3)], \
+        "the live ranks wrote their stacks"
+    assert store.records_read <= 8 * 4
+
+
+@pytest.mark.quick
+def test_a_closed_watchdog_says_done_after_its_last_beat(monkeypatch):
+    """close() from the main thread while the beat thread publishes the phase before: `done` is the record that
+    stays (a stale `checkpoint` with a heartbeat that never moves again would be a frozen rank to the readers)."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.01)
+    store = CountingStore(slow_s=0.0)
+    slow_set = store.set
+    def set_(key, value):  # the beat thread's `set` is slow to land: the main thread's is not
+        time.sleep(0.1 if threading.current_thread().name == "hang-beat" else 0)
+        slow_set(key, value)
+    store.set = set_
+    dog = HangWatchdog(5.0, 1, 2, "unused", None, store)
+    dog.state = ("checkpoint", 3, time.monotonic())
+    dog._beater.start()
+    time.sleep(0.25)
+    dog.close()
+    time.sleep(0.3)
+    assert json.loads(store.store.get(dog._key(1)))["phase"] == "done"

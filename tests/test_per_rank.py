@@ -81,3 +81,22 @@ def test_plot_has_a_per_rank_memory_panel(tmp_path, ranks):
     want = ["rank 0", "rank 1"] if ranks == 2 else [f"{ranks} ranks: min to max", "median", "rank 11 (highest peak)"]
     assert labels == want
     assert fig.axes[1].get_ylabel() == "peak memory per rank (GiB)"
+
+
+def test_peaks_are_gathered_as_cpu_tensors_whatever_the_device(monkeypatch):
+    """On CUDA the default group is "cpu:gloo,cuda:nccl" and routes by the tensor's device: the peaks (host numbers)
+    go as CPU tensors, to gloo's open mesh, never as a NCCL gather of CUDA tensors to rank 0 (W-1 point-to-point
+    connections on GPU 0). Checked on the CPU: what the collective receives, for a rank on a CUDA device."""
+    import torch.distributed as dist
+    seen = []
+    def gather(tensor, gather_list=None, dst=0):
+        seen.append([tensor.device.type] + [t.device.type for t in gather_list or []])
+        for r, t in enumerate(gather_list or []):
+            t.copy_(tensor + r)
+    monkeypatch.setattr(dist, "gather", gather)
+    for rank in (0, 1):
+        peaks = RankPeaks(rank, 3, torch.device("cuda", rank))
+        monkeypatch.setattr(peaks.memory, "read", lambda: [1.5, 2.5])
+        got = peaks.gather()
+        assert got == ({"peak_memory_gib": [1.5, 2.5, 3.5], "peak_reserved_gib": [2.5, 3.5, 4.5]} if rank == 0 else {})
+    assert seen == [["cpu"] * 4, ["cpu"]]

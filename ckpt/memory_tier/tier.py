@@ -260,9 +260,14 @@ class MemoryTier:
         if self.mgr is not None:
             self.mgr.prepare_staging(state)
 
-    def poll(self, step: int) -> None:
-        if self.mgr is not None:
-            self._tolerated(step, self.mgr.poll)
+    def flags(self) -> tuple[bool, ...]:
+        """The memory save's (failed, running) on this rank (manager.py flags); () when off or none in flight."""
+        return self.mgr.flags() if self.mgr is not None else ()
+
+    def settle(self, step: int, flags: list[bool]) -> None:
+        """`flags()` OR-ed over all ranks: a failed memory save is a warning on every rank at once."""
+        if self.mgr is not None and flags:
+            self._tolerated(step, lambda: self.mgr.settle(*flags))
 
     def wait_for_staging(self) -> None:
         if self.mgr is not None:
