@@ -44,7 +44,8 @@ from finetune.data import (BATCH_KEY, COMMIT_FILE, IGNORE, BatchSplit, BatchStre
                            check_samples, open_samples)
 from finetune.evaluate import eval_rows, evaluate, sample
 from finetune.goodput import goodput_line, process_start_time
-from finetune.hang import HangWatchdog, keep_nccl_flight_record, parse_hang_timeout
+from finetune.flight_record import keep_nccl_flight_record
+from finetune.hang import HangWatchdog, parse_hang_timeout
 from finetune.inputs import check_inputs, check_same_hub_commits, check_shared_folders
 from finetune.launch import report_bad_input
 from finetune.loggers import open_loggers

@@ -3,60 +3,55 @@ naming the rank, instead of the whole job waiting train.collective_timeout_minut
 
     python -m pytest tests/test_hang.py -q
 
-Each rank runs two threads. The training loop tells them the phase it enters (`enter("step", 8)`: an
-attribute write and two Event.sets, no I/O on the training thread); the beat thread then, and every CHECK_S,
-publishes this rank's record (step, phase, a heartbeat counter, host, pid) under its own key in the process group's
-store (torchrun's store, whose keys init_distributed prefixes by the restart attempt), one `set`, on its own
-cadence whatever the watchdog thread is doing; the watchdog thread looks at its own phase: O(1) per rank per step,
-nothing grows with the world size. A record is as fresh as the last
-publish: a rank frozen a few microseconds after entering a phase may still show the phase before. Why the store
-and not a file in run.dir: the store is reachable from every node, run.dir may not be.
+Each rank runs two threads. The training loop tells them the phase it enters (`enter("step", 8)`: an attribute write and
+two Event.sets, no I/O on the training thread); the beat thread then, and every CHECK_S, publishes this rank's record
+(step, phase, a heartbeat counter, host, pid) under its own key in the process group's store (torchrun's store, whose
+keys init_distributed prefixes by the restart attempt), one `set`, on its own cadence whatever the watchdog thread is
+doing; the watchdog thread looks at its own phase: O(1) per rank per step, nothing grows with the world size. A record
+is as fresh as the last publish: a rank frozen a few microseconds after entering a phase may still show the phase
+before. Why the store and not a file in run.dir: the store is reachable from every node, run.dir may not be.
 
 The rule, on each rank: a `step` phase (a training step and its log line) lasting longer than the timeout is a hang.
-Every other phase (startup and the first steps under `auto`, eval, checkpoint) may legitimately take
-long: past the timeout (and every timeout after) the two readers, rank 0 and rank W/2 (`readers`: on two nodes
-whenever there are two, so a frozen reader is named by the other), read every other rank's record twice, in one
-`multi_get` each time, a window apart, and call it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead
-machine): a slow save or a long eval is not a hang. The window is 3 x CHECK_S plus twice the slowest store time the
-reader saw (its pass, its own last beat): a beat that waited behind a slow pass in the store's one queue still lands
-inside it, so a slow pass never makes a verdict. A record the store cannot give, even once retried, names no one.
-A reader's verdict (who stopped, where) is published as the job's first news under FAILED_KEY, which every rank
-reads anyway (below), and every rank acts on it: per check 2(W-1) keys per reader (W-1 more once, the first
-time, to see that every record exists), at most 6W in all, where every rank reading every record cost 4W^2 (16.8M
-keys at W=2048). A TCPStore client serialises its requests: a reader's beat waits for its one multi_get in flight
-at most, never for a pass. On a `step` overrun a reader judges at once, naming
-the frozen ranks or else those elsewhere; another rank waits one timeout more for that verdict, then reads the
-records itself (both readers frozen: a double failure, the one case that reads W^2).
+Every other phase (startup and the first steps under `auto`, eval, checkpoint) may legitimately take long: past the
+timeout (and every timeout after) the two readers, rank 0 and rank W/2 (`readers`: on two nodes whenever there are two,
+so a frozen reader is named by the other), read every other rank's record twice, in one `multi_get` each time, a window
+apart, and call it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long eval is
+not a hang. The window is 3 x CHECK_S plus twice the slowest store time the reader saw (its pass, its own last beat): a
+beat that waited behind a slow pass in the store's one queue still lands inside it, so a slow pass never makes a
+verdict. A record the store cannot give, even once retried, names no one. A reader's verdict (who stopped, where) is
+published as the job's first news under FAILED_KEY, which every rank reads anyway (below), and every rank acts on it:
+per check 2(W-1) keys per reader (W-1 more once, the first time, to see that every record exists), at most 6W in all,
+where every rank reading every record cost 4W^2 (16.8M keys at W=2048). A TCPStore client serialises its requests: a
+reader's beat waits for its one multi_get in flight at most, never for a pass. On a `step` overrun a reader judges at
+once, naming the frozen ranks or else those elsewhere; another rank waits one timeout more for that verdict, then reads
+the records itself (both readers frozen: a double failure, the one case that reads W^2).
 
 On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
 torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt) and the collectives' flight records
-(dump_flight_records: which collective a rank never joined); the lowest live rank prints one line naming the
-rank(s) that stopped, their host, step and phase, and records a `hang` event (step, phase, ranks, waited_s,
-exit_code) in metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun
-would otherwise wait 30 s after its SIGTERM, which a stopped process never handles); then os._exit(EXIT_HANG)
-from the watchdog thread, since the main thread is blocked in a collective. `torchrun --max-restarts` or a SLURM
-requeue restarts the job and ckpt.resume=auto continues from the newest checkpoint (the memory tier's when on).
-A launcher that cannot see the 76 (torchrun without --max-restarts reports any failed worker as 1) sets
-HANG_FILE_ENV to a path of its own for this attempt: the rank that prints the line writes it there too
-(slurm/train.sbatch requeues on it).
-The watch ends with the loop: the final save and export wait ckpt.timeout_minutes like every checkpoint collective,
-and an error's emergency save must not be called a hang.
+(dump_flight_records: which collective a rank never joined); the lowest live rank prints one line naming the rank(s)
+that stopped, their host, step and phase, and records a `hang` event (step, phase, ranks, waited_s, exit_code) in
+metrics.jsonl; frozen ranks on this host are SIGKILLed (torchrun would otherwise wait 30 s after its SIGTERM, which a
+stopped process never handles); then os._exit(EXIT_HANG) from the watchdog thread, since the main thread is blocked in a
+collective. `torchrun --max-restarts` or a SLURM requeue restarts the job and ckpt.resume=auto continues from the newest
+checkpoint (the memory tier's when on). A launcher that cannot see the 76 (torchrun without --max-restarts reports any
+failed worker as 1) sets HANG_FILE_ENV to a path of its own for this attempt: the rank that prints the line writes it
+there too (slurm/train.sbatch requeues on it). The watch ends with the loop: the final save and export wait
+ckpt.timeout_minutes like every checkpoint collective, and an error's emergency save must not be called a hang.
 
 A rank that fails is no hang. An exception leaving the loop (`failed`, before the emergency save) writes its full
-traceback to <run.dir>/hang/rank<r>-attempt<k>-traceback.txt, publishes the terminal phase `failed`, and, if it is
-the job's first failure, prints its first line and that traceback whatever its rank and publishes the line under
-one key (FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one
-`check`: O(1) per rank per second, 512 store round trips a second at 512 ranks, as many as the records' `set`s;
-read once it exists: the first news never changes);
-a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs them all
-for its emergency save) exits with EXIT_FAILED (77, as the failed rank itself: common/launcher.py), the lowest
-of them printing `error: rank k failed: <its line>` and a `failed` event: no stacks, no hang file, no restart.
-A SIGTERM (torchrun stopping the workers once one exited) reaches the loop only at a step boundary, and a Python
-signal handler runs only once the main thread is out of the collective it is blocked in; the watchdog hears the
-signal through signal.set_wakeup_fd (written by the C handler at once) and ends the rank at once when a rank
-failed (EXIT_FAILED) or stopped beating (EXIT_ERROR: its peer is gone, the collective never returns; a reader that
-finds one tells the others, signalled too, with a `signal` verdict); a SIGTERM with every rank alive (a
-preemption) waits for the step boundary as before.
+traceback to <run.dir>/hang/rank<r>-attempt<k>-traceback.txt, publishes the terminal phase `failed`, and, if it is the
+job's first failure, prints its first line and that traceback whatever its rank and publishes the line under one key
+(FAILED_KEY: `add` picks the first). Every watchdog reads that key once per CHECK_S (one `check`: O(1) per rank per
+second, 512 store round trips a second at 512 ranks, as many as the records' `set`s; read once it exists: the first news
+never changes); a rank that is not failing itself FAIL_GRACE_S after it appeared (an error raised on every rank needs
+them all for its emergency save) exits with EXIT_FAILED (77, as the failed rank itself: common/launcher.py), the lowest
+of them printing `error: rank k failed: <its line>` and a `failed` event: no stacks, no hang file, no restart. A SIGTERM
+(torchrun stopping the workers once one exited) reaches the loop only at a step boundary, and a Python signal handler
+runs only once the main thread is out of the collective it is blocked in; the watchdog hears the signal through
+signal.set_wakeup_fd (written by the C handler at once) and ends the rank at once when a rank failed (EXIT_FAILED) or
+stopped beating (EXIT_ERROR: its peer is gone, the collective never returns; a reader that finds one tells the others,
+signalled too, with a `signal` verdict); a SIGTERM with every rank alive (a preemption) waits for the step boundary as
+before.
 
 The step limit stays below the collective timeout (`cap`): NCCL's watchdog would otherwise abort the process
 first, with no stacks, no line and no exit 76. The verdict itself takes seconds (3 x CHECK_S of frozen checks and
@@ -79,12 +74,9 @@ import time
 import traceback
 from collections import deque
 
-import torch
-
-from torch._C import _distributed_c10d as c10d
-
 from common.dist import worker_attempt
 from common.launcher import EXIT_ERROR, EXIT_FAILED, EXIT_HANG, tell_torchrun  # the launcher contract
+from finetune.flight_record import dump_flight_records, no_recorder_line
 
 FAILED_KEY = "finetune/failed"  # the job's first failure: {"rank", "step", "phase", "error"}
 FAIL_GRACE_S = 3.0  # how long a rank waits to see whether it fails too before it exits on another's failure
@@ -94,10 +86,6 @@ CHECK_S = 1.0  # how often each rank publishes its record and looks at its own p
 AUTO_FLOOR_S = 60.0  # auto: never less than this
 AUTO_STEPS = 10.0  # auto: this many times the median step time
 AUTO_AFTER = 3  # auto: steps timed before `step` phases are held to the timeout (first steps compile, warm up)
-# torch's flight recorders, by the file prefix their dumps get: NCCL's (CUDA builds) and the one gloo records in
-FLIGHT_RECORDERS = (("nccl_rank_", "_dump_nccl_trace"), ("gloo_rank_", "_dump_fr_trace"))
-FLIGHT_ENV = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # NCCL's own dump: the path prefix
-FLIGHT_DUMP_S = 10.0  # a dump that takes longer (a recorder's lock held by a stuck thread) is given up
 
 
 def parse_hang_timeout(text: str) -> float | None:
@@ -123,55 +111,6 @@ def tell_launcher(line: str, frozen_hosts: list[str] = ()) -> None:
             f.write(line + "\n" + (f"frozen hosts: {','.join(frozen_hosts)}\n" if frozen_hosts else ""))
     except OSError as e:
         print(f"warning: could not write the hang to {path} ({HANG_FILE_ENV}): {e}", file=sys.stderr, flush=True)
-
-
-def flight_folder(run_dir: str) -> str:
-    """<run.dir>/hang/flight-attempt<k>/: this attempt's flight-recorder dumps, `<prefix><rank>` as torch's
-    analyser reads them (`torchfrtrace <folder> --prefix nccl_rank_`)."""
-    return os.path.join(run_dir, "hang", f"flight-attempt{worker_attempt()}")
-
-
-def keep_nccl_flight_record(run_dir: str) -> None:
-    """Before the process group exists: NCCL's own dump at its collective timeout goes to this attempt's flight
-    folder in run.dir, not to node-local /tmp (gone with SLURM's per-job tmpfs or a pod restart), unless the launcher
-    chose a place (either name). NCCL opens the file without making its folder: made here, on CUDA only."""
-    if any(os.environ.get(name) for name in FLIGHT_ENV):
-        return
-    os.environ[FLIGHT_ENV[0]] = os.path.join(flight_folder(run_dir), FLIGHT_RECORDERS[0][0])
-    if hasattr(c10d, FLIGHT_RECORDERS[0][1]) and torch.cuda.is_available():
-        with contextlib.suppress(OSError):  # NCCL logs its own error then; the hang exit writes it anyway
-            os.makedirs(flight_folder(run_dir), exist_ok=True)
-
-
-def dump_flight_records(run_dir: str, rank: int) -> list[str]:
-    """Each flight recorder this torch build has (the last collectives each group enqueued, started and completed,
-    which name the one a rank never joined), to flight_folder; the paths written, none where the build has none.
-    Bounded by FLIGHT_DUMP_S: this runs on the way to an exit that must happen."""
-    written = []
-
-    def dump():
-        for prefix, name in FLIGHT_RECORDERS:
-            if hasattr(c10d, name):
-                path = os.path.join(flight_folder(run_dir), f"{prefix}{rank}")
-                data = getattr(c10d, name)()
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(data)
-                written.append(path)
-    worker = threading.Thread(target=lambda: _warn_if_raises(dump, "the flight records"), daemon=True)
-    worker.start()
-    worker.join(FLIGHT_DUMP_S)
-    if worker.is_alive():
-        print(f"warning: the flight records were not written within {FLIGHT_DUMP_S:g}s: given up", file=sys.stderr,
-              flush=True)
-    return list(written)
-
-
-def _warn_if_raises(fn, what: str) -> None:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - a diagnosis that failed must not stop the exit it precedes
-        print(f"warning: could not write {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 class HangWatchdog:
@@ -284,7 +223,8 @@ class HangWatchdog:
         except Exception:  # noqa: BLE001 - no store (agent gone): the line below is all there is
             pass
         if first:
-            print(f"error: rank {self.rank}: {line} (traceback in {kept})\n{trace}", file=sys.stderr, end="", flush=True)
+            print(f"error: rank {self.rank}: {line} (traceback in {kept})\n{trace}", file=sys.stderr, end="",
+                  flush=True)
 
     def _keep(self, suffix: str, data: bytes, what: str) -> str:
         """Write `data` to <run.dir>/hang/rank<r>-attempt<k><suffix>; a warning line if it cannot. Returns the path."""
@@ -518,9 +458,7 @@ class HangWatchdog:
         flights = dump_flight_records(self.run_dir, self.rank)
         if self.rank == min((r for r in range(self.world_size) if r not in stuck), default=verdict["by"]):
             if not flights:
-                print(f"warning: no flight record of the collectives in {os.path.dirname(stacks)}: torch "
-                      f"{torch.__version__} has neither of {[name for _, name in FLIGHT_RECORDERS]}", file=sys.stderr,
-                      flush=True)
+                print(no_recorder_line(os.path.dirname(stacks)), file=sys.stderr, flush=True)
             where = "; ".join(f"rank {r} on {records[r]['host']}: step {records[r]['step']}, phase "
                               f"{records[r]['phase']}" if r in records else f"rank {r}: no record" for r in stuck)
             line = (f"error: hang: no progress for {waited:.0f}s (train.hang_timeout {limit:g}s) on rank {self.rank} "

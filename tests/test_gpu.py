@@ -99,7 +99,7 @@ def test_a_save_right_after_the_optimizer_step_stages_its_values(tmp_path):
 def _flight_record_worker(rank: int, port: int, folder: str) -> None:
     import torch.distributed as dist
 
-    from finetune.hang import dump_flight_records
+    from finetune.flight_record import dump_flight_records
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
@@ -115,7 +115,7 @@ def _flight_record_worker(rank: int, port: int, folder: str) -> None:
 @one_gpu
 def test_a_hang_keeps_nccls_flight_record_and_torchs_analyser_reads_it(tmp_path):
     """Issue 58 point 4 on NCCL: the CUDA build has _dump_nccl_trace; after 3 all_reduces the hang exit's dump
-    (finetune/hang.py dump_flight_records) holds them, and torch's analyser (torchfrtrace) reads the folder."""
+    (finetune/flight_record.py dump_flight_records) holds them, and torch's analyser (torchfrtrace) reads the folder."""
     import pickle
 
     import torch._C._distributed_c10d as c10d

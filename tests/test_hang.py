@@ -26,10 +26,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import finetune.flight_record
 import finetune.hang
 from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
-from finetune.hang import (AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, FLIGHT_ENV, HANG_FILE_ENV, HangWatchdog,
-                           keep_nccl_flight_record, parse_hang_timeout)
+from finetune.flight_record import FLIGHT_ENV, keep_nccl_flight_record
+from finetune.hang import AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, HANG_FILE_ENV, HangWatchdog, parse_hang_timeout
 from finetune.stragglers import StragglerMonitor
 
 RUN = ["train.max_steps=10", "ckpt.interval=0", "ckpt.memory_interval=1", "train.hang_timeout=10"]
@@ -287,7 +288,7 @@ def test_a_save_that_overran_with_a_peer_frozen_is_a_hang_naming_that_peer(quick
 @pytest.mark.quick
 def test_a_torch_without_a_flight_recorder_is_said_in_one_line(quick_watchdog, tmp_path, monkeypatch, capsys):
     """Issue 58 point 4: where the build has no flight recorder, the hang says so in one line, and exits 76."""
-    monkeypatch.setattr(finetune.hang, "FLIGHT_RECORDERS", (("nccl_rank_", "_no_such_dump"),))
+    monkeypatch.setattr(finetune.flight_record, "FLIGHT_RECORDERS", (("nccl_rank_", "_no_such_dump"),))
     dog, _ = quick_watchdog(tmp_path)
     dog.store.set(dog._key(1), json.dumps({"step": 3, "phase": "step", "heartbeat": 5, "host": "another",
                                            "pid": NO_SUCH_PID}))
@@ -517,8 +518,8 @@ def test_a_frozen_rank_is_still_named_through_a_slow_store(monkeypatch, exits_ra
     stop(dogs)
     news = verdict_of(store)
     assert news and news["verdict"]["frozen"] == [3] and news["verdict"]["by"] in (0, 2), news
-    assert sorted(os.listdir(tmp_path / "hang")) == [f"rank{r}-attempt0.txt" for r in range(3)], \
-        "the live ranks wrote their stacks"
+    assert sorted(os.listdir(tmp_path / "hang")) == ["flight-attempt0", *(f"rank{r}-attempt0.txt" for r in range(3))], \
+        "the live ranks wrote their stacks and flight records"
     assert store.records_read <= 8 * 4
 
 
