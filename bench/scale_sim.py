@@ -5,6 +5,8 @@
     python bench/scale_sim.py --from bench/results/scale_sim.json --write-docs   # docs/scale.md from the file
     python bench/scale_sim.py --sections scale_coord --worlds 8 --out /tmp/s --docs /tmp/s/scale.md  # a smoke
     python bench/scale_sim.py --sections scale_watchdog --keep bench/results/scale_sim.json   # one section again
+    python bench/scale_sim.py --sections none --keep bench/results/scale_sim.json \
+        --adopt scale_metadata=bench/results/scale_metadata.json        # a section's own results file, as it ran
 
 Each section is its own script, bench/<section>.py, run as a subprocess with `--worlds ... --out FILE.json`; it
 writes {"rows": [...]}, a row per (path, W) with keys ROW_KEYS (formula in W and nodes N, N = W / 8; busiest_share:
@@ -13,7 +15,9 @@ how the row was got, measured or extrapolated). A section script this checkout l
 no rows; one that fails is reported failed, with its last lines of stderr. The results file records the commit,
 date, load and command (bench/provenance.py) and each section's status, seconds and own details; with --keep, a
 section not run this time is carried over from an earlier results file with that file's commit, date and load
-(`ran_at`), which docs/scale.md prints beside it. docs/scale.md's
+(`ran_at`), which docs/scale.md prints beside it; with --adopt, a section's rows come from the results files its
+own script wrote (`--out`), each row keeping that file's provenance (a later file's row replaces an earlier one's
+at the same path and W). docs/scale.md's
 table is rendered from the results file only (tests/test_docs_figures.py checks it is), with the paths no section
 simulates listed by formula (UNSIMULATED).
 """
@@ -193,7 +197,12 @@ def render(result: dict) -> str:
 
 
 def _ran_at(section: dict) -> str:
-    """For a section carried over from an earlier run (--keep): where and when it ran."""
+    """For a section carried over from an earlier run (--keep) or adopted from its own results files: where and when
+    it ran."""
+    if section.get("adopted"):
+        return "; from its own results: " + ", ".join(
+            f"{a['file']} at {a['git_commit'][:7]}{' (dirty)' if a['git_dirty'] else ''}, {a['started_utc']}, load "
+            f"{a['load_average_before'][0]:.1f} before" for a in section["adopted"])
     at = section.get("ran_at")
     if not at:
         return ""
@@ -208,6 +217,23 @@ def carried_over(source: str, names: list[str]) -> dict:
     at = earlier["provenance"]
     return {name: {**earlier["sections"][name], "ran_at": earlier["sections"][name].get("ran_at", at)}
             for name in names if name in earlier["sections"]}
+
+
+def adopted(name: str, files: list[str]) -> dict:
+    """Section `name` from the results files its script wrote, in order: rows keyed by (path, W), a later file's
+    replacing an earlier's; each file's provenance in `ran_at` (the first's) and `files`."""
+    rows, runs = {}, []
+    for path in files:
+        with open(path) as f:
+            section = json.load(f)
+        at = section["provenance"]
+        runs.append({"file": os.path.relpath(path, ROOT), "git_commit": at["git_commit"], "git_dirty": at["git_dirty"],
+                     "started_utc": at["started_utc"], "load_average_before": at["load_average_before"],
+                     "command": at["command"]})
+        for r in section["rows"]:
+            rows[(r["path"], r["W"])] = dict(r, section=name, note=f"{r['note']} [{os.path.basename(path)}]")
+    return {"status": "ok", "detail": None, "rows": list(rows.values()), "seconds": None, "ran_at": runs[0],
+            "adopted": runs}
 
 
 def write_docs(result: dict, doc: str) -> None:
@@ -231,6 +257,8 @@ def main(argv=None):
     p.add_argument("--from", dest="source", help="render the docs from this results file; run nothing")
     p.add_argument("--write-docs", action="store_true", help="with --from: rewrite --docs (else print the block)")
     p.add_argument("--keep", metavar="RESULTS", help="carry the sections not run from this earlier results file")
+    p.add_argument("--adopt", action="append", default=[], metavar="SECTION=FILE[,FILE]",
+                   help="a section's rows from results files its own script wrote (replaces a kept one)")
     args = p.parse_args(argv)
     if args.source:
         with open(args.source) as f:
@@ -243,8 +271,11 @@ def main(argv=None):
     started = provenance.start(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     os.makedirs(args.out, exist_ok=True)
-    chosen = args.sections.split(",")
+    chosen = [n for n in args.sections.split(",") if n != "none"]
     kept = carried_over(args.keep, [n for n in SECTIONS if n not in chosen]) if args.keep else {}
+    for spec in args.adopt:
+        name, files = spec.split("=", 1)
+        kept[name] = adopted(name, files.split(","))
     with tempfile.TemporaryDirectory(prefix="scale-sim-") as tmp:
         ran = {}
         for name in chosen:
