@@ -249,7 +249,7 @@ def bench_load(model, optim, path):
 
 def throughput(model, optim, device, args, ckpt_dir, mode):
     """Steps/s over args.train_steps steps, saving every args.every steps (mode None: no saves)."""
-    from ckpt import CheckpointManager, ModelOptimizer
+    from ckpt import CheckpointManager, ModelOptimizer, settle_alone
     mgr = CheckpointManager(ckpt_dir, mode or "off", keep_last=1)
     state = {"app": ModelOptimizer(model, optim)}
     train_steps(model, optim, device, 2, args.seq_len, args.vocab)  # warm up
@@ -257,7 +257,7 @@ def throughput(model, optim, device, args, ckpt_dir, mode):
     for step in range(1, args.train_steps + 1):
         mgr.wait_for_staging()
         train_steps(model, optim, device, 1, args.seq_len, args.vocab)
-        mgr.poll()
+        settle_alone(mgr)
         if mode and step % args.every == 0:
             mgr.save(step, state, {"meta.json": "{}"})
     secs = time.perf_counter() - t0

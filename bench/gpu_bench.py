@@ -278,7 +278,7 @@ def _timed(fn) -> float:
 def memory_tier(run: dict, a, device, tokens_per_step: int, work: str) -> dict:
     """tokens/s with a memory-tier save every step against none, interleaved (none, memory, memory, none)."""
     from types import SimpleNamespace
-    from ckpt import ModelOptimizer
+    from ckpt import ModelOptimizer, settle_alone
     from ckpt.memory_tier.tier import MemoryTier
     model, optim, data = run["model"], run["optim"], run["data"]
     log, state = Log(0), {"app": ModelOptimizer(model, optim)}
@@ -290,7 +290,7 @@ def memory_tier(run: dict, a, device, tokens_per_step: int, work: str) -> dict:
     def save():
         nonlocal step
         step += 1
-        mgr.poll()
+        settle_alone(mgr)
         mgr.save(step, state, {"meta.json": "{}"})
     try:
         step_times(model, optim, device, data, 1, before=mgr.wait_for_staging, after=save)  # warm-up: first staging

@@ -25,11 +25,11 @@ from .commit_protocol import VerifyError, verify_checkpoint
 from .errors import CheckpointError, DiskFullError, collective_timed_out, lost_a_rank
 from .layout import latest_committed_step, read_meta, read_saved_config, step_dir
 from .loop import TrainingCheckpoints, open_checkpoints
-from .manager import CheckpointManager
+from .manager import CheckpointManager, settle_alone
 from .schema import CheckpointSchema
 from .state import ModelOptimizer, RNGState, reseed_all, rng_key, staging_need
 
 __all__ = ["CheckpointError", "CheckpointManager", "CheckpointSchema", "DiskFullError", "ModelOptimizer", "RNGState",
            "TrainingCheckpoints", "VerifyError", "collective_timed_out", "latest_committed_step", "lost_a_rank",
-           "open_checkpoints", "read_meta", "read_saved_config", "reseed_all", "rng_key", "staging_need", "step_dir",
-           "verify_checkpoint"]
+           "open_checkpoints", "read_meta", "read_saved_config", "reseed_all", "rng_key", "settle_alone", "staging_need",
+           "step_dir", "verify_checkpoint"]

@@ -213,3 +213,12 @@ class CheckpointManager:
         if os.path.realpath(os.path.dirname(os.path.normpath(path))) == os.path.realpath(self.dir):
             self.last_saved_step = step_of(path)  # a final save of this same step must not rewrite (and risk) it
 
+
+
+def settle_alone(mgr: CheckpointManager) -> None:
+    """For a caller without the training loop's per-step all-reduce (a benchmark, a tool): the save in flight's
+    flags OR-ed on the manager's own agreement group, then settled. One tiny all-reduce while a save is in flight,
+    none otherwise; a failed save raises on every rank at this call."""
+    flags = mgr.flags()
+    if flags:
+        mgr.settle(*mgr.any_rank(*flags))

@@ -14,6 +14,7 @@ output (the same test).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -75,5 +76,13 @@ def table() -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m common.launcher",
+                            description="Print the exit-code table of docs/reliability.md: what every launcher does on "
+                                        "each code a run ends with (CONTRACT).").parse_args(argv)
     print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
