@@ -10,7 +10,8 @@ Every rank calls `unshared_path_problem(paths)` (a collective on the default gro
 2. a barrier; then each node's first rank lists that folder (one listing) and looks up by name, one stat each, only
    the tokens the listing lacked (an NFS client may show a listing cached from before the other nodes wrote);
 3. one all-gather of what each node saw: every rank composes the same verdict; each first rank deletes its token
-   and the folder once it is empty.
+   and the folder once it is empty, and, after a barrier, a path it made; a last barrier, so that no rank makes
+   that path again (ckpt.dir's lock) before every node has removed it.
 Per path: N files for N nodes, N listings, never O(ranks); the two gathers carry a few bytes per rank.
 Which paths must be shared and which may be node-local: docs/multinode.md.
 """
@@ -71,6 +72,8 @@ def unshared_path_problem(paths: dict[str, str], fixes: dict[str, str] | None = 
     for folder in made:
         with contextlib.suppress(OSError):
             os.rmdir(folder)
+    dist.barrier()  # no rank makes one again (ckpt.dir's lock) before every node removed what it made: no later group
+    # creation orders it, since gloo's pairs connect lazily (common/dist.py lazy_gloo_pairs)
     for name, path in paths.items():
         problem = _verdict(name, path, views, places, tokens)
         if problem:
