@@ -13,18 +13,22 @@ before. Why the store and not a file in run.dir: the store is reachable from eve
 
 The rule, on each rank: a `step` phase (a training step and its log line) lasting longer than the timeout is a hang.
 Every other phase (startup and the first steps under `auto`, eval, checkpoint) may legitimately take long: past the
-timeout (and every timeout after) the two readers, rank 0 and rank W/2 (`readers`: on two nodes whenever there are two,
-so a frozen reader is named by the other), read every other rank's record twice, in one `multi_get` each time, a window
-apart, and call it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long eval is
-not a hang. The window is 3 x CHECK_S plus twice the slowest store time the reader saw (its pass, its own last beat): a
-beat that waited behind a slow pass in the store's one queue still lands inside it, so a slow pass never makes a
-verdict. A record the store cannot give, even once retried, names no one. A reader's verdict (who stopped, where) is
-published as the job's first news under FAILED_KEY, which every rank reads anyway (below), and every rank acts on it:
-per check 2(W-1) keys per reader (W-1 more once, the first time, to see that every record exists), at most 6W in all,
-where every rank reading every record cost 4W^2 (16.8M keys at W=2048). A TCPStore client serialises its requests: a
-reader's beat waits for its one multi_get in flight at most, never for a pass. On a `step` overrun a reader judges at
-once, naming the frozen ranks or else those elsewhere; another rank waits one timeout more for that verdict, then reads
-the records itself (both readers frozen: a double failure, the one case that reads W^2).
+timeout (and every timeout after) the two readers, rank 0 and rank W/2 (hang_records.py: on two nodes whenever there
+are two, so a frozen reader is named by the other), read every other rank's record twice, in one `multi_get` each
+time, a window apart, and call it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or
+a long eval is not a hang. The window is 3 x CHECK_S plus twice the slowest store time the reader saw (its pass, its
+own last beat): a beat that waited behind a slow pass in the store's one queue still lands inside it, so a slow pass
+never makes a verdict. A record the store cannot give, even once retried, names no one. The backup, rank 3W/4 (a
+third node whenever there are three), reads the two readers' records the same way, and only if both stopped beating
+reads every record itself (`_check`): both readers frozen no longer leaves a slow phase without a verdict. A verdict
+(who stopped, where) is published as the job's first news under FAILED_KEY, which every rank reads anyway (below),
+and every rank acts on it: per check 2(W-1) keys per reader (W-1 more once, the first time, to see that every record
+exists) and 4 for the backup (2(W-1) more once both readers stopped), at most 8W in all, where every rank reading
+every record cost 4W^2 (16.8M keys at W=2048). A TCPStore client serialises its requests: a reader's beat waits for
+its one multi_get in flight at most, never for a pass. On a `step` overrun a reader judges at once, naming the frozen
+ranks or else those elsewhere; the backup waits one timeout more for that verdict, then judges itself (both readers
+frozen, or not in this step); every other rank only acts on a verdict (none at all, readers and backup gone: NCCL's
+collective timeout ends the job).
 
 On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
 torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt) and the collectives' flight records
@@ -77,6 +81,7 @@ from collections import deque
 from common.dist import worker_attempt
 from common.launcher import EXIT_ERROR, EXIT_FAILED, EXIT_HANG, tell_torchrun  # the launcher contract
 from finetune.flight_record import dump_flight_records, no_recorder_line
+from finetune.hang_records import ProgressRecords
 
 FAILED_KEY = "finetune/failed"  # the job's first failure: {"rank", "step", "phase", "error"}
 FAIL_GRACE_S = 3.0  # how long a rank waits to see whether it fails too before it exits on another's failure
@@ -113,7 +118,7 @@ def tell_launcher(line: str, frozen_hosts: list[str] = ()) -> None:
         print(f"warning: could not write the hang to {path} ({HANG_FILE_ENV}): {e}", file=sys.stderr, flush=True)
 
 
-class HangWatchdog:
+class HangWatchdog(ProgressRecords):
     """One per rank; `enter(phase, step)` from the training loop, `close()` when the loop is over."""
 
     def __init__(self, timeout: float | None, rank: int, world_size: int, run_dir: str, log, store,
@@ -129,7 +134,7 @@ class HangWatchdog:
         self._stop, self._signals = False, None  # (read, write) of the wakeup fd
         self._changed, self._wake = threading.Event(), threading.Event()  # the beat thread's; the watchdog thread's
         self._ended: dict | None = None  # FAILED_KEY's record once read: the first failure or hang never changes
-        self._all_published, self.beat_s = False, 0.0  # every peer's record seen once; the last beat's store time
+        self._seen, self.beat_s = set(), 0.0  # the ranks whose record exists; the last beat's store time
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
         self._beater = threading.Thread(target=self._beat_on, name="hang-beat", daemon=True)
 
@@ -143,12 +148,6 @@ class HangWatchdog:
             dog._beater.start()
             dog._thread.start()
         return dog
-
-    def readers(self) -> tuple[int, ...]:
-        """The ranks that read the other ranks' records: rank 0 and rank W/2 (on another node whenever there are
-        two), so that one frozen reader is named by the other. Every other rank reads none: it learns a verdict
-        from the key it looks at anyway (FAILED_KEY)."""
-        return tuple(sorted({0, self.world_size // 2})) if self.world_size > 1 else ()
 
     def _hear_signals(self) -> None:
         """Main thread: the signals that have a Python handler are written to a pipe the watchdog reads."""
@@ -277,7 +276,7 @@ class HangWatchdog:
             if failure and phase != "failed" and time.monotonic() - failure_seen >= FAIL_GRACE_S:
                 return self._failed_elsewhere(failure)
             if self._signalled():
-                frozen = [] if failure or not self.reads() else self._frozen_ranks()
+                frozen = [] if failure else self._check()
                 blocked = self.state == (phase, step, since)  # a preempted rank moves on meanwhile
                 if self._stop:  # the loop ended meanwhile: this rank is not blocked in a collective
                     return
@@ -292,16 +291,17 @@ class HangWatchdog:
             limit = self.timeout()
             waited = time.monotonic() - since
             if phase == "step" and limit is not None:
-                # a reader judges at once; another rank waits a timeout more for a reader's verdict (both readers
-                # frozen: it reads the records itself)
-                if waited > limit * (1 if self.reads() else 2):
+                # a reader judges at once; the backup a timeout later, if no reader's verdict came (both frozen, or
+                # in another phase); the others act on a verdict
+                due = 1 if self.reads() else 2 if self.rank == self.backup() else None
+                if due and waited > limit * due:
                     return self._hang(phase, step, since, limit)
                 continue
             limit = self._limit()
             periods = int(waited // limit)
-            if self.reads() and periods >= 1 and checked != (since, periods):
+            if self.watches() and periods >= 1 and checked != (since, periods):
                 checked = (since, periods)
-                frozen = self._frozen_ranks()
+                frozen = self._check()
                 if self._stop:  # the loop ended meanwhile (its peers' records may not say `done` yet)
                     return
                 if frozen:
@@ -311,9 +311,6 @@ class HangWatchdog:
         """The limit this rank holds its current phase to: the step limit, auto's floor before it is known."""
         limit = self.timeout()
         return limit if limit is not None else self._capped(AUTO_FLOOR_S)
-
-    def reads(self) -> bool:
-        return self.rank in self.readers()
 
     def _news(self) -> dict | None:
         """FAILED_KEY's record: the job's first failure, or a reader's verdict. One key per look until it exists,
@@ -380,69 +377,42 @@ class HangWatchdog:
         sys.stdout.flush()
         os._exit(EXIT_FAILED)
 
-    def _key(self, rank: int) -> str:
-        return f"finetune/progress/rank{rank}"
-
     def _beat(self) -> None:
         self.heartbeat += 1
         t0 = time.monotonic()
         self._publish()
         self.beat_s = time.monotonic() - t0  # how long the store took: a reader's window allows for it
 
-    def _publish(self) -> None:
-        phase, step, _ = self.state
-        record = {"step": step, "phase": phase, "heartbeat": self.heartbeat, **self.where}
-        try:
-            self.store.set(self._key(self.rank), json.dumps(record))
-        except Exception:  # noqa: BLE001 - the store gone (agent stopping): nothing left to watch for
-            pass
+    def _check(self) -> list[int]:
+        """This rank's part of a slow-phase or SIGTERM check, the frozen ranks it finds: a reader reads every
+        record; the backup the two readers' (4 keys), and every record only when both readers stopped beating
+        (their verdict would never come); any other rank nothing."""
+        if self.reads():
+            return self._frozen_ranks()
+        readers = list(self.readers())
+        if self.rank == self.backup() and self._frozen_ranks(readers) == readers:
+            return self._frozen_ranks()
+        return []
 
-    def _records(self) -> dict[int, dict] | None:
-        """The other ranks' records, in one multi_get of W-1 keys (a reader's, only when something already looks
-        wrong); None when the store could not be read, even once retried: an unread record is no frozen rank."""
-        others = [r for r in range(self.world_size) if r != self.rank]
-        for attempt in range(2):
-            try:
-                have = others if self._all_published else self._published(others)
-                return dict(zip(have, map(json.loads, self.store.multi_get([self._key(r) for r in have]))))
-            except Exception:  # noqa: BLE001 - the store busy or gone: once more, then no verdict
-                if attempt == 0:
-                    time.sleep(CHECK_S)
-        return None
-
-    def _published(self, ranks: list[int]) -> list[int]:
-        """The ranks with a record (a missing key would hold multi_get until the store's timeout): one `check` of
-        them all, one per rank only while some rank has not published yet (a slow start)."""
-        if self.store.check([self._key(r) for r in ranks]):
-            self._all_published = True
-            return ranks
-        return [r for r in ranks if self.store.check([self._key(r)])]
-
-    def _frozen_ranks(self) -> list[int]:
-        """Ranks whose heartbeat did not move over 3 x CHECK_S plus twice the slowest store time seen (this pass,
-        this rank's last beat): a beat that waited behind a slow pass in the store's queue still lands inside the
-        window. This rank excluded; their records in _last_records; [] when the store could not be read."""
+    def _frozen_ranks(self, ranks=None) -> list[int]:
+        """Those of `ranks` (None: every rank) whose heartbeat did not move over 3 x CHECK_S plus twice the slowest
+        store time seen (this pass, this rank's last beat): a beat that waited behind a slow pass in the store's
+        queue still lands inside the window. This rank excluded; their records in _last_records; [] when the store
+        could not be read."""
+        ranks = [r for r in (range(self.world_size) if ranks is None else ranks) if r != self.rank]
         t0 = time.monotonic()
-        before = self._records()
+        before = self._records(ranks)
         if before is None:
             return []
         time.sleep(3 * CHECK_S + 2 * max(time.monotonic() - t0, self.beat_s))
-        after = self._records()
+        after = self._records(ranks)
         if after is None:
             return []
-        frozen = [r for r in range(self.world_size) if r != self.rank and
+        frozen = [r for r in ranks if
                   (r not in after or r not in before or after[r]["heartbeat"] == before[r]["heartbeat"])
                   and not (r in after and after[r]["phase"] == "done")]
         self._last_records = after
         return frozen
-
-    def _stuck_ranks(self, frozen: list[int], my_step: int) -> list[int]:
-        """Ranks to name when a `step` phase overran: the frozen ones; else those not in this step's collectives
-        (another step or phase); else every rank (all wait on each other: a deadlock)."""
-        if frozen:
-            return frozen
-        elsewhere = [r for r, rec in self._last_records.items() if (rec["step"], rec["phase"]) != (my_step, "step")]
-        return elsewhere or list(range(self.world_size))
 
     def _hang(self, phase: str, step: int, since: float, limit: float, verdict: dict | None = None) -> None:
         """A hang: `verdict` a reader's; None: this rank judges (reading the records) and tells the others."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 import finetune.flight_record
 import finetune.hang
+import finetune.hang_records
 from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
 from finetune.flight_record import FLIGHT_ENV, keep_nccl_flight_record
 from finetune.hang import AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, HANG_FILE_ENV, HangWatchdog, parse_hang_timeout
@@ -63,6 +64,27 @@ def test_a_frozen_rank_is_named_and_the_restarted_job_ends_bit_for_bit(tmp_path)
         record["pg_status"]  # a collective rank 0 entered and never left
     assert [e["tier"] for e in events(b, "resume")] == ["memory"]
     assert losses(b) == losses(tmp_path / "a") and sorted(losses(b)) == list(range(1, 11))
+
+
+def test_both_readers_frozen_during_a_save_end_the_job_with_76_naming_them(tmp_path):
+    """Issue 56: at W=4 the readers are ranks 0 and 2; both stop (SIGSTOP) as they start writing step 3's save
+    (ckpt.async_mode=off: in the checkpoint phase), ranks 1 and 3 wait for them in DCP's finish. The backup, rank 3,
+    sees the readers' heartbeats stopped, reads every record and names them: the job ends 76 within the timeout
+    plus a minute. Before, nobody read: ranks 1 and 3 waited for the checkpoint collective's timeout."""
+    run, frozen = tmp_path / "run", [tmp_path / "frozen0", tmp_path / "frozen2"]
+    fault = ";".join(f"stop@write:3,rank={r},file={f}" for r, f in zip((0, 2), frozen))
+    proc = run_train(run, 4, ["train.max_steps=6", "ckpt.interval=3", "ckpt.async_mode=off",
+                              "train.hang_timeout=10"], env={"CKPT_FAULT": fault}, check=False, timeout=240)
+    ended = time.time()
+    assert all(f.exists() for f in frozen), proc.stderr[-3000:]
+    assert ended - min(map(os.path.getmtime, frozen)) < 10 + 60, "the verdict took longer than the timeout + 1 min"
+    said = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: hang:")]
+    host = socket.gethostname()
+    assert len(said) == 1 and (f"rank 0 on {host}: step 3, phase checkpoint; rank 2 on {host}: step 3, phase "
+                               "checkpoint;") in said[0], proc.stderr[-3000:]
+    [hang] = events(run, "hang")
+    assert (hang["ranks"], hang["phase"], hang["exit_code"], hang["detected_by"]) == ([0, 2], "checkpoint", 76, 1)
+    # torchrun's summary names the first worker it saw end: a frozen rank the verdict SIGKILLed, or a 76
 
 
 def test_a_failing_rank_is_named_with_its_error_not_called_a_hang(tmp_path):
@@ -403,6 +425,7 @@ def test_a_store_that_is_gone_is_no_failure_and_no_frozen_rank(monkeypatch):
     more, then no verdict: an unread record is no frozen rank), and its own publishing does not raise (torchrun
     ends the rank)."""
     monkeypatch.setattr(finetune.hang, "CHECK_S", 0.01)
+    monkeypatch.setattr(finetune.hang_records, "RETRY_S", 0.01)
     def gone(*_):
         raise RuntimeError("Connection reset by peer")
     dog = HangWatchdog(5.0, 0, 2, "unused", None, SimpleNamespace(check=gone, get=gone, set=gone, multi_get=gone))
@@ -445,14 +468,15 @@ class CountingStore:
         return self._served([], lambda: self.store.add(key, value))
 
 
-def watchdogs(store, world_size: int, run_dir, frozen=(), timeout: float = 0.5, overran: float = 0.6):
-    """W watchdogs in a checkpoint phase that began `overran` seconds ago, their beat and watchdog threads running
-    (no signal pipe: one process); the ranks in `frozen` have a record but never beat again."""
+def watchdogs(store, world_size: int, run_dir, frozen=(), timeout: float = 0.5, overran: float = 0.6,
+              phase: str = "checkpoint"):
+    """W watchdogs in `phase` that began `overran` seconds ago, their beat and watchdog threads running (no signal
+    pipe: one process); the ranks in `frozen` have a record but never beat again."""
     log = SimpleNamespace(event_from_any_rank=lambda name, **kw: None)
     dogs = [HangWatchdog(timeout, r, world_size, str(run_dir), log, store) for r in range(world_size)]
     for dog in dogs:
         dog.where["pid"] = NO_SUCH_PID
-        dog.state = ("checkpoint", 3, time.monotonic() - overran)
+        dog.state = (phase, 3, time.monotonic() - overran)
         dog._publish()
     for dog in dogs:
         if dog.rank not in frozen:
@@ -523,6 +547,44 @@ def test_a_frozen_rank_is_still_named_through_a_slow_store(monkeypatch, exits_ra
     assert store.records_read <= 8 * 4
 
 
+def until_every_live_watchdog_ended(dogs, frozen, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(d._thread.is_alive() for d in dogs if d.rank not in frozen):
+        time.sleep(0.1)
+    stop(dogs)
+
+
+@pytest.mark.quick
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the threads' SystemExit(76)
+def test_both_readers_frozen_in_a_slow_phase_are_named_by_the_backup(monkeypatch, exits_raise, tmp_path):
+    """Issue 56: ranks 0 and 2, the readers at W=4, stop during a save that overran: the backup (rank 3) sees both
+    readers' heartbeats still (4 keys a check), reads every record and names them; every live rank exits 76. Before,
+    nobody read: no verdict, only the collective's timeout."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.05)
+    store = CountingStore()
+    dogs = watchdogs(store, 4, tmp_path, frozen=(0, 2), timeout=3.0, overran=3.1)
+    until_every_live_watchdog_ended(dogs, (0, 2))
+    news = verdict_of(store)
+    assert news and news["verdict"]["frozen"] == [0, 2] and news["verdict"]["by"] == 3, news
+    assert sorted(os.listdir(tmp_path / "hang")) == ["flight-attempt0", "rank1-attempt0.txt", "rank3-attempt0.txt"]
+    assert store.records_read <= 8 * 4
+
+
+@pytest.mark.quick
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the threads' SystemExit(76)
+def test_a_step_overrun_with_both_readers_frozen_is_judged_by_the_backup_alone(monkeypatch, exits_raise, tmp_path):
+    """A `step` overrun at W=6 with the readers (0, 3) frozen: the backup (rank 4) judges a timeout later, reading
+    the records once (3(W-1) keys: the first `check` and two passes); ranks 1, 2 and 5 read none (each of them read
+    every record, W^2 in all, before)."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.05)
+    store, w = CountingStore(), 6
+    dogs = watchdogs(store, w, tmp_path, frozen=(0, 3), timeout=1.0, overran=1.1, phase="step")
+    until_every_live_watchdog_ended(dogs, (0, 3))
+    news = verdict_of(store)
+    assert news and news["verdict"]["frozen"] == [0, 3] and news["verdict"]["by"] == 4, news
+    assert store.records_read == 3 * (w - 1), store.records_read
+
+
 @pytest.mark.quick
 def test_a_closed_watchdog_says_done_after_its_last_beat(monkeypatch):
     """close() from the main thread while the beat thread publishes the phase before: `done` is the record that
@@ -541,3 +603,4 @@ def test_a_closed_watchdog_says_done_after_its_last_beat(monkeypatch):
     dog.close()
     time.sleep(0.3)
     assert json.loads(store.store.get(dog._key(1)))["phase"] == "done"
+
