@@ -3,6 +3,7 @@ hang watchdog's beat thread waits for the GIL while rank 0 plans and finishes a 
 
     python bench/scale_beat.py --worlds 64,256 --out bench/results/scale_beat.json   # ~10 min on 2 busy cores
     python bench/scale_beat.py --worlds 8 --out /tmp/b.json                           # a smoke, seconds
+    python bench/scale_beat.py --collector paused --worlds 64 --out bench/results/scale_beat-paused.json
 
 In `ckpt.async_mode=thread` (and `off`) DCP's coordinator runs in the training process, beside the watchdog's beat
 thread (finetune/hang.py), which needs the GIL to publish rank 0's record. A reader calls a rank frozen when its
@@ -14,7 +15,9 @@ shards): rank 0's part of DCP's plan gather (unpickle W local plans), the projec
 create_global_plan (first save: no cache), the scatter (pickle W global plans), the write results' gather (unpickle
 W lists), the project's CheckpointWriter.finish (.metadata and its index, ckpt/checksum.py, into a temporary
 folder), DCP's broadcast of the returned metadata, and a full gc.collect() with the plan cache alive (a gen-2
-collection the training process may run at any time after it). Meanwhile a real HangWatchdog (rank 0 of W,
+collection the training process may run at any time after it). `--collector paused`: the save as ckpt/saver.py runs
+it now, the collector paused on the coordinator from the save's start to its end and what it leaves frozen
+(ckpt/collector.py). Meanwhile a real HangWatchdog (rank 0 of W,
 CHECK_S 1 s, on a HashStore that notes when each beat lands) beats, and a probe thread wakes every 5 ms.
 
 Per phase: wall seconds, the longest probe gap (the longest the GIL was out of reach, scheduling by the loaded
@@ -40,6 +43,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import provenance  # noqa: E402 - bench/provenance.py, beside this script
 import scale_coord  # noqa: E402 - its 70B shapes and local save plans
+from ckpt import collector  # noqa: E402
 
 PROBE_S = 0.005
 
@@ -112,13 +116,15 @@ def write_results(global_plans):
     return out
 
 
-def coordinator(world: int, ckpt_dir: str):
+def coordinator(world: int, ckpt_dir: str, paused: bool):
     """Rank 0's save-side work, phase by phase: yields (phase, callable) so each is timed on its own."""
     from ckpt.uploader import CheckpointWriter, save_planner
     tensors = scale_coord.sharded("70B")
     blobs = [pickle.dumps(p) for p in scale_coord.local_save_plans(tensors, world)]  # what each rank sends
     gc.collect()
     state = {}
+    if paused:
+        yield "save starts: collector paused", lambda: state.update(until=collector.paused_until(True))
     yield "gather local plans (unpickle W)", lambda: state.update(plans=[pickle.loads(b) for b in blobs])
     planner = save_planner(ckpt_dir, None)
     yield "create_global_plan (first save)", lambda: state.update(
@@ -131,11 +137,13 @@ def coordinator(world: int, ckpt_dir: str):
     writer.set_up_storage_writer(True)
     yield "finish: .metadata and its index", lambda: writer.finish(state["metadata"], state["results"])
     yield "broadcast the returned metadata", lambda: pickle.loads(pickle.dumps(state["metadata"]))
+    if paused:
+        yield "save ends: collector enabled, what is alive frozen", lambda: state.pop("until")(None)
     yield "gc.collect() with the plan cache alive", gc.collect
     yield "free the save's objects", state.clear
 
 
-def run_world(world: int) -> list[dict]:
+def run_world(world: int, paused: bool) -> list[dict]:
     import finetune.hang as hang
     beats = BeatTimes()
     dog = hang.HangWatchdog(600.0, 0, world, "unused", None, beats)
@@ -146,7 +154,7 @@ def run_world(world: int) -> list[dict]:
     probe.thread.start()
     rows = []
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        for phase, work in coordinator(world, ckpt_dir):
+        for phase, work in coordinator(world, ckpt_dir, paused):
             time.sleep(2 * hang.CHECK_S)  # a beat before the phase
             probe.reset()
             pauses.longest = 0.0
@@ -156,12 +164,13 @@ def run_world(world: int) -> list[dict]:
             time.sleep(2 * hang.CHECK_S)  # the beat after it
             landed = beats.landed[max(0, start - 1):]
             gaps = [b - a for a, b in zip(landed, landed[1:])]
-            rows.append({"W": world, "phase": phase, "seconds": round(t1 - t0, 3), "cpu_s": round(cpu1 - cpu0, 3),
+            rows.append({"W": world, "collector": "paused" if paused else "on", "phase": phase, "seconds": round(t1 - t0, 3), "cpu_s": round(cpu1 - cpu0, 3),
                          "probe_gap_s": round(probe.gap, 3), "probe_gap_cpu_s": round(probe.gap_cpu, 3),
                          "gc2_longest_s": round(pauses.longest, 3), "beat_gap_s": round(max(gaps, default=0), 3)})
             print(json.dumps(rows[-1]), flush=True)
     probe.stop = True
     dog.close()
+    gc.unfreeze()
     gc.callbacks.remove(pauses._callback)
     return rows
 
@@ -169,16 +178,18 @@ def run_world(world: int) -> list[dict]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="64,256")
+    p.add_argument("--collector", choices=("on", "paused"), default="on",
+                   help="on: Python's collector as it was; paused: as ckpt/saver.py runs the coordinator's save now")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "scale_beat.json"))
     args = p.parse_args(argv)
     started = provenance.start(argv)
     rows = []
     for world in map(int, args.worlds.split(",")):
-        rows += run_world(world)
+        rows += run_world(world, args.collector == "paused")
         gc.collect()
     import finetune.hang as hang
     name = os.path.basename(args.out).removesuffix(".json")
-    provenance.record({"rows": rows, "model": "70B", "check_s": hang.CHECK_S, "probe_s": PROBE_S,
+    provenance.record({"rows": rows, "model": "70B", "collector": args.collector, "check_s": hang.CHECK_S, "probe_s": PROBE_S,
                        "tensors": len(scale_coord.sharded("70B"))}, name, os.path.dirname(os.path.abspath(args.out)),
                       started)
 

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 
+from . import collector
 from .errors import SAVE_ERRORS, save_failure
 from .faults import fault_at
 from .retention import clear_stale
@@ -56,7 +57,9 @@ def write_sync(state: dict, path: str, step: int, pg, ckpt_dir: str) -> Metadata
     """Every rank: write its shards of `state` (checksummed as written) and return DCP's metadata, which carries
     every rank's file digests for the marker."""
     try:
-        return dcp.save(state, storage_writer=CheckpointWriter(path, step), process_group=pg, planner=save_planner(ckpt_dir, pg))
+        with collector.paused(collector.coordinates(pg)):  # the coordinator's GC pauses would stop its heartbeat
+            return dcp.save(state, storage_writer=CheckpointWriter(path, step), process_group=pg,
+                            planner=save_planner(ckpt_dir, pg))
     except SAVE_ERRORS as e:
         raise save_failure(e, ckpt_dir, f"checkpoint {path}") from e
 
@@ -131,14 +134,20 @@ def start_async(state: dict, path: str, step: int, pg, stager: AsyncStager, asyn
     kind = AsyncCheckpointerType.PROCESS if async_mode == "process" else AsyncCheckpointerType.THREAD
     recorded = _Recorded(stager)
     wait_for_state_writes()
+    # thread mode: the coordinator plans in this process, its GC pauses would stop the heartbeat (collector.py)
+    resumed = collector.paused_until(async_mode == "thread" and collector.coordinates(pg))
     try:
         with preemption_signals_blocked(), uploader_store(pg) if async_mode == "process" else nullcontext():
             resp = dcp.async_save(state, storage_writer=writer(path, step, upload_nice), process_group=pg,
                                   async_stager=recorded, planner=save_planner(ckpt_dir, pg, writer.dedup_to_lowest_rank),
                                   async_checkpointer_type=kind)
-    except SAVE_ERRORS as e:  # staging: process mode copies into shared memory (/dev/shm)
+    except BaseException as e:
+        resumed(None)
+        if not isinstance(e, SAVE_ERRORS):
+            raise
         raise save_failure(e, "/dev/shm" if async_mode == "process" else ckpt_dir,
                            f"the staged copy of checkpoint {path}") from e
+    resumed(resp.upload_completion if isinstance(resp, AsyncSaveResponse) else resp)
     if isinstance(resp, AsyncSaveResponse):  # staging runs in the background (CUDA)
         return resp.upload_completion, StagingWait(resp.staging_completion, recorded.staged)
     return resp, StagingWait(None, recorded.staged)

@@ -12,6 +12,8 @@ on a store the test writes (quick tier): a save overrun beside a frozen peer, a 
 whom an overrun names, the kill of a frozen rank on this host, a store that is gone.
 """
 
+import concurrent.futures
+import gc
 import json
 import os
 import pickle
@@ -26,9 +28,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import ckpt.checksum
 import finetune.flight_record
 import finetune.hang
 import finetune.hang_records
+from ckpt import collector, saver
 from conftest import FAST, ROOT, events, kill_workers, losses, run_train, token_cache, train_cmd
 from finetune.flight_record import FLIGHT_ENV, keep_nccl_flight_record
 from finetune.hang import AUTO_FLOOR_S, CAP_SHARE, EXIT_FAILED, EXIT_HANG, HANG_FILE_ENV, HangWatchdog, parse_hang_timeout
@@ -604,3 +608,31 @@ def test_a_closed_watchdog_says_done_after_its_last_beat(monkeypatch):
     time.sleep(0.3)
     assert json.loads(store.store.get(dog._key(1)))["phase"] == "done"
 
+
+@pytest.mark.quick
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # a save in one process, no group
+def test_the_coordinators_save_runs_without_the_collector_and_freezes_what_it_leaves(tmp_path, monkeypatch):
+    """Issue 56 (b): a full collection over DCP's plans and Metadata held the GIL 2.9 CPU-seconds at the 70B shape and
+    W=64 (bench/scale_beat.py), long enough for a reader to call the coordinator frozen. Its save now runs with the
+    collector paused (its finish is the coordinator's last step), and what it leaves alive is frozen; the collector
+    is enabled again after, and also after a save that failed to start."""
+    seen = []
+    finish = ckpt.checksum.ChecksummingWriter.finish
+    def watched(self, metadata, results):
+        seen.append(gc.isenabled())
+        return finish(self, metadata, results)
+    monkeypatch.setattr(ckpt.checksum.ChecksummingWriter, "finish", watched)
+    frozen = gc.get_freeze_count()
+    try:
+        saver.write_sync({"w": torch.zeros(4)}, str(tmp_path / "step-1"), 1, None, str(tmp_path))
+        assert seen == [False] and gc.isenabled() and gc.get_freeze_count() > frozen
+        upload = concurrent.futures.Future()
+        collector.paused_until(True)(upload)  # thread mode: until the upload is done
+        assert not gc.isenabled()
+        upload.set_result(None)
+        assert gc.isenabled()
+        collector.paused_until(True)(None)  # the save did not start
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
