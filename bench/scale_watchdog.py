@@ -20,6 +20,8 @@ Cases, per W (the CHECK_S cadence, 1 s, is real; the hang timeout is compressed,
   does), every rank alive: key operations, and no exit.
 - frozen: rank W-3 (no reader) stops (its threads end, its record stays) at the start of a save: the verdict
   names it, every other rank acts on it (exit 76); seconds from the timeout to the last rank's exit.
+- readers frozen: both readers (ranks 0 and W/2) stop at the start of a save: the backup (rank 3W/4) sees it in
+  the readers' records, reads every record and names them; seconds as in `frozen`.
 
 Writes {"rows": [...], "provenance": {...}} to --out (default bench/results/scale_watchdog.json; each run also
 under <out's folder>/runs/<name>/, bench/provenance.py). A row: path, when, formula, W, N (8 ranks a node),
@@ -127,7 +129,7 @@ def worker(host: str, port: int, ranks: list[int], world: int, conn, run_dir: st
         before = {r: (s.ops, s.bytes, s.records) for r, s in stores.items()}
         for dog in dogs:
             dog.state = (phase, 1, time.monotonic())
-            if dog.rank == frozen:
+            if dog.rank in frozen:
                 continue  # SIGSTOP at the save's start: it beats no more; its record stays as it was
             for t in (dog._beater, dog._thread):
                 t.rank = dog.rank
@@ -181,8 +183,9 @@ def run_world(world: int, processes: int, run_dir: str) -> list[dict]:
                            wait_for_workers=False)
     for c in pipes:
         assert c.recv() == "ready"
-    cases = [("steady", 600.0, STEADY_S, None), ("slow save", TIMEOUT_S, TIMEOUT_S * SAVE_PERIODS + 1, None),
-             ("sigterm", 600.0, 6.0, None), ("frozen", TIMEOUT_S, TIMEOUT_S + 20.0, world - 3)]
+    cases = [("steady", 600.0, STEADY_S, ()), ("slow save", TIMEOUT_S, TIMEOUT_S * SAVE_PERIODS + 1, ()),
+             ("sigterm", 600.0, 6.0, ()), ("frozen", TIMEOUT_S, TIMEOUT_S + 20.0, (world - 3,)),
+             ("readers frozen", TIMEOUT_S, TIMEOUT_S + 30.0, (0, world // 2))]
     out = {}
     for n, (name, timeout, seconds, frozen) in enumerate(cases):
         for c in pipes:
@@ -243,7 +246,8 @@ def rows_of(world: int, out: dict) -> list[dict]:
     steady_rate = {r: steady["ops"][r] / steady["seconds"] for r in steady["ops"]}
     save_ok = save["verdict"] is None and not save["ended"]
     rows.append(per_check(row("hang watchdog: slow-phase check", "per check (each timeout a save or eval overruns)",
-                              "<= 6W keys per check: 2 readers x 2 multi_get of W-1 (W-1 more once); others 0",
+                              "<= 8W keys per check: 2 readers x 2 multi_get of W-1 (W-1 more once), the backup "
+                              "2 x 2 (its readers'); others 0",
                               world, save["ops"], save["bytes"], save["seconds"],
                               f"a save {SAVE_PERIODS} timeouts long (timeout compressed to {TIMEOUT_S:g} s: 10 min at "
                               f"auto's 60 s floor is 10 periods); its key ops less the steady rate, per check; "
@@ -252,7 +256,7 @@ def rows_of(world: int, out: dict) -> list[dict]:
                           save, steady, steady_rate, SAVE_PERIODS, world))
     term_ok = term["verdict"] is None and not term["ended"]
     rows.append(per_check(row("hang watchdog: SIGTERM to all", "at each SIGTERM (every preemption)",
-                              "2 readers x 2 multi_get of W-1: ~4W keys; others 0", world, term["ops"], term["bytes"],
+                              "2 readers x 2 multi_get of W-1 + the backup's 4: ~4W keys; others 0", world, term["ops"], term["bytes"],
                               term["seconds"], f"every rank signalled at once, all alive; "
                               f"{'no exit, no verdict' if term_ok else 'WRONG: ' + summary(term)}"),
                           term, steady, steady_rate, 1, world))
@@ -268,6 +272,19 @@ def rows_of(world: int, out: dict) -> list[dict]:
                               f"{exits.count(76)} of {world - 1} live ranks exited 76; seconds: from the timeout to "
                               f"the last rank's exit"),
                           frozen, steady, steady_rate, 1, world, seconds=frozen["seconds"]))
+    both = out["readers frozen"]
+    v, readers = both["verdict"], sorted({0, world // 2})
+    named = bool(v) and v["frozen"] == readers
+    exits = [code for code, _ in both["ended"].values()]
+    last = max((when for _, when in both["ended"].values()), default=None)
+    rows.append(per_check(row("hang watchdog: both readers frozen", "once, at the hang",
+                              "the backup: 4 keys per check, then ~3W once (every record) + W gets of the verdict",
+                              world, both["ops"], both["bytes"], None if last is None else last - TIMEOUT_S,
+                              f"ranks {readers} (the readers) stopped at the save's start, timeout {TIMEOUT_S:g} s: "
+                              f"{'named' if named else 'NOT NAMED'} by rank {v and v['by']}; "
+                              f"{exits.count(76)} of {world - 2} live ranks exited 76; seconds: from the timeout to "
+                              f"the last rank's exit"),
+                          both, steady, steady_rate, 1, world, seconds=both["seconds"]))
     return rows
 
 
