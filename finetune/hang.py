@@ -13,22 +13,23 @@ before. Why the store and not a file in run.dir: the store is reachable from eve
 
 The rule, on each rank: a `step` phase (a training step and its log line) lasting longer than the timeout is a hang.
 Every other phase (startup and the first steps under `auto`, eval, checkpoint) may legitimately take long: past the
-timeout (and every timeout after) the two readers, rank 0 and rank W/2 (hang_records.py: on two nodes whenever there
-are two, so a frozen reader is named by the other), read every other rank's record twice, in one `multi_get` each
-time, a window apart, and call it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or
-a long eval is not a hang. The window is 3 x CHECK_S plus twice the slowest store time the reader saw (its pass, its
-own last beat): a beat that waited behind a slow pass in the store's one queue still lands inside it, so a slow pass
-never makes a verdict. A record the store cannot give, even once retried, names no one. The backup, rank 3W/4 (a
-third node whenever there are three), reads the two readers' records the same way, and only if both stopped beating
-reads every record itself (`_check`): both readers frozen no longer leaves a slow phase without a verdict. A verdict
-(who stopped, where) is published as the job's first news under FAILED_KEY, which every rank reads anyway (below),
-and every rank acts on it: per check 2(W-1) keys per reader (W-1 more once, the first time, to see that every record
-exists) and 4 for the backup (2(W-1) more once both readers stopped), at most 8W in all, where every rank reading
-every record cost 4W^2 (16.8M keys at W=2048). A TCPStore client serialises its requests: a reader's beat waits for
-its one multi_get in flight at most, never for a pass. On a `step` overrun a reader judges at once, naming the frozen
-ranks or else those elsewhere; the backup waits one timeout more for that verdict, then judges itself (both readers
-frozen, or not in this step); every other rank only acts on a verdict (none at all, readers and backup gone: NCCL's
-collective timeout ends the job).
+timeout (and every timeout after) the two readers, rank 0 and rank W/2 (hang_records.py: on two nodes whenever there are
+two, so a frozen reader is named by the other), read every other rank's record twice, in one `multi_get` each time, a
+window apart, and call it a hang only if a rank's heartbeat stopped (SIGSTOP, a dead machine): a slow save or a long
+eval is not a hang. The window is 3 x CHECK_S plus twice the slowest store time the reader saw (its pass, its own last
+beat): a beat that waited behind a slow pass in the store's one queue still lands inside it, so a slow pass never makes
+a verdict. A record the store cannot give, even once retried, names no one. The backup, rank 3W/4 (a third node whenever
+there are three), reads the two readers' records the same way, and only if both stopped beating reads every record
+itself (`_check`): both readers frozen no longer leaves a slow phase without a verdict. A verdict (who stopped, where)
+is published as the job's first news under FAILED_KEY, which every rank reads anyway (below), and every rank acts on it:
+per check 2(W-1) keys per reader (W-1 more once, the first time, to see that every record exists) and 4 for the backup
+(2(W-1) more once both readers stopped), at most 8W in all, where every rank reading every record cost 4W^2 (16.8M keys
+at W=2048). A TCPStore client serialises its requests: a reader's beat waits for its one multi_get in flight at most,
+never for a pass. A beat also needs the GIL: a C call holding it longer than about 2 x CHECK_S stops the beat as SIGSTOP
+would (Python's full collections over DCP's plans on the coordinator: seconds at W=64; ckpt/collector.py keeps them out
+of its saves). On a `step` overrun a reader judges at once, naming the frozen ranks or else those elsewhere; the backup
+waits one timeout more for that verdict, then judges itself (both readers frozen, or not in this step); every other rank
+only acts on a verdict (none at all, readers and backup gone: NCCL's collective timeout ends the job).
 
 On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
 torchrun's restarts and SLURM's requeues: common/dist.py worker_attempt) and the collectives' flight records
