@@ -65,6 +65,19 @@ FIGURES = [
            [("rows.1.records_read_total", ",.0f"), ("rows.1.records_read_per_W", ".1f")]),
           ("no verdict; {} at a SIGTERM to every rank", [("rows.2.records_read_total", ",.0f")]),
           ("had exited 76 {} s after the timeout", [("rows.3.seconds", ".1f")]))],
+    # reliability.md: rank 0's beat during the DCP coordinator's work at 70B (bench/scale_beat.py)
+    ("docs/reliability.md", "took {} CPU-seconds at W=64 and {} at W=256, growing with the objects (T x W), so about "
+     "8 x {} = ~{} CPU-seconds at W=2048; on this loaded 2-core machine rank 0's beats were up to {} s apart",
+     [("scale_beat.json", "rows.6.probe_gap_cpu_s", ".2f"), *each("scale_beat.json", ".1f", "rows.14.probe_gap_cpu_s",
+                                                                   "rows.14.probe_gap_cpu_s"),
+      ("scale_beat.json", "rows.14.probe_gap_cpu_s / 0.125", ".0f"), ("scale_beat.json", "rows.14.beat_gap_s", ".1f")]),
+    ("docs/reliability.md", "a full one after it takes {} s at W=256; the longest GIL hold left is in the save's "
+     "finish (`.metadata` and its index): {} CPU-seconds at W=64 and {} at W=256. That one grows with W too: about "
+     "8 x {} = ~{} CPU-seconds at W=2048",
+     [("scale_beat-paused.json", "rows.18.gc2_longest_s", ".3f"), ("scale_beat-paused.json", "rows.5.probe_gap_cpu_s",
+                                                                    ".2f"),
+      *each("scale_beat-paused.json", ".2f", "rows.15.probe_gap_cpu_s", "rows.15.probe_gap_cpu_s"),
+      ("scale_beat-paused.json", "rows.15.probe_gap_cpu_s / 0.125", ".1f")]),
     # testing.md: line coverage before issue 48's changes and now, one results file (bench/test_suite.py --before)
     *[("docs/testing.md", f"| {p} | {{}} / {{}} | {{}} | {{}} / {{}} | {{}} |",
        [("test_suite.json", f"{side}coverage.{p}.{k}", fmt) for side in ("coverage_before.", "")
