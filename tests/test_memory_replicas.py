@@ -59,7 +59,8 @@ def run_nodes(run_dir, nodes: int, overrides: list[str] = (), faults: list[str] 
     for attempt in range(3):
         port = free_port()
         agents = [start_python(node_cmd(nodes, i, port, [*args, f"ckpt.memory_dir={mem(run_dir, i)}"])[1:],
-                               {"CKPT_FAULT": (faults or [""] * nodes)[i], **(env or {})}, ROOT, forked=True)
+                               {"CKPT_FAULT": (faults or [""] * nodes)[i], **(env or {})}, ROOT,
+                               forked=env is None)  # a sitecustomize in `env` runs only in exec'd processes
                   for i in range(nodes)]
         side = threading.Thread(target=killer, args=(agents,), daemon=True) if killer else None
         if side:
@@ -138,7 +139,7 @@ def _hook(event, args):
     mode, flags = args[1], args[2]
     if (isinstance(mode, str) and "r" in mode and "+" not in mode) or (mode is None and not flags & (os.O_WRONLY | os.O_RDWR)):
         with open(os.path.join(_out, f"rank{_rank}"), "a") as f:
-            f.write(str(args[0]) + "\n")
+            f.write(str(args[0]) + "\\n")
 if _rank is not None and _out:
     sys.addaudithook(_hook)
 """
