@@ -153,9 +153,8 @@ class ChecksummingWriter(FileSystemWriter):
     rank 0's finish writes .metadata (unchanged: the plain Metadata), then puts the digests, as
     `metadata.file_digests`, on the Metadata that DCP returns from dcp.save / the async upload future, in the
     training process whichever thread or process uploaded, and makes it a `SavedMetadata`: the other ranks
-    receive an empty one. `shares_metadata` (the memory tier, whose every rank needs the digests and whose
-    node leaders write .metadata): every rank receives all of it, as DCP does."""
-    shares_metadata = False
+    receive an empty one (the memory tier's too: its rank 0 hands each rank the digests it needs,
+    memory_tier/replicate.py)."""
 
     def __init__(self, path: str, inner_fs: FileSystem | None = None, **writer_options):
         # The backend says whether DCP must fsync each file: an object is durable once its PUT (the stream's
@@ -183,16 +182,14 @@ class ChecksummingWriter(FileSystemWriter):
         else:
             self._finish_without_rename(metadata, results)
         metadata.file_digests = {name: d for r in results for name, d in getattr(r, "digests", {}).items()}
-        if not self.shares_metadata:
-            metadata.file_digests.update(self._write_index(metadata, len(results)))
-            metadata.data_files = data_files(metadata)
-            metadata.__class__ = SavedMetadata
+        metadata.file_digests.update(self._write_index(metadata, len(results)))
+        metadata.data_files = data_files(metadata)
+        metadata.__class__ = SavedMetadata
 
     def _write_index(self, metadata, world_size: int) -> dict[str, dict]:
         """The coordinator: the index of .metadata (metadata_index.py), one bucket per node's ranks (torchrun's
         LOCAL_WORLD_SIZE; 8 without it), durable like .metadata. Returns the index files' digests."""
-        ranks_per_bucket = int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
-        for name, data in metadata_index.build(metadata, world_size, ranks_per_bucket).items():
+        for name, data in metadata_index.build(metadata, world_size, metadata_index.ranks_per_bucket()).items():
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
                 f.write(data)
                 if self.sync_files:

@@ -46,13 +46,14 @@ def referenced_files(metadata) -> set[str]:
 
 
 def build_manifest(ckpt_path: str, digests: dict[str, dict], metadata, own_files: list[str]) -> dict[str, dict]:
-    """Every rank's data-file digests, plus .metadata and `own_files` (small files this rank wrote), hashed here."""
+    """Every rank's data-file digests, plus .metadata and `own_files` (small files this rank wrote), hashed here
+    unless `digests` has them (a memory-tier node without .metadata: rank 0 hashed it, memory_tier/replicate.py)."""
     unreported = sorted(referenced_files(metadata) - set(digests))
     if unreported:
         raise VerifyError(f"{ckpt_path}: no rank reported a checksum for {', '.join(unreported[:4])}; "
                           "refusing to commit")
     files, store = dict(digests), storage_for(ckpt_path)
-    for name in (METADATA_FILE, *own_files):
+    for name in (n for n in (METADATA_FILE, *own_files) if n not in digests):
         full = join(ckpt_path, name)
         if not store.exists(full):
             raise VerifyError(f"{full}: missing after save; refusing to commit")
@@ -219,14 +220,33 @@ def verify_checkpoint(ckpt_path: str, jobs: int = 1) -> dict:
     """The full check in one process: manifest, then every file's size and checksum, then that the metadata index
     says what the intact .metadata says. Returns the marker; raises VerifyError naming the first bad file."""
     marker = check_marker(ckpt_path)
+    held = held_files(marker)
     # .metadata and the index's top intact before they are read, as resume checks what it reads (resume.py)
-    problem = check_files(ckpt_path, marker, [n for n in (METADATA_FILE, metadata_index.INDEX) if n in marker["files"]])
+    problem = check_files(ckpt_path, marker, [n for n in (METADATA_FILE, metadata_index.INDEX) if n in held])
     if problem:
         raise VerifyError(problem)
-    metadata = check_references(ckpt_path, marker)
+    metadata = check_references(ckpt_path, marker) if METADATA_FILE in held else check_index_references(ckpt_path,
+                                                                                                          marker)
     check_listing(ckpt_path, marker)
-    problem = check_files(ckpt_path, marker, held_files(marker), jobs)
+    problem = check_files(ckpt_path, marker, held, jobs)
     if problem:
         raise VerifyError(problem)
-    check_index(ckpt_path, marker, metadata)
+    if metadata is not None:
+        check_index(ckpt_path, marker, metadata)
     return marker
+
+
+def check_index_references(ckpt_path: str, marker: dict) -> None:
+    """A memory-tier node's folder without .metadata (docs/memory-tier.md): every file the index files it holds
+    reference is in the manifest (what they say is checked against .metadata in node 0's folder). Raises
+    VerifyError."""
+    store, held = storage_for(ckpt_path), held_files(marker)
+    try:
+        md = metadata_index.read_index(ckpt_path, lambda name: store.read(join(ckpt_path, name)), marker["files"])
+        for name in held:
+            if metadata_index.bucket_of(name) is not None:
+                metadata_index.add_bucket(md, name)
+    except metadata_index.MetadataIndexError as e:
+        raise VerifyError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - missing, torn or not a pickle: the same verdict
+        raise VerifyError(f"{ckpt_path}: its metadata index is unreadable ({type(e).__name__})") from None

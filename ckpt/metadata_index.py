@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import pickle
+import re
 from typing import Callable, Iterable
 
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -46,6 +48,27 @@ GROUPS = 8  # at most this many groups of key sizes: the file count is at most G
 
 def bucket_file(group: int, bucket: int) -> str:
     return f"{INDEX}-{group}-{bucket:05d}"
+
+
+_BUCKET = re.compile(r"^" + re.escape(INDEX) + r"-\d+-(\d+)$")
+
+
+def bucket_of(name: str) -> int | None:
+    """The bucket number of index file `name`; None for INDEX and any other file."""
+    m = _BUCKET.match(name)
+    return int(m.group(1)) if m else None
+
+
+def ranks_per_bucket() -> int:
+    """Saving ranks per bucket file: torchrun's ranks per node (LOCAL_WORLD_SIZE), 8 without it."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE") or 8)
+
+
+def index_files_of(names, ranks, per_bucket: int) -> list[str]:
+    """Of the file names `names`, INDEX and the bucket files that hold the chunks saved by `ranks` (at the same
+    world size, the entries those ranks load: rank r's dim-0 shard lies in bucket r // per_bucket of every group)."""
+    buckets = {r // per_bucket for r in ranks}
+    return sorted(n for n in names if n == INDEX or bucket_of(n) in buckets)
 
 
 def size_groups(rows: Iterable[int]) -> dict[int, int]:
@@ -162,6 +185,11 @@ def _check_references(md: IndexedMetadata, storage: dict) -> None:
         raise MetadataIndexError(f"{join(md.index_path, name)}: referenced by .metadata but not in the manifest")
 
 
+def needed_files(md: IndexedMetadata, state: dict) -> list[str]:
+    """The bucket files flat `state`'s shards need (`complete` reads them): what a rank must have before its load."""
+    return [bucket_file(g, n) for g, n in sorted(_needed_buckets(md, state))]
+
+
 def _needed_buckets(md: IndexedMetadata, state: dict) -> set[tuple[int, int]]:
     """The (group, bucket)s that hold the chunks of every bucketed key of flat `state` that this rank's shards meet."""
     needed: set[tuple[int, int]] = set()
@@ -175,7 +203,7 @@ def _needed_buckets(md: IndexedMetadata, state: dict) -> set[tuple[int, int]]:
     return needed
 
 
-def _add_bucket(md: IndexedMetadata, name: str) -> None:
+def add_bucket(md: IndexedMetadata, name: str) -> None:
     content = pickle.loads(md.read(name))
     _check_references(md, content["storage_data"])
     for key, chunks in content["chunks"].items():
@@ -213,7 +241,7 @@ def complete(md: Metadata, state: dict) -> None:
     if not isinstance(md, IndexedMetadata):
         return
     for group, n in sorted(_needed_buckets(md, state)):
-        _add_bucket(md, bucket_file(group, n))
+        add_bucket(md, bucket_file(group, n))
     if uncovered(md, state):
         whole = pickle.loads(md.read(".metadata"))
         md.buckets_read.append(".metadata")

@@ -50,15 +50,18 @@ def node_cmd(nodes: int, node: int, port: int, overrides: list[str]) -> list[str
 
 
 def run_nodes(run_dir, nodes: int, overrides: list[str] = (), faults: list[str] | None = None, check: bool = True,
-              killer=None, timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """One agent per node, all on this machine; node i gets CKPT_FAULT faults[i] and memory folder mem(run_dir, i).
-    `killer(agents)`, if given, runs beside them (a thread). Retried on another port if the store's was taken."""
+              killer=None, timeout: float = 300, env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """One agent per node, all on this machine; node i gets CKPT_FAULT faults[i] and memory folder mem(run_dir, i),
+    and `env`. `killer(agents)`, if given, runs beside them (a thread). Retried on another port if the store's was
+    taken."""
     args = [*FAST, f"run.dir={run_dir}", f"data.cache_dir={os.path.join(str(run_dir), '..', '.tok-cache')}", *RUN,
             *MEMORY, *overrides]
     for attempt in range(3):
         port = free_port()
         agents = [start_python(node_cmd(nodes, i, port, [*args, f"ckpt.memory_dir={mem(run_dir, i)}"])[1:],
-                               {"CKPT_FAULT": (faults or [""] * nodes)[i]}, ROOT, forked=True) for i in range(nodes)]
+                               {"CKPT_FAULT": (faults or [""] * nodes)[i], **(env or {})}, ROOT,
+                               forked=env is None)  # a sitecustomize in `env` runs only in exec'd processes
+                  for i in range(nodes)]
         side = threading.Thread(target=killer, args=(agents,), daemon=True) if killer else None
         if side:
             side.start()
@@ -126,6 +129,31 @@ def assert_continues(run_dir, reference, first: int, exact: bool) -> None:
     for s in range(first, 13):
         assert r[s]["sample_ids"] == ref[s]["sample_ids"], f"step {s}: a different global batch"
         assert r[s]["loss"] == (ref[s]["loss"] if exact else pytest.approx(ref[s]["loss"], rel=1e-4)), f"step {s}"
+
+
+AUDIT = """import os, sys
+_rank, _out = os.environ.get("RANK"), os.environ.get("AUDIT_METADATA_DIR")
+def _hook(event, args):
+    if event != "open" or not str(args[0]).endswith("/.metadata"):
+        return
+    mode, flags = args[1], args[2]
+    if (isinstance(mode, str) and "r" in mode and "+" not in mode) or (mode is None and not flags & (os.O_WRONLY | os.O_RDWR)):
+        with open(os.path.join(_out, f"rank{_rank}"), "a") as f:
+            f.write(str(args[0]) + "\\n")
+if _rank is not None and _out:
+    sys.addaudithook(_hook)
+"""
+
+
+def metadata_readers(tmp_path) -> tuple[dict, dict[int, list[str]]]:
+    """(env, readers): with `env`, every rank of a run records each .metadata it opens for reading (an audit hook,
+    tests/test_launch.py's way of reaching every process); `readers()`: rank -> the paths it opened."""
+    hooks, out = tmp_path / "audit", tmp_path / "audit-out"
+    hooks.mkdir()
+    out.mkdir()
+    (hooks / "sitecustomize.py").write_text(AUDIT)
+    env = {"PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}", "AUDIT_METADATA_DIR": str(out)}
+    return env, lambda: {int(p.name[4:]): p.read_text().split() for p in out.iterdir()}
 
 
 def memory_fetch(run_dir) -> tuple[int, int]:
@@ -238,6 +266,64 @@ def test_dcp_writing_over_a_longer_file_leaves_exactly_its_bytes(tmp_path):
     assert torch.equal(loaded["w"].full_tensor(), torch.arange(1000.0))
 
 
+def _tier_save(rank: int, port: int, root: str, world: int, per_node: int) -> None:
+    """One memory save across `world // per_node` nodes (node n's folder root/node<n>), as NodeCommitter runs it:
+    prepare, DCP's save with TierWriter, then step 3 (the hand-out of digests, the ring, node 0's files to the other
+    leaders) and the markers. Each rank reports what it received."""
+    import json
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from ckpt.memory_tier.peers import NodeLayout
+    from ckpt.memory_tier.replicate import NodeCommitter, TierWriter, share_digests
+    from test_ckpt_metadata import sharded_state
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(per_node))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        layout = NodeLayout.here()
+        folder = os.path.join(root, f"node{layout.node}")
+        path = os.path.join(folder, "step-000001")
+        committer = NodeCommitter(folder, dist.group.WORLD, 1, layout, 1, lambda *a, **k: None, print)
+        committer.prepare(path, 1, {"meta.json": json.dumps({"step": 1, "world_size": world})})
+        state = {**sharded_state(world, 3), f"rng.{rank}": torch.tensor([rank])}
+        md = dcp.save(state, storage_writer=TierWriter(path, 1))
+        files = share_digests(md, layout, 1, path, dist.group.WORLD)
+        assert committer.replicate(path, 1, files) is None
+        assert committer._mark_problem(path, 1, files, ["meta.json"]) is None
+        committer.close()
+        with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+            json.dump({"entries": len(md.state_dict_metadata), "storage": len(md.storage_data or {}),
+                       "digests": sorted(files.digests), "manifest": sorted(files.manifest or ())}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_after_a_memory_save_only_rank_0_holds_the_global_metadata_and_other_nodes_their_index(tmp_path):
+    """4 ranks on 2 nodes of 2, one replica. DCP's save returns the global Metadata on rank 0 alone; each other
+    rank gets the digests of its ring transfers only (its own files and its ring source's), each leader the manifest
+    (O(W) digests); node 1's folder holds the metadata index top and the buckets of the ranks it holds, never
+    .metadata, and every node's folder verifies."""
+    import json
+    root, world = str(tmp_path), 4
+    start_on_free_port(_tier_save, lambda port: (port, root, world, 2), nprocs=world, start_method="spawn")
+    got = [json.load(open(os.path.join(root, f"rank{r}.json"))) for r in range(world)]
+    assert [g["entries"] > 0 for g in got] == [True, False, False, False], got
+    assert [g["storage"] > 0 for g in got] == [True, False, False, False], got
+    ring = {r: {r, (r + 2) % 4} for r in range(world)}  # a rank's own files and its ring source's
+    for r, g in enumerate(got):
+        assert {int(n[2]) for n in g["digests"]} == ring[r] and all(n.startswith("__") for n in g["digests"]), g
+        assert bool(g["manifest"]) == (r % 2 == 0), g  # the leaders' markers need the whole manifest
+    for node in range(2):
+        step = tmp_path / f"node{node}" / "step-000001"
+        marked = verify_checkpoint(str(step))  # every byte this folder holds, and the index's references
+        index = sorted(n for n in marked["held"] if n.startswith(".metadata.index"))
+        assert (".metadata" in marked["held"]) == (node == 0) and (step / ".metadata").exists() == (node == 0)
+        if node == 1:  # buckets of 2 ranks (a node's): its own ranks 2, 3 and their sources 0, 1 -> both buckets
+            assert index == [".metadata.index", ".metadata.index-0-00000", ".metadata.index-0-00001"], index
+        assert ".metadata" in marked["files"] and len(marked["files"]) == len(json.load(open(
+            tmp_path / "node0" / "step-000001" / "commit.json"))["files"])  # the same manifest on every node
+
+
 # ---------------------------------------------------------------- where the copies are
 
 def test_the_ring_puts_each_ranks_files_on_its_node_and_the_next(three):
@@ -247,18 +333,27 @@ def test_the_ring_puts_each_ranks_files_on_its_node_and_the_next(three):
             marked = verify_checkpoint(os.path.dirname(marker(t3, node, step)))  # the files this node holds verify
             shards = sorted(n for n in marked["held"] if n.endswith("_0.distcp"))
             assert shards == sorted(f"__{r}_0.distcp" for r in (node, (node - 1) % 3)), (node, marked["held"])
-            assert "__0_s0.distcp" in marked["held"] and ".metadata" in marked["held"]  # on every node
+            assert "__0_s0.distcp" in marked["held"]  # on every node
+            assert (".metadata" in marked["held"]) == (node == 0), marked["held"]  # O(tensors x W): node 0's alone
+            index = [n for n in marked["held"] if n.startswith(".metadata.index")]
+            buckets = {0, 1, 2} if node == 0 else {node, node - 1}  # one rank per node: a bucket per saved rank
+            assert ".metadata.index" in index and {int(n.rsplit("-", 1)[1]) for n in index[1:]} == buckets, index
             assert len([n for n in marked["files"] if n.endswith(".distcp")]) == 6  # the whole step's manifest
 
 
 # ---------------------------------------------------------------- recovery
 
 def test_the_same_nodes_resume_from_memory_and_fetch_nothing(two, tmp_path):
+    """... and no rank reads .metadata (O(tensors x W)): each reads its node's metadata index; rank 0 opens it only
+    to hash it for the markers of the saves after the resume."""
     t2, r2 = two
     copy_nodes(t2, tmp_path / "same", [0, 1])
-    run_nodes(tmp_path / "same", 2)
+    env, readers = metadata_readers(tmp_path)
+    run_nodes(tmp_path / "same", 2, env=env)
     assert [(e["step"], e["tier"]) for e in events(tmp_path / "same", "resume")] == [(K, "memory")]
     assert memory_fetch(tmp_path / "same") == (0, 0), "at the same world size every rank reads its own node's files"
+    assert set(readers()) <= {0}, readers()
+    assert not any(f"step-{K:06d}" in p for p in readers().get(0, [])), readers()  # the resumed step's: never
     assert_continues(tmp_path / "same", r2, K + 1, exact=True)
     assert not os.path.exists(mem(tmp_path / "same", 0)), "exit 0 removes each node's memory folder"
 
@@ -292,10 +387,12 @@ def test_three_nodes_less_one_resume_at_two_fetching_both_ways(three, tmp_path):
     reads files the other node holds, fetched over gloo."""
     t3, r3 = three
     copy_nodes(t3, tmp_path / "two", [0, 1])
-    run_nodes(tmp_path / "two", 2)
+    env, readers = metadata_readers(tmp_path)
+    run_nodes(tmp_path / "two", 2, env=env)
     resumed = events(tmp_path / "two", "resume")
     assert [(e["step"], e["tier"], e["saved_world_size"]) for e in resumed] == [(K, "memory", 3)]
     assert memory_fetch(tmp_path / "two")[0] >= 2
+    assert set(readers()) <= {0} and not any(f"step-{K:06d}" in p for p in readers().get(0, [])), readers()
     assert_continues(tmp_path / "two", r3, K + 1, exact=False)
 
 

@@ -9,20 +9,24 @@ The protocol (docs/memory-tier.md), every rank taking part:
    ranks whose files it holds completely, and its held files' sizes and checksums. One gather shares them:
    a few hundred bytes per node and step.
 2. newest step first: it is recoverable if the nodes of this job that marked it hold, between them, every saved
-   rank's files and one verified set of .metadata, meta.json and config.yaml. Each such node checks the sizes
-   and checksums of what it holds, split over its local ranks (O(the node's bytes / L) per rank); a damaged
-   copy is dropped, and if no other node holds that file the step is skipped with one line saying why, and the
-   next older one is tried. Nothing found: the disk tier.
-3. the chosen step's small files go to every node that lacks them; then, inside the load (`PeerLoad`), each rank
-   works out from .metadata which files its own load reads (DCP's planner, the same one dcp.load runs), and the
-   ones its node lacks come from a node that holds them (peers.py `exchange`: over gloo, checked against the
-   holder's marker on arrival; each needed file once per node; the sending work spread over the holders' ranks
-   by bytes). At the same world size on the same nodes nothing moves. Then dcp.load reads the local folder.
+   rank's files and one verified set of the metadata index top (.metadata for a step saved before the index),
+   meta.json and config.yaml. Each such node checks the sizes and checksums of what it holds and the resume
+   reads, split over its local ranks (O(the node's bytes / L) per rank; never .metadata, which node 0 alone
+   holds); a damaged copy is dropped, and if no other node holds that file the step is skipped with one line
+   saying why, and the next older one is tried. Nothing found: the disk tier.
+3. the chosen step's small files go to every node that lacks them, and every rank takes the index top as the
+   step's Metadata (`trust_index`); then, inside the load (`PeerLoad`), each rank fetches the index buckets its
+   shards meet where its node lacks them, and works out from them which data files its own load reads (DCP's
+   planner, the same one dcp.load runs); the ones its node lacks come from a node that holds them (peers.py
+   `exchange`: over gloo, checked against the holder's marker on arrival; each needed file once per node; the
+   sending work spread over the holders' ranks by bytes). At the same world size on the same nodes nothing moves,
+   and no rank opens .metadata. Then dcp.load reads the local folder.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -33,9 +37,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 from common.dist import first_problem
 from common.words import plural
 from ..checksum import new_hasher
-from ..commit_protocol import VerifyError, check_file, held_files, read_marker, shares
+from ..commit_protocol import METADATA_FILE, VerifyError, check_file, held_files, read_marker, shares
 from ..errors import CheckpointError
 from ..layout import list_step_dirs, step_dir
+from ..metadata_index import (INDEX, IndexedMetadata, MetadataIndexError, add_bucket, bucket_of, needed_files,
+                              read_index)
+from ..metadata_index import uncovered as uncovered_keys
 from ..resume import check_model_matches, load, saved_metadata, trust_metadata
 from .peers import NodeLayout, Transfer, exchange, rank_of_file
 from .replicate import SHARED, remove_step
@@ -58,7 +65,7 @@ def _entry(path: str) -> dict:
     per_node = marker.get("ranks_per_node", marker["world_size"])
     own = [r for r in ranks if r // per_node == marker.get("node", 0)]  # written here, not copies
     return {"id": identity.hexdigest(), "world_size": marker["world_size"], "algorithm": algorithm, "ranks": ranks,
-            "own": own, "files": held}
+            "own": own, "files": held, "per_bucket": marker.get("ranks_per_bucket", per_node)}
 
 
 def node_summary(folder: str) -> dict[int, dict]:
@@ -80,7 +87,24 @@ class Candidate:
     world_size: int
     algorithm: str
     holders: dict[int, dict]
+    per_bucket: int = 1  # saving ranks per metadata index bucket (metadata_index.py)
     fetched: set = field(default_factory=set)  # files this node received during the resume
+
+    @property
+    def indexed(self) -> bool:
+        """Saved with a metadata index: the resume reads it, never .metadata (which only node 0 holds)."""
+        return any(INDEX in h["files"] for h in self.holders.values())
+
+    def needs_everywhere(self, name: str) -> bool:
+        """A small file every node reads: INDEX (or, before the index, .metadata), meta.json, config.yaml."""
+        if self.indexed:
+            return name != METADATA_FILE and bucket_of(name) is None
+        return True
+
+    def buckets_of(self, name: str, ranks) -> bool:
+        """Index bucket file `name` holds the entries of some saved rank of `ranks`."""
+        bucket = bucket_of(name)
+        return bucket is not None and bucket in {r // self.per_bucket for r in ranks}
 
     def uncovered(self) -> str | None:
         held = set().union(*(h["ranks"] for h in self.holders.values()))
@@ -89,24 +113,27 @@ class Candidate:
             shown = ", ".join(map(str, missing[:4])) + (" ..." if len(missing) > 4 else "")
             return f"the files of saved {'rank' if len(missing) == 1 else 'ranks'} {shown} are on no node of this job"
         if not self.common():
-            return "no node of this job holds a verified .metadata, meta.json and config.yaml"
+            what = "metadata index" if self.indexed else ".metadata"
+            return f"no node of this job holds a verified {what}, meta.json and config.yaml"
         return None
 
     def common(self) -> list[str]:
-        """The small files every node needs (.metadata, meta.json, config.yaml), from a holder that has them all."""
+        """The small files every node needs (`needs_everywhere`), from a holder that has them all."""
         for holder in self.holders.values():
-            names = [n for n in holder["files"] if not n.endswith(DATA)]
-            if len(names) == len(holder["small"]):
+            names = [n for n in holder["small"] if self.needs_everywhere(n)]
+            if all(n in holder["files"] for n in names):
                 return sorted(names)
         return []
 
     def to_check(self, node: int, ranks) -> list[str]:
-        """`node`'s files of saved `ranks`; with ranks None, what every node reads: its own ranks' files, rank 0's
-        small file and the small files."""
+        """`node`'s files of saved `ranks` and their index buckets; with ranks None, what every node reads: its own
+        ranks' files and buckets, rank 0's small file and the small files every node needs (never .metadata, which
+        an indexed resume does not read: O(tensors x W))."""
         h = self.holders[node]
         want = h["own"] if ranks is None else ranks
-        return sorted(n for n in h["files"] if (rank_of_file(n) in want and n.endswith(DATA) and n not in h["checked"])
-                      or (ranks is None and (n == SHARED or not n.endswith(DATA))))
+        return sorted(n for n in h["files"] if n not in h["checked"] and (
+            (rank_of_file(n) in want and n.endswith(DATA)) or self.buckets_of(n, want)
+            or (ranks is None and (n == SHARED or (not n.endswith(DATA) and self.needs_everywhere(n))))))
 
     def missing(self) -> set:
         """Saved ranks no node holds checked: their copies are checked next."""
@@ -197,7 +224,7 @@ class TierRecovery:
         first = next(iter(entries.values()))
         holders = {n: {"ranks": set(e["ranks"]), "own": set(e["own"]), "files": dict(e["files"]), "checked": set(),
                        "small": [f for f in e["files"] if not f.endswith(DATA)]} for n, e in entries.items()}
-        return Candidate(step, first["world_size"], first["algorithm"], holders)
+        return Candidate(step, first["world_size"], first["algorithm"], holders, first["per_bucket"])
 
     def _verify(self, cand: Candidate) -> str | None:
         """Each node checks the copies of `cand` it will read: its own ranks' files and the small ones; then, if a
@@ -249,10 +276,28 @@ class TierRecovery:
 
     def fetch_small_files(self, cand: Candidate) -> None:
         """Step 3's first half: a node that does not hold the step (a new node, or a leftover of another save
-        there, which goes first) receives its .metadata, meta.json and config.yaml."""
+        there, which goes first) receives its metadata index top (.metadata before the index), meta.json and
+        config.yaml; then every rank takes the index top as the step's Metadata (`trust_index`)."""
         if self.layout.leader and self.layout.node not in cand.holders:
             remove_step(step_dir(self.folder, cand.step))
         self.fetch(cand, cand.common())
+        self.trust_index(cand)
+
+    def trust_index(self, cand: Candidate) -> None:
+        """Every rank, once the small files are on its node: the step's metadata index top (INDEX, checked on this
+        node or on arrival) is the Metadata the resume reads (resume.py saved_metadata), its references checked
+        against the manifest; never .metadata. A step saved before the index: nothing (the resume reads .metadata)."""
+        if not cand.indexed:
+            return
+        path, problem = step_dir(self.folder, cand.step), None
+        manifest = set().union(*(h["files"] for h in cand.holders.values()))
+        try:
+            trust_metadata(path, read_index(path, lambda name: _read(path, name), manifest))
+        except (OSError, MetadataIndexError) as e:
+            problem = str(e)
+        problem = first_problem(problem, self.pg)  # a node that cannot read it: every rank stops here, none waits
+        if problem:
+            raise CheckpointError(f"resume from memory step {cand.step}: {problem}")
 
     def report(self, cand: Candidate) -> None:
         """One line (rank 0) and a `memory_fetch` event: what moved between nodes for this resume."""
@@ -272,10 +317,38 @@ class PeerLoad:
         self.recovery, self.cand = recovery, cand
 
     def load(self, path: str, state: dict, model_state: dict | None = None, prefix: str = "") -> None:
-        metadata = saved_metadata(path)  # its checksum passed (verified, or checked on arrival); restore read it
-        trust_metadata(path, metadata)  # read once: the model check and dcp.load take this one
+        metadata = saved_metadata(path)  # the index's top (trust_index), or .metadata read once (before the index)
+        trust_metadata(path, metadata)  # the model check and dcp.load take this one
         if model_state is not None:
             check_model_matches(path, model_state, prefix)
+        if isinstance(metadata, IndexedMetadata):
+            self._complete(metadata, state)
         self.recovery.fetch(self.cand, files_read_by(state, metadata))
         self.recovery.report(self.cand)
         load(path, state, self.pg, model_state, prefix)
+
+    def _complete(self, metadata: IndexedMetadata, state: dict) -> None:
+        """The index buckets this rank's shards meet, fetched where its node lacks them, added to `metadata`: the
+        entries dcp.load's plan reads, and no others. Two collectives on every rank."""
+        flat = _flat(state)
+        names = needed_files(metadata, flat)
+        self.recovery.fetch(self.cand, names)
+        for name in names:
+            add_bucket(metadata, name)
+        missing = uncovered_keys(metadata, flat)  # a layout the index does not describe: never FSDP's dim-0 shards
+        problem = first_problem(f"{metadata.index_path}: the metadata index does not describe the shards of "
+                                f"{', '.join(missing[:3])} (only node 0 holds .metadata)" if missing else None, self.pg)
+        if problem:
+            raise CheckpointError(f"resume from memory step {self.cand.step}: {problem}")
+
+
+def _read(path: str, name: str) -> bytes:
+    with open(os.path.join(path, name), "rb") as f:
+        return f.read()
+
+
+def _flat(state: dict) -> dict:
+    """`state` as dcp.load's planner sees it: Stateful values' state dicts, flattened."""
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}, None, False)
+    return planner.state_dict
