@@ -170,3 +170,34 @@ def test_comparisons_grow_linearly_in_w(monkeypatch):
     assert ours[1] <= 4 * ours[0] + 8, ours
     theirs = [comparisons(dp._validate_global_plan, w, monkeypatch) for w in (64, 256)]
     assert theirs[1] > 12 * theirs[0] and theirs[0] >= 64 * 63 // 2, theirs
+
+
+def replicated(world):
+    """Each rank's dim-0 shards plus items every rank holds (AdamW's step, replicated norms) and a rank's own bytes."""
+    out = plans({"a.k": ((64, 512), dim0_shards((64, 512), world)), "a.e": ((96, 16), dim0_shards((96, 16), world))})
+    props = TensorProperties(dtype=torch.float32)
+    for r, plan in enumerate(out):
+        for fqn, shape in (("s.step", ()), ("s.norm", (7,)), ("s.big", (300,))):
+            off = torch.Size([0] * len(shape))
+            plan.items.append(WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.TENSOR,
+                                        tensor_data=TensorWriteData(ChunkStorageMetadata(off, torch.Size(shape)), props,
+                                                                    torch.Size(shape))))
+        plan.items.append(WriteItem(index=MetadataIndex(f"rng{r}"), type=WriteItemType.BYTE_IO))
+    return out
+
+
+@pytest.mark.parametrize("lowest", [False, True])
+def test_dedup_and_global_plan_are_torchs_with_replicated_items(lowest):
+    ours = SweepSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(replicated(5))
+    theirs = dp.DefaultSavePlanner(dedup_save_to_lowest_rank=lowest)._create_global_plan(replicated(5))
+    assert ours == theirs
+    assert [[i.index.index for i in p.items] for p in ours[0]] == [[i.index.index for i in p.items] for p in theirs[0]]
+    assert sum(len(p.items) for p in ours[0]) == 5 * 3 + 3  # shards, replicated items once, rng per rank
+
+
+def test_collector_state_restored_when_the_plan_is_refused():
+    import gc
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        SweepSavePlanner()._create_global_plan(plans(INVALID["gap: under-fill"]))
+    assert gc.isenabled()
