@@ -2,7 +2,7 @@
 instead of torch's O(W^2) for tensors FSDP shards along a dimension other than their largest.
 
     python -m pytest tests/test_save_plan.py -q -n 0
-    python bench/scale_coord.py --worlds 8 --plan-worlds 16,64 --plan-only --out /tmp/c.json   # rank 0's plan step
+    python bench/scale_coord.py --plan-only --plan-worlds 64 --layer-worlds 256 --out /tmp/c.json   # rank 0 plans
 
 Why: DCP's coordinator checks the global save plan (torch 2.13 default_planner._validate_global_plan): every chunk in
 bounds, no two chunks of a tensor overlapping, the chunks' volumes adding up to the tensor's. Its overlap check
