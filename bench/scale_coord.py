@@ -264,7 +264,8 @@ def layer_plans(model: str, world: int) -> dict:
     with the project's planner and with torch's."""
     tensors = [(k, s) for k, s in sharded(model) if ".layers.0." in k]
     out = {"tensors": len(tensors)}
-    for name, plan in (("save", project_save_plan(f"/scale-sim/{model}/layer/{world}")), ("torch_save", torch_save_plan)):
+    project = project_save_plan(f"/scale-sim/{model}/layer/{world}")
+    for name, plan in (("save", project), ("torch_save", torch_save_plan)):
         out[name] = rank0_plan_step(local_save_plans(tensors, world), plan)
         gc.collect()
     return out
@@ -329,9 +330,9 @@ def plan_rows(model: str, world: int, plans: dict, layers: dict | None = None) -
             per_w = {k: float(np.mean([m[k] / w for w, m in pts])) for k in ("gathered_bytes", "scattered_bytes", "items")}
             a, b = nonnegative_fit(ws, np.array([m["seconds"] for _, m in pts] + [s for _, s in extra]))
             x = {k: v * world for k, v in per_w.items()} | {"seconds": float(a * world + b * world ** 2)}
-            how = (f"extrapolated from W={','.join(str(w) for w, _ in pts)} measured"
-                   + (f" (and one layer's tensors at W={','.join(str(w) for w, _ in extra)}, x T/{layers[extra[0][0]]['tensors']})"
-                      if extra else "")
+            scaled = (f" (and one layer's tensors at W={','.join(str(w) for w, _ in extra)}, seconds x T/"
+                      f"{layers[extra[0][0]]['tensors']})" if extra else "")
+            how = (f"extrapolated from W={','.join(str(w) for w, _ in pts)} measured{scaled}"
                    + f": bytes and items x W, seconds {a:.3g} W + {b:.3g} W^2 (least squares)")
         gathered, scattered = x["gathered_bytes"], x["scattered_bytes"]
         rows.append({"path": f"{what} at {model}: gather W local plans to rank 0, global plan, scatter",
