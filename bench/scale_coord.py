@@ -1,7 +1,8 @@
 """The job's store paths and DCP's plan steps, run with the project's own code at W = 64..2048 on one machine.
 
     python bench/scale_coord.py --worlds 64,256,1024,2048 --out /tmp/scale_coord.json   # bench/scale_sim.py runs it
-    python bench/scale_coord.py --worlds 8 --plan-worlds 2,4 --handoff-s 2 --out /tmp/c.json   # seconds, a smoke test
+    python bench/scale_coord.py --worlds 8 --plan-worlds 2,4 --layer-worlds 8 --handoff-s 2 --out /tmp/c.json  # smoke
+    python bench/scale_coord.py --plan-only --out /tmp/plans.json   # the DCP plan rows alone
 
 One section of bench/scale_sim.py (its row contract). Store paths: a real TCPStore server in this process (libuv,
 as torchrun's agent hosts it) and W clients, threads over --procs worker processes (8), each with its own TCPStore
@@ -20,13 +21,14 @@ says nothing about torchrun's store.
 
 DCP plans, in this process, at the Llama 3.1 8B and 70B shapes (assets/<model>/config.json; every weight and its
 two AdamW moments sharded on dim 0 over W, as FSDP2 saves them): W local SavePlans of WriteItems, and the global plan
-rank 0 builds with the save planner the project configures (ckpt/uploader.py save_planner: torch's
-DefaultSavePlanner, plan caching on, a first save); W local LoadPlans of ReadItems and torch's
+rank 0 builds with the save planner the project configures (ckpt/uploader.py save_planner: ckpt/save_plan.py's
+SweepSavePlanner, plan caching on, a first save); W local LoadPlans of ReadItems and torch's
 DefaultLoadPlanner.create_global_plan. Rank 0's bytes are the pickled local plans it gathers (gloo gather_object
 pads each to the largest) plus the global plans it scatters; its seconds: unpickling them, planning, pickling the
-result. Measured at --plan-worlds; other W fitted (bytes x W, as plans hold T x W items; seconds a W + b W^2, as
-torch's overlap check of the global save plan is quadratic in W for tensors not sharded along their largest dim),
-and the row says so.
+result. Measured at --plan-worlds for the whole model, and at --layer-worlds (larger W) for one layer's 27 tensors,
+with the project's planner and, for comparison, torch's DefaultSavePlanner (whose overlap check compares W^2/2
+chunk pairs of k/v/down_proj); other W fitted (bytes x W, as plans hold T x W items; seconds a W + b W^2 by least
+squares on the whole-model points and the one-layer points scaled by T / 27), and the row says so.
 Paths that make no store requests (shared-path check: gloo collectives and files, bench/shared_paths_bench.py) are
 not simulated here.
 """
@@ -235,16 +237,38 @@ def rank0_plan_step(local_plans: list, plan) -> dict:
             "items": sum(len(p.items) for p in plans)}
 
 
+def project_save_plan(name: str):
+    """Rank 0's global step with the save planner the project configures (a first save)."""
+    from ckpt.uploader import save_planner
+    return lambda plans: save_planner(name, None).create_global_plan(plans)[0]
+
+
+def torch_save_plan(plans):
+    """The same with torch's DefaultSavePlanner as it comes (the comparison at --layer-worlds)."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    return DefaultSavePlanner()._create_global_plan(plans)[0]
+
+
 def dcp_plans(model: str, world: int) -> dict:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from ckpt.uploader import save_planner
     tensors = sharded(model)
-    save = rank0_plan_step(local_save_plans(tensors, world),
-                           lambda plans: save_planner(f"/scale-sim/{model}/{world}", None).create_global_plan(plans)[0])
+    save = rank0_plan_step(local_save_plans(tensors, world), project_save_plan(f"/scale-sim/{model}/{world}"))
     gc.collect()
     load = rank0_plan_step(local_load_plans(tensors, world), DefaultLoadPlanner().create_global_plan)
     gc.collect()
     return {"tensors": len(tensors), "save": save, "load": load}
+
+
+def layer_plans(model: str, world: int) -> dict:
+    """Rank 0's save plan step for one decoder layer's tensors (layer 0: 9 weights and their moments) at `world`,
+    with the project's planner and with torch's."""
+    tensors = [(k, s) for k, s in sharded(model) if ".layers.0." in k]
+    out = {"tensors": len(tensors)}
+    project = project_save_plan(f"/scale-sim/{model}/layer/{world}")
+    for name, plan in (("save", project), ("torch_save", torch_save_plan)):
+        out[name] = rank0_plan_step(local_save_plans(tensors, world), plan)
+        gc.collect()
+    return out
 
 
 # ---------------------------------------------------------------- rows
@@ -288,10 +312,10 @@ def nonnegative_fit(ws, secs) -> tuple[float, float]:
     return (a, 0.0) if np.sum((a * ws - secs) ** 2) <= np.sum((b * ws ** 2 - secs) ** 2) else (0.0, b)
 
 
-def plan_rows(model: str, world: int, plans: dict) -> list[dict]:
+def plan_rows(model: str, world: int, plans: dict, layers: dict | None = None) -> list[dict]:
     """The save and load plan rows at `world`: measured there, or fitted on the measured worlds (bytes: c x W, as the
-    plans hold T x W items; seconds: a W + b W^2, as torch's overlap check of the global save plan sweeps every
-    tensor's chunks along its largest dim, which is not the sharded one for k/v/down_proj)."""
+    plans hold T x W items; seconds: a W + b W^2 on the whole-model points and `layers`' one-layer points scaled by
+    T / their tensors, so that a term quadratic in W shows at the larger W they reach)."""
     import numpy as np
     rows = []
     for kind, when, what in (("save", "per checkpoint", "DCP save plan (first save; cached after)"),
@@ -300,12 +324,16 @@ def plan_rows(model: str, world: int, plans: dict) -> list[dict]:
         if world in plans:
             x, how = plans[world][kind], "measured"
         else:
-            ws = np.array([w for w, _ in pts], dtype=float)
+            t = plans[pts[0][0]]["tensors"]
+            extra = sorted((w, m[kind]["seconds"] * t / m["tensors"]) for w, m in (layers or {}).items() if kind in m)
+            ws = np.array([w for w, _ in pts] + [w for w, _ in extra], dtype=float)
             per_w = {k: float(np.mean([m[k] / w for w, m in pts])) for k in ("gathered_bytes", "scattered_bytes", "items")}
-            a, b = nonnegative_fit(ws, np.array([m["seconds"] for _, m in pts]))
+            a, b = nonnegative_fit(ws, np.array([m["seconds"] for _, m in pts] + [s for _, s in extra]))
             x = {k: v * world for k, v in per_w.items()} | {"seconds": float(a * world + b * world ** 2)}
-            how = (f"extrapolated from W={','.join(str(w) for w, _ in pts)} measured: bytes and items x W, seconds "
-                   f"{a:.3g} W + {b:.3g} W^2 (least squares)")
+            scaled = (f" (and one layer's tensors at W={','.join(str(w) for w, _ in extra)}, seconds x T/"
+                      f"{layers[extra[0][0]]['tensors']})" if extra else "")
+            how = (f"extrapolated from W={','.join(str(w) for w, _ in pts)} measured{scaled}"
+                   + f": bytes and items x W, seconds {a:.3g} W + {b:.3g} W^2 (least squares)")
         gathered, scattered = x["gathered_bytes"], x["scattered_bytes"]
         rows.append({"path": f"{what} at {model}: gather W local plans to rank 0, global plan, scatter",
                      "when": when, "formula": f"T x W items on rank 0 (T = {plans[pts[0][0]]['tensors']} sharded "
@@ -326,6 +354,9 @@ def main(argv=None):
     p.add_argument("--procs", type=int, default=8, help="worker processes the W store clients are spread over")
     p.add_argument("--handoff-s", type=float, default=6.0, help="how long the simulated data-cache build takes")
     p.add_argument("--plan-worlds", default="16,32,64", help="W whose DCP plans are built and timed (the rest fitted)")
+    p.add_argument("--layer-worlds", default="256,1024",
+                   help="W whose save plan is timed for one layer's tensors ('' for none): the fit's larger W")
+    p.add_argument("--plan-only", action="store_true", help="only the DCP plans (no store paths)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
@@ -335,16 +366,20 @@ def main(argv=None):
     started = provenance.start(argv)
     worlds = [int(w) for w in args.worlds.split(",")]
     measured, rows = {"store": {}, "plans": {}}, []
-    for w in worlds:
+    for w in ([] if args.plan_only else worlds):
         m = measured["store"][w] = store_paths(w, args.procs, args.handoff_s)
         rows += store_rows(w, m)
         print(f"W={w}: store paths measured ({m['connect_s']:.1f} s to connect)", flush=True)
     for model in MODELS:
         plans = {w: dcp_plans(model, w) for w in map(int, args.plan_worlds.split(","))}
+        layers = {w: layer_plans(model, w) for w in map(int, filter(None, args.layer_worlds.split(",")))}
         measured["plans"][model] = plans
+        measured.setdefault("layer_plans", {})[model] = layers
         for w in worlds:
-            rows += plan_rows(model, w, plans)
-        print(f"{model}: plans measured at W={list(plans)}", flush=True)
+            rows += plan_rows(model, w, plans, layers)
+        print(f"{model}: plans measured at W={list(plans)}; one layer at W={list(layers)}: "
+              + ", ".join(f"{w}: {m['save']['seconds']:.2f} s (torch's {m['torch_save']['seconds']:.2f} s)"
+                          for w, m in layers.items()), flush=True)
     for m in measured["store"].values():  # the per-rank lists stay in the rows' sums: keep the file small
         for name in STORE_PATHS:
             m[name]["max_rank_requests"] = max(m[name].pop("requests"))

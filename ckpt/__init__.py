@@ -8,10 +8,10 @@ Owns how to checkpoint, and every failure rule. Its parts, top to bottom:
   reshard.py, verify, export).
 - memory_tier/ (node-local memory, replicated to peer nodes) and hf/ (HF weights in, HF folders out): each
   imports the core below, never the other, and only the layer above imports them.
-- the core, flat in this folder: the save path (manager.py -> saver.py -> uploader.py, prestage.py), the commit
-  protocol (commit_protocol.py: when a checkpoint counts as complete; committer.py runs it, retention.py
-  after it), the resume path (resume.py, state.py), the job lock (lock.py), and what they share (layout.py,
-  checksum.py, errors.py, faults.py, schema.py, reading.py, lora_base.py).
+- the core, flat in this folder: the save path (manager.py -> saver.py -> uploader.py -> save_plan.py,
+  prestage.py), the commit protocol (commit_protocol.py: when a checkpoint counts as complete; committer.py runs
+  it, retention.py after it), the resume path (resume.py, state.py), the job lock (lock.py), and what they share
+  (layout.py, checksum.py, errors.py, faults.py, schema.py, reading.py, lora_base.py).
 - storage/ (base.py's contract, local.py, s3.py, azure.py, the job lock's classes): a local folder or an object
   store, one class per store behind the operations the protocol needs; it imports nothing else of ckpt/.
 Nothing here imports the training config: the trainer hands over plain objects, its options, an event sink, and

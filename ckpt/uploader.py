@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 from torch.distributed.checkpoint import _async_process_executor as dcp_uploader
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from common.procfs import stat_fields
 
 from .checksum import ChecksummingWriter
 from .faults import TornWriteFileSystem, fault_at, wants
+from .save_plan import SweepSavePlanner
 from .storage import storage_for
 from .writeback import WritebackFileSystem
 
@@ -100,7 +100,7 @@ def torch_save_without_crc32():
                 torch.serialization.set_crc32_options(_crc32["before"])
 
 
-def save_planner(ckpt_dir: str, pg, to_lowest_rank: bool = False) -> DefaultSavePlanner:
+def save_planner(ckpt_dir: str, pg, to_lowest_rank: bool = False) -> SweepSavePlanner:
     """Save-plan caching: from the second save on, a rank whose local plan is unchanged (same keys,
     shapes, shards) sends DCP's coordinator an empty plan and reuses the cached global plan.
 
@@ -108,8 +108,9 @@ def save_planner(ckpt_dir: str, pg, to_lowest_rank: bool = False) -> DefaultSave
     managers in one process, or one world size after another, would merge their plans: a W=2 save after a
     W=1 one in the same process failed in gloo's scatter with one plan for two ranks. One key per checkpoint
     dir and world size keeps them apart. `to_lowest_rank`: an item several ranks hold is written by the lowest
-    of them, not spread over them (the memory tier, memory_tier/replicate.py)."""
-    planner = DefaultSavePlanner(enable_plan_caching=True, dedup_save_to_lowest_rank=to_lowest_rank)
+    of them, not spread over them (the memory tier, memory_tier/replicate.py). The planner is torch's
+    DefaultSavePlanner with its global plan checked in O(n log n) chunks, not O(W^2) (save_plan.py)."""
+    planner = SweepSavePlanner(enable_plan_caching=True, dedup_save_to_lowest_rank=to_lowest_rank)
     world_size = dist.get_world_size(pg) if dist.is_initialized() else 1
     planner._cached_plans_key = f"{type(planner).__name__}:{os.path.realpath(ckpt_dir)}:W={world_size}"
     return planner
