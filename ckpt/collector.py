@@ -1,5 +1,5 @@
-"""The garbage collector on DCP's coordinator during a save: paused while it plans and finishes, and what the save
-leaves alive (DCP's plan cache) frozen after it.
+"""The garbage collector on DCP's coordinator during a save or a load: paused while it plans (and finishes), and
+what the save leaves alive (DCP's plan cache) frozen after it.
 
     python -m pytest tests/test_hang.py -q -n 0 -k collector
     python bench/scale_beat.py --worlds 64 --out /tmp/b.json      # the beat gaps it removes, at the 70B shape
@@ -15,6 +15,10 @@ afterwards gc.freeze() moves what is alive into the permanent generation, which 
 collector is enabled again as it was. The cost: a reference cycle made during the save is never collected (DCP's
 own: a few objects per save). Process mode's coordinator is the uploader process, which runs no watchdog: untouched.
 Saves that overlap (an async upload, the memory tier) are counted: the last one out freezes and enables.
+The same pause serves the two other places rank 0 holds W plans: the global save plan itself (save_plan.py: in
+process mode too, where it is only for speed) and a resume's dcp.load (resume.py: rank 0 unpickles W load plans at
+startup, a phase the readers also check; profiled at the 70B shape and W=64, the collector was most of that
+unpickling's time).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from common.dist import first_problem, on_rank0_then_share
 from common.progress import phase
 from common.words import plural
+from . import collector
 from .checksum import new_hasher
 from .commit_protocol import VerifyError, check_files, check_listing, check_marker, check_references, shares
 from .errors import SAVE_ERRORS, CheckpointError, cause_line
@@ -165,8 +166,9 @@ def load(path: str, state: dict, pg, model_state: dict | None = None, prefix: st
     try:
         if model_state is not None:
             check_model_matches(path, model_state, prefix)
-        try:
-            dcp.load(state, storage_reader=_verified_reader(path), process_group=pg, planner=IndexedLoadPlanner())
+        try:  # rank 0 unpickles W load plans: its collector paused, as in a save (collector.py)
+            with collector.paused(collector.coordinates(pg)):
+                dcp.load(state, storage_reader=_verified_reader(path), process_group=pg, planner=IndexedLoadPlanner())
         except SAVE_ERRORS as e:
             raise CheckpointError(f"loading {path} failed: {cause_line(e)}") from e
     finally:

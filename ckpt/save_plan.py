@@ -15,16 +15,15 @@ then meets only its neighbours. For the same chunks it finds exactly the pairs t
 reaches every overlapping pair; see the function), so a plan is refused or accepted alike.
 The rest of the coordinator's step is torch's too, made cheaper where it touches each of the T x W items: the
 dedup (`dedup`: one dict lookup per item), the index hints (`global_save_plan`: no MetadataIndex.__init__ per item)
-and no cyclic garbage collection meanwhile (`gc_paused`); tests/test_save_plan.py checks they give torch's result.
+and no cyclic garbage collection meanwhile (collector.py `paused`); tests/test_save_plan.py checks they give torch's
+result.
 Upstream change that makes this module unnecessary: `_validate_global_plan` choosing its sweep dimension from the
 chunks (most distinct offsets) instead of the tensor's size; then `save_planner` can go back to DefaultSavePlanner.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import math
 import sys
@@ -35,6 +34,8 @@ import torch.distributed.checkpoint.default_planner as dp
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+from . import collector
 
 logger = logging.getLogger(__name__)
 
@@ -160,21 +161,6 @@ def global_save_plan(all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadat
     return new_plans, Metadata(md)
 
 
-@contextlib.contextmanager
-def gc_paused():
-    """No cyclic garbage collection while the coordinator builds T x W new objects from the W plans it holds
-    (millions of live objects at 70B): at W=32 the collector took 60% of the global plan's time (5.2 s -> 2.2 s
-    without it, bench/scale_coord.py's plans). Reference counting still frees everything; the collector's state is
-    restored however the plan ends."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 class SweepSavePlanner(dp.DefaultSavePlanner):
     """DefaultSavePlanner (plan caching and all) whose global plan is checked by `validate_global_plan`.
 
@@ -183,7 +169,9 @@ class SweepSavePlanner(dp.DefaultSavePlanner):
     only the check replaced; plan caching (`_create_global_plan_with_caching`) calls it unchanged."""
 
     def _create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        with gc_paused():
+        # no cyclic collection while rank 0 builds T x W objects from the W plans (at W=32 it took 60% of the
+        # global plan's time); sync and thread saves are paused already, process mode's uploader is not
+        with collector.paused(coordinator=True):
             return self._checked_global_plan(all_plans)
 
     def _checked_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
