@@ -45,7 +45,9 @@ FAKE_TORCHRUN = """#!/bin/bash
 # as torchrun ends: 0, or 1 for any failed worker, with the first failed worker's code in its error file when the
 # worker wrote one (common/launcher.py tell_torchrun; torchrun copies it and sets errorCode to the worker's exit)
 if [ "$FAKE_ROLE" = deleted ]; then  # this pod is being deleted: the kubelet's SIGTERM to the entrypoint (PID 1)
-  trap 'exit 1' TERM; kill -TERM "$PPID"; sleep 30 & wait; exit 9
+  # the sleep's output not the test's pipes, and ended with this script: the run then waited 30 s for their EOF
+  trap 'kill "$sleeper" 2>/dev/null; exit 1' TERM; kill -TERM "$PPID"; sleep 30 >/dev/null 2>&1 & sleeper=$!; wait
+  exit 9
 fi
 case $FAKE_CODE in
   0) exit 0 ;;
