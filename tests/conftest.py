@@ -152,9 +152,12 @@ SERIAL_GROUPS = {"test_slurm.py": "slurm", "test_slurm_multinode.py": "slurm"}
 # Scheduling only (pytest.ini: -n 3, loadgroup): the files that took longest in a full run start first, so that no
 # worker is left with a long file at the end while the other idles (tests/test_suite measurement, docs/testing.md).
 # A file not named here runs after them, in collection order.
-LONGEST_FIRST = ("test_slurm_multinode.py", "test_slurm.py", "test_bench.py", "test_ckpt_resume.py",
-                 "test_memory_replicas.py", "test_memory_tier.py", "test_s3.py", "test_faults.py", "test_bad_input.py",
-                 "test_lora.py", "test_s3_transfer.py", "test_world_size.py", "test_preemption.py", "test_readme.py")
+# test_hub.py, test_moe.py, test_k8s.py: one group each of a minute or more (their module fixtures); unnamed, such a
+# group starts in collection order, late, and can keep one worker busy after the others have finished.
+LONGEST_FIRST = ("test_slurm_multinode.py", "test_slurm.py", "test_bench.py", "test_hub.py", "test_ckpt_resume.py",
+                 "test_memory_replicas.py", "test_moe.py", "test_memory_tier.py", "test_s3.py", "test_k8s.py",
+                 "test_faults.py", "test_process_lifetime.py", "test_hang.py", "test_bad_input.py", "test_lora.py",
+                 "test_s3_transfer.py", "test_world_size.py", "test_preemption.py", "test_readme.py")
 
 
 def _file_of(item) -> str:
