@@ -134,18 +134,18 @@ RANK_PRELOAD = ["torch.distributed.run", "train_fsdp", "conftest"]
 _rank_server: dict = {}  # {"pid": the fork server's pid, "env": os.environ when it started, "cpu": file of CPU-s}
 
 
-def start_ranks(fn, args: tuple, nprocs: int, start_method: str = "forkserver") -> None:
-    """torch.multiprocessing.start_processes(fn, args, nprocs, start_method); "forkserver": forked from the fork
-    server as a spawned rank would start, in this process's environment and cwd, ending as it would (non-daemon
-    threads joined, atexit handlers run). Spawned instead when the environment differs from the server's in a
-    variable read at import."""
+def start_ranks(fn, args: tuple, nprocs: int, start_method: str = "forkserver", join: bool = True):
+    """torch.multiprocessing.start_processes(fn, args, nprocs, start_method, join); "forkserver": forked from the
+    fork server as a spawned rank would start, in this process's environment and cwd, ending as it would
+    (non-daemon threads joined, atexit handlers run). Spawned instead when the environment differs from the
+    server's in a variable read at import. Not joined: the ranks' ProcessContext."""
     import torch.multiprocessing
     if start_method == "forkserver":
         if _rank_server_env_differs():
             start_method = "spawn"
         else:
             fn, args = _rank, (fn, dict(os.environ), os.getcwd(), _rank_server["cpu"], args)
-    torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, start_method=start_method)
+    return torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method=start_method)
 
 
 def _rank_server_env_differs() -> bool:
