@@ -130,7 +130,9 @@ class ForkedRun:
 # multiprocessing's fork server: a fresh python per pytest process, started on first use, that has imported what a
 # run imports once (RANK_PRELOAD, as the server above); each rank is a fork of it. A spawned rank imported all that
 # itself, about 4 CPU-s each. Not a fork of the pytest process: once any test ran a matmul, that can hang in OpenMP.
-RANK_PRELOAD = ["torch.distributed.run", "train_fsdp", "conftest"]
+# What tests/zygote.py imports, no more: conftest asks torch.cuda for the device count at import, which a process
+# that forks CUDA ranks must not have done.
+RANK_PRELOAD = ["torch.distributed.run", "train_fsdp"]
 _rank_server: dict = {}  # {"pid": the fork server's pid, "env": os.environ when it started, "cpu": file of CPU-s}
 
 
