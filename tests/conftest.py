@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from common.procfs import stat_fields  # noqa: E402
 from finetune.metrics import read_metrics  # noqa: E402
-from forked_run import SERVER_ENV, ForkedRun, can_fork, cpu_seconds  # noqa: E402
+from forked_run import SERVER_ENV, ForkedRun, can_fork, cpu_seconds, start_ranks  # noqa: E402
 
 # A small, fast variant of configs/tiny.yaml: a few seconds per run on 2 CPU cores.
 FAST = ["run.log_interval=1", "run.progress_bar=false", "train.sample_at_end=false", "data.seq_len=32",
@@ -55,13 +55,13 @@ def port_was_taken(outputs: list[str]) -> bool:
     return any("EADDRINUSE" in out or "address already in use" in out for out in outputs)
 
 
-def start_on_free_port(fn, args_of_port, nprocs: int, start_method: str = "spawn", tries: int = 3) -> None:
-    """torch.multiprocessing.start_processes(fn, args_of_port(port), ...) on a free port; when rank 0's store
-    finds the port taken (another test bound it between free_port() and the bind: EADDRINUSE), again on another."""
+def start_on_free_port(fn, args_of_port, nprocs: int, start_method: str = "forkserver", tries: int = 3) -> None:
+    """torch.multiprocessing.start_processes(fn, args_of_port(port), ...) on a free port (forked_run.start_ranks:
+    "forkserver" starts each rank as a spawned one would, with the imports done); when rank 0's store finds the
+    port taken (another test bound it between free_port() and the bind: EADDRINUSE), again on another."""
     for attempt in range(tries):
         try:
-            torch.multiprocessing.start_processes(fn, args=args_of_port(free_port()), nprocs=nprocs,
-                                                  start_method=start_method)
+            start_ranks(fn, args_of_port(free_port()), nprocs, start_method)
             return
         except torch.multiprocessing.ProcessRaisedException as e:
             if not port_was_taken([str(e)]) or attempt == tries - 1:
@@ -152,9 +152,12 @@ SERIAL_GROUPS = {"test_slurm.py": "slurm", "test_slurm_multinode.py": "slurm"}
 # Scheduling only (pytest.ini: -n 3, loadgroup): the files that took longest in a full run start first, so that no
 # worker is left with a long file at the end while the other idles (tests/test_suite measurement, docs/testing.md).
 # A file not named here runs after them, in collection order.
-LONGEST_FIRST = ("test_slurm_multinode.py", "test_slurm.py", "test_bench.py", "test_ckpt_resume.py",
-                 "test_memory_replicas.py", "test_memory_tier.py", "test_s3.py", "test_faults.py", "test_bad_input.py",
-                 "test_lora.py", "test_s3_transfer.py", "test_world_size.py", "test_preemption.py", "test_readme.py")
+# test_hub.py, test_moe.py, test_k8s.py: one group each of a minute or more (their module fixtures); unnamed, such a
+# group starts in collection order, late, and can keep one worker busy after the others have finished.
+LONGEST_FIRST = ("test_slurm_multinode.py", "test_slurm.py", "test_bench.py", "test_hub.py", "test_ckpt_resume.py",
+                 "test_memory_replicas.py", "test_moe.py", "test_memory_tier.py", "test_s3.py", "test_k8s.py",
+                 "test_faults.py", "test_process_lifetime.py", "test_hang.py", "test_bad_input.py", "test_lora.py",
+                 "test_s3_transfer.py", "test_world_size.py", "test_preemption.py", "test_readme.py")
 
 
 def _file_of(item) -> str:

@@ -29,11 +29,11 @@ _forked_cpu = [0.0]  # CPU-seconds of the runs forked for this pytest process th
 
 
 def cpu_seconds() -> float:
-    """CPU-seconds used so far by this pytest process, the processes it waited for (exec'd runs, spawned ranks)
-    and the runs the server forked for it. Not counted: servers still running (Azurite, SLURM's daemons and the
-    job steps they start)."""
+    """CPU-seconds used so far by this pytest process, the processes it waited for (exec'd runs, spawned ranks),
+    the runs the server forked for it and the ranks the fork server forked for it (start_ranks). Not counted:
+    servers still running (Azurite, SLURM's daemons and the job steps they start)."""
     own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime + _forked_cpu[0]
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime + _forked_cpu[0] + _ranks_cpu()
 
 
 def can_fork(env: dict[str, str]) -> bool:
@@ -124,3 +124,69 @@ class ForkedRun:
         if self.returncode is None:
             self.kill()
             self.communicate()
+
+
+# ---------------------------------------------------------------- ranks a test starts itself (start_ranks)
+# multiprocessing's fork server: a fresh python per pytest process, started on first use, that has imported what a
+# run imports once (RANK_PRELOAD, as the server above); each rank is a fork of it. A spawned rank imported all that
+# itself, about 4 CPU-s each. Not a fork of the pytest process: once any test ran a matmul, that can hang in OpenMP.
+# What tests/zygote.py imports, no more: conftest asks torch.cuda for the device count at import, which a process
+# that forks CUDA ranks must not have done.
+RANK_PRELOAD = ["torch.distributed.run", "train_fsdp"]
+_rank_server: dict = {}  # {"pid": the fork server's pid, "env": os.environ when it started, "cpu": file of CPU-s}
+
+
+def start_ranks(fn, args: tuple, nprocs: int, start_method: str = "forkserver", join: bool = True):
+    """torch.multiprocessing.start_processes(fn, args, nprocs, start_method, join); "forkserver": forked from the
+    fork server as a spawned rank would start, in this process's environment and cwd, ending as it would
+    (non-daemon threads joined, atexit handlers run). Spawned instead when the environment differs from the
+    server's in a variable read at import. Not joined: the ranks' ProcessContext."""
+    import torch.multiprocessing
+    if start_method == "forkserver":
+        if _rank_server_env_differs():
+            start_method = "spawn"
+        else:
+            fn, args = _rank, (fn, dict(os.environ), os.getcwd(), _rank_server["cpu"], args)
+    return torch.multiprocessing.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method=start_method)
+
+
+def _rank_server_env_differs() -> bool:
+    """Start the fork server if it is not running (again: its pid changed), and say whether this process's
+    environment differs from the one it started with in a variable read at import."""
+    import multiprocessing
+    import multiprocessing.forkserver as forkserver
+    multiprocessing.set_forkserver_preload(RANK_PRELOAD)
+    forkserver.ensure_running()
+    if _rank_server.get("pid") != forkserver._forkserver._forkserver_pid:
+        fd, cpu = tempfile.mkstemp(prefix="rank-cpu-")
+        os.close(fd)
+        _rank_server.update(pid=forkserver._forkserver._forkserver_pid, env=dict(os.environ), cpu=cpu)
+    keys = {k for k in (*os.environ, *_rank_server["env"]) if k.startswith(READ_AT_IMPORT)}
+    return any(os.environ.get(k) != _rank_server["env"].get(k) for k in keys)
+
+
+def _rank(rank: int, fn, env: dict, cwd: str, cpu_file: str, args: tuple) -> None:
+    """One rank in the fork server's child: the caller's environment and cwd, then fn(rank, *args); at its end what
+    a spawned rank's python does before it exits (the fork server's child ends in os._exit), and its CPU-seconds
+    added to `cpu_file` for cpu_seconds."""
+    import atexit
+    import threading
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    try:
+        fn(rank, *args)
+    finally:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        own, waited = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        with open(cpu_file, "a") as f:
+            f.write(f"{own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime}\n")
+
+
+def _ranks_cpu() -> float:
+    try:
+        with open(_rank_server["cpu"]) as f:
+            return sum(float(line) for line in f)
+    except (KeyError, OSError, ValueError):
+        return 0.0

@@ -44,7 +44,7 @@ def test_after_a_save_only_the_coordinator_holds_the_global_metadata(tmp_path):
     """DCP broadcasts the Metadata its finish leaves to every rank; the writer's finish makes that broadcast carry no
     entries, so what rank 1 receives does not grow with tensors x W, while rank 0 keeps everything its commit needs."""
     root, world = str(tmp_path), 2
-    start_on_free_port(_save_and_report, lambda port: (port, root, world), nprocs=world, start_method="spawn")
+    start_on_free_port(_save_and_report, lambda port: (port, root, world), nprocs=world)
     rank0, rank1 = (pickle.load(open(os.path.join(root, f"rank{r}.pkl"), "rb")) for r in range(world))
     assert rank0["type"] == "SavedMetadata" and rank0["entries"] == 6 and rank0["storage"] == 6 * world
     index = [".metadata.index", ".metadata.index-0-00000"]  # one size group, one bucket: 8 ranks per bucket
@@ -124,8 +124,7 @@ def test_resume_reads_only_the_index_entries_each_rank_loads(tmp_path):
     import json
     root = str(tmp_path)
     for world, resume in ((4, False), (4, True), (3, True)):
-        start_on_free_port(_save_or_resume, lambda port: (port, root, world, resume), nprocs=world,
-                           start_method="spawn")
+        start_on_free_port(_save_or_resume, lambda port: (port, root, world, resume), nprocs=world)
     opened = {(w, r): json.load(open(os.path.join(root, f"opened{w}-{r}.json"))) for w, n in ((4, 4), (3, 3))
               for r in range(n)}
     assert all(o["right"] for o in opened.values())

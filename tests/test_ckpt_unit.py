@@ -25,6 +25,7 @@ from ckpt.layout import COMMIT_FILE, list_step_dirs, step_dir
 from ckpt.manager import CheckpointError, CheckpointManager
 from ckpt.memory_tier.peers import NodeLayout
 from ckpt.memory_tier.replicate import NodeCommitter
+from forked_run import start_ranks
 
 DATA = "__0_0.distcp"
 
@@ -324,9 +325,9 @@ def _w2_save(rank: int, port: int, ckpt_dir: str) -> None:
 
 
 def _w1_save_then_w2_forked(_index: int, root: str) -> None:
-    """A W=1 save, then a W=2 save by two processes forked from this one. Run in a fresh spawned process: a fork of
-    the pytest worker itself can deadlock (in CI, one hung for 25 minutes) on a lock held at the fork by a thread an
-    earlier test left there (the object-store clients' pools)."""
+    """A W=1 save, then a W=2 save by two processes forked from this one. Run in a fresh process (the fork server's,
+    conftest.start_on_free_port): a fork of the pytest worker itself can deadlock (in CI, one hung for 25 minutes) on
+    a lock held at the fork by a thread an earlier test left there (the object-store clients' pools)."""
     from conftest import start_on_free_port
 
     mgr = CheckpointManager(os.path.join(root, "w1"), "off", keep_last=1)
@@ -339,8 +340,7 @@ def test_save_plan_cache_is_per_checkpoint_dir_and_world_size(tmp_path):
     """DCP caches save plans process-wide under the planner's class name, and forked processes inherit the
     cache: a W=2 save forked after a W=1 save in this process got the W=1 plan (gloo scatter: 'Incorrect input
     list size 1') until the key named the checkpoint dir and the world size (ckpt/uploader.py save_planner)."""
-    torch.multiprocessing.start_processes(_w1_save_then_w2_forked, args=(str(tmp_path),), nprocs=1,
-                                          start_method="spawn")
+    start_ranks(_w1_save_then_w2_forked, (str(tmp_path),), nprocs=1)
     assert verify_checkpoint(step_dir(str(tmp_path / "w2"), 1))["world_size"] == 2
 
 

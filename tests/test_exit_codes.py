@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from common.launcher import CONTRACT, DONE, EXIT_PREEMPTED, FAIL, LAUNCHERS, RESTART, UNCOUNTED, table
-from conftest import ROOT
+from conftest import ROOT, run_python
 from test_k8s import job_outcome, needs_kubectl, overlays_of, render
 
 CODES = sorted(CONTRACT)
@@ -45,7 +44,9 @@ FAKE_TORCHRUN = """#!/bin/bash
 # as torchrun ends: 0, or 1 for any failed worker, with the first failed worker's code in its error file when the
 # worker wrote one (common/launcher.py tell_torchrun; torchrun copies it and sets errorCode to the worker's exit)
 if [ "$FAKE_ROLE" = deleted ]; then  # this pod is being deleted: the kubelet's SIGTERM to the entrypoint (PID 1)
-  trap 'exit 1' TERM; kill -TERM "$PPID"; sleep 30 & wait; exit 9
+  # the sleep's output not the test's pipes, and ended with this script: the run then waited 30 s for their EOF
+  trap 'kill "$sleeper" 2>/dev/null; exit 1' TERM; kill -TERM "$PPID"; sleep 30 >/dev/null 2>&1 & sleeper=$!; wait
+  exit 9
 fi
 case $FAKE_CODE in
   0) exit 0 ;;
@@ -132,10 +133,10 @@ def test_torchrun_restarts_on_every_failed_code(tmp_path):
                       f"n = int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
                       f"open({str(starts)!r}, 'a').write(f'{{n}}\\n')\n"
                       f"sys.exit({failed + [0]!r}[n])\n")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                          "--max-restarts", str(len(failed)), "--monitor-interval", "0.1", str(script)],
-                         capture_output=True, text=True, timeout=240, cwd=tmp_path,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # torchrun's own main() forked from tests/zygote.py (conftest.run_python): its restarts are torchrun's
+    out = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts",
+                      str(len(failed)), "--monitor-interval", "0.1", str(script)], {"OMP_NUM_THREADS": "1"},
+                     cwd=tmp_path, timeout=240)
     assert out.returncode == 0 and starts.read_text().split() == [str(n) for n in range(len(failed) + 1)], \
         out.stderr[-3000:]
     assert all(CONTRACT[c][1][LAUNCHERS[0]] == RESTART for c in failed) and CONTRACT[0][1][LAUNCHERS[0]] == DONE

@@ -397,15 +397,13 @@ def test_after_the_process_group_a_rank_with_another_commit_is_named_on_every_ra
     """Issue 58 point 1's net (a launcher without a store: each node resolved by itself): every rank gets one line
     naming both commits; the same commits pass."""
     import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+
+    from forked_run import start_ranks
+    q = mp.get_context("spawn").Queue()
     port = free_port()
-    procs = [ctx.Process(target=_commits_rank, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
+    ranks = start_ranks(_commits_rank, (port, q), 2, join=False)  # from the fork server, imports done
     got = [q.get(timeout=120) for _ in range(4)]
-    for p in procs:
-        p.join(30)
+    ranks.join(30)
     lines = [line for _, line in got if line]
     assert len(lines) == 2 and lines[0] == lines[1], got
     assert lines[0].startswith(f"model.name_or_path={MODEL}: the ranks would train different weights: rank 0 (") \

@@ -138,7 +138,8 @@ def test_load_hub_layout_w2_then_export_as_save_pretrained(moe_models, tmp_path)
     from ckpt.hf.export import export_checkpoint
 
     ckpt_root = str(tmp_path / "ckpts")
-    # spawned: a fork of a pytest process that has run OpenMP (any earlier test's matmul) can hang in OpenMP
+    # from the fork server (conftest.start_on_free_port): a fork of a pytest process that has run OpenMP (any earlier
+    # test's matmul) can hang in OpenMP
     start_on_free_port(_load_worker, lambda port: (port, moe_models, ckpt_root), nprocs=2)
     for family, path in moe_models.items():
         out = str(tmp_path / f"export-{family}")
@@ -253,7 +254,7 @@ def test_router_aux_loss_is_trained_when_the_config_asks(tmp_path):
     import torch.multiprocessing as mp
 
     results = mp.Manager().dict()
-    start_on_free_port(_aux_worker, lambda port: (port, str(tmp_path), results), nprocs=1)  # spawned, as above
+    start_on_free_port(_aux_worker, lambda port: (port, str(tmp_path), results), nprocs=1)  # as above
     on, off = results[True], results[False]
     loss, _, _, aux = on["done"]
     assert aux > 0 and aux == pytest.approx(on["hf_aux"], rel=1e-5)

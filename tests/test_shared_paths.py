@@ -159,18 +159,17 @@ def _builds(rank: int, port: int, q) -> None:
 
 
 def _spawn_on_a_store(target, n: int):
-    """A TCPStore here and n spawned processes running target(i, its port, queue): (store, queue, processes)."""
+    """A TCPStore here and n processes, as spawned but from the fork server (forked_run.start_ranks: imports done),
+    running target(i, its port, queue): (store, queue, their ProcessContext)."""
     from datetime import timedelta
 
     import torch.distributed as dist
     import torch.multiprocessing as mp
+
+    from forked_run import start_ranks
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(i, store.port, q)) for i in range(n)]
-    for p in procs:
-        p.start()
-    return store, q, procs
+    q = mp.get_context("spawn").Queue()
+    return store, q, start_ranks(target, (store.port, q), n, join=False)
 
 
 def test_one_rank_builds_the_others_wait_as_long_as_it_lives():
@@ -183,8 +182,7 @@ def test_one_rank_builds_the_others_wait_as_long_as_it_lives():
         got[(name, rank)] = (out, took)
     del store  # the launcher's store gone: the waiter's next request fails
     out, took = q.get(timeout=60)[2:]
-    for p in procs:
-        p.join(timeout=30)
+    procs.join(30)
     assert got[("ok", 0)][0] == got[("ok", 1)][0] == "built"
     assert got[("lines", 0)][0] == [] and got[("lines", 1)][0] and all(
         line.startswith("rank 1: waiting for rank 0 to build the thing (") for line in got[("lines", 1)][0])
@@ -241,8 +239,7 @@ def test_each_builds_waits_for_every_builder_as_long_as_they_live():
     while len(got) < 8:
         me, name, out, took = q.get(timeout=120)
         got[(name, me)] = (out, took)
-    for p in procs:
-        p.join(timeout=30)
+    procs.join(30)
     assert [got[("ok", me)][0] for me in range(3)] == ["ok"] * 3
     assert got[("ok", 0)][1][1] >= got[("ok", 2)][1][0] + 1.5, got  # node 0 built nothing and waited for node 2
     assert [got[("error", me)][0] for me in range(3)] == ["DataError: node 1 cannot download"] * 3
