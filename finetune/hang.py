@@ -67,6 +67,7 @@ train.hang_timeout above that share is refused (finetune/config.py).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import faulthandler
 import json
 import os
@@ -89,6 +90,8 @@ FAIL_GRACE_S = 3.0  # how long a rank waits to see whether it fails too before i
 CAP_SHARE = 0.8  # auto's step limit: at most this share of the collective timeout
 HANG_FILE_ENV = "FINETUNE_HANG_FILE"  # a path: on a hang, the error line is written there too
 CHECK_S = 1.0  # how often each rank publishes its record and looks at its own phase
+SAID_KEY = FAILED_KEY + "/said"  # set once the hang's line is printed: the other ranks exit only after it
+SAID_WAIT_S = 15.0  # how long they wait for it (a printer that died meanwhile says nothing)
 AUTO_FLOOR_S = 60.0  # auto: never less than this
 AUTO_STEPS = 10.0  # auto: this many times the median step time
 AUTO_AFTER = 3  # auto: steps timed before `step` phases are held to the timeout (first steps compile, warm up)
@@ -442,9 +445,24 @@ class HangWatchdog(ProgressRecords):
             self.log.event_from_any_rank("hang", step=first.get("step", step), phase=first.get("phase", phase),
                                          ranks=stuck, waited_s=round(waited, 3), exit_code=EXIT_HANG,
                                          detected_by=self.rank)
+            self._said()
+        else:
+            self._await_said()
         self._kill_frozen_here(frozen, records)
         sys.stdout.flush()
         os._exit(EXIT_HANG)
+
+    def _said(self) -> None:
+        with contextlib.suppress(Exception):  # noqa: BLE001 - no store: the others' wait ends on its own
+            self.store.set(SAID_KEY, "1")
+
+    def _await_said(self) -> None:
+        """Until the printing rank said the line (one server-side wait, bounded): torchrun stops every worker as soon as
+        one exits or a frozen one is killed, and the printer, reading the verdict up to CHECK_S after the rank that
+        told it, would otherwise be stopped before its line (the backup's verdict, told by rank 3W/4, printed by the
+        lowest live rank)."""
+        with contextlib.suppress(Exception):  # noqa: BLE001 - timed out, or no store: exit as before
+            self.store.wait([SAID_KEY], datetime.timedelta(seconds=SAID_WAIT_S))
 
     def _hang_path(self, suffix: str) -> str:
         """<run.dir>/hang/rank<r>-attempt<k><suffix>: where this rank leaves what a hang or a failure should keep."""
