@@ -333,7 +333,9 @@ def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subpro
 
     picked = ["tests/test_cli_errors.py::test_verify_of_a_folder_that_is_no_checkpoint_says_so",
               "tests/test_ckpt_policy.py::test_young_daly_and_parse"]
-    args = ["--out", str(tmp_path), "--work", str(tmp_path / "work"), *picked]
+    # -n 1: pytest-xdist as the suite runs it (a worker reporting to the controller), one worker for two tests
+    # instead of pytest.ini's three, each importing torch under coverage
+    args = ["--out", str(tmp_path), "--work", str(tmp_path / "work"), "-n", "1", *picked]
     run("test_suite", args, 600)
     r = check_provenance(tmp_path, "test_suite", args)
     assert r["tests"] == 2 and r["outcomes"] == {"passed": 2, "skipped": 0, "failed": 0} and r["wall_s"] > 0
