@@ -158,11 +158,12 @@ def test_resume_deeper_checkpoint_into_shallower_model(tmp_path):
 
 
 def test_some_samples_without_loss_tokens_warn(tmp_path):
-    """One warning with the count; at W=2 each rank counts half the samples and the all-reduced count is the same."""
+    """One warning with the count; at W=2 each rank counts half the samples and the all-reduced count is the same.
+    Forked (run_train): a run that trains, no error line whose neighbours are under test."""
     counts = []
     for nproc in (0, 2):
         run = tmp_path / f"run{nproc}"
-        proc = launched(run, nproc=nproc, timeout=TIMEOUT,
+        proc = run_train(run, nproc=nproc, timeout=TIMEOUT,
                          overrides=["data.seq_len=20", "train.max_steps=1", "ckpt.interval=0", "ckpt.save_at_end=false",
                                     f"data.cache_dir={run}-cache"])  # its own cache: counted, not read back
         m = re.search(r"warning: (\d+) of (\d+) samples \([\d.]+%\) of \S+ at data.seq_len=20 have no token that "

@@ -315,10 +315,10 @@ def test_goodput_bench_smoke_accounts_each_configuration_under_one_schedule(tmp_
     assert set(r["configs"]) == {"disk", "auto", "memory"} and r["schedule"][0]["signal"] == "SIGKILL"
     for name, c in r["configs"].items():
         (one,) = c["runs"]
-        assert one["exit_code"] == 0 and one["last_step"] == 150, (name, one)
+        assert one["exit_code"] == 0 and one["last_step"] == 75, (name, one)
         assert 0 < one["goodput"] < 1 and one["lost_s"]["startup"] > 0, (name, one)
         assert one["attempts"] <= 1 + sum(s["signal"] == "SIGKILL" for s in one["signals"]), (name, one)
-    # the SIGKILL comes 3 s after the first step record (the clock starts there): it lands in training
+    # the SIGKILL comes 1.5 s after the first step record (the clock starts there): it lands in training
     assert any(c["runs"][0]["attempts"] == 2 and c["runs"][0]["lost_s"]["downtime"] > 0 for c in r["configs"].values())
     assert r["configs"]["memory"]["runs"][0]["lost_s"]["ckpt"] > r["configs"]["disk"]["runs"][0]["lost_s"]["ckpt"]
     assert (tmp_path / "goodput_bench_smoke.md").read_text().count("| memory |") == 1
@@ -333,7 +333,9 @@ def test_suite_bench_times_each_test_groups_them_and_measures_coverage_in_subpro
 
     picked = ["tests/test_cli_errors.py::test_verify_of_a_folder_that_is_no_checkpoint_says_so",
               "tests/test_ckpt_policy.py::test_young_daly_and_parse"]
-    args = ["--out", str(tmp_path), "--work", str(tmp_path / "work"), *picked]
+    # -n 1: pytest-xdist as the suite runs it (a worker reporting to the controller), one worker for two tests
+    # instead of pytest.ini's three, each importing torch under coverage
+    args = ["--out", str(tmp_path), "--work", str(tmp_path / "work"), "-n", "1", *picked]
     run("test_suite", args, 600)
     r = check_provenance(tmp_path, "test_suite", args)
     assert r["tests"] == 2 and r["outcomes"] == {"passed": 2, "skipped": 0, "failed": 0} and r["wall_s"] > 0

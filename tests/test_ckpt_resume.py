@@ -6,7 +6,6 @@
 import json
 import os
 import shutil
-import subprocess
 import time
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from ckpt import verify_checkpoint
-from conftest import ROOT, ckpt_cli, events, kill_after_commit, losses, run_train, train_cmd
+from conftest import ROOT, ckpt_cli, events, kill_after_commit, losses, run_train, start_python, train_cmd
 
 RESUME_RUN = ["train.max_steps=12", "ckpt.interval=6", "ckpt.keep_last=0"]
 
@@ -135,11 +134,9 @@ def test_background_write_error_exits_nonzero(tmp_path, mode):
 
 def test_second_job_on_same_ckpt_dir_is_refused(tmp_path):
     run = tmp_path / "r"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(train_cmd(0, ["run.dir=" + str(run), "train.max_steps=100000", "ckpt.interval=0",
-                                           "run.log_interval=1000", "ckpt.save_at_end=false"]),
-                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    # forked from tests/zygote.py (start_python): the job holding the lock only has to be running
+    with start_python(train_cmd(0, ["run.dir=" + str(run), "train.max_steps=100000", "ckpt.interval=0",
+                                    "run.log_interval=1000", "ckpt.save_at_end=false"])[1:], None, ROOT, True):
         for _ in range(300):
             if (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").stat().st_size > 0:
                 break
@@ -148,9 +145,7 @@ def test_second_job_on_same_ckpt_dir_is_refused(tmp_path):
                          overrides=[f"ckpt.dir={run}/checkpoints", "train.max_steps=2"])
         assert proc.returncode == 2
         assert "is in use by another job" in proc.stderr
-    finally:
-        first.kill()
-        first.wait()
+    # leaving the with block kills the first job (SIGKILL) and reaps it
 
 
 def test_resume_with_other_model_shape_is_clear_error(tmp_path, two_step_run):

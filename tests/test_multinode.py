@@ -9,13 +9,12 @@ the first node's address and ckpt.dir on a shared filesystem.
 """
 
 import os
-import subprocess
 import sys
 import uuid
 
 import pytest
 
-from conftest import FAST, ROOT, free_port, port_was_taken, run_train, token_cache
+from conftest import FAST, ROOT, free_port, kill_workers, port_was_taken, run_train, start_python, token_cache
 from finetune.metrics import read_metrics
 
 STEPS = ["train.max_steps=16", "ckpt.interval=8", "ckpt.keep_last=0"]
@@ -35,16 +34,16 @@ def step_records(run_dir) -> dict[int, dict]:
 def test_two_nodes_train_and_save_then_resume_on_one_node(tmp_path):
     run_dir = tmp_path / "two-nodes"
     overrides = [*FAST, *STEPS, f"run.dir={run_dir}", f"data.cache_dir={token_cache()}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     for attempt in range(3):  # the port is free when picked, not always when the store binds it: then another one
         cmd = node_agent_cmd(2, f"127.0.0.1:{free_port()}", f"test-{uuid.uuid4().hex[:8]}", overrides)
-        nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for _ in range(2)]
+        # forked from tests/zygote.py (docs/testing.md, "Forked runs"): torchrun's agents and rendezvous, forked ranks
+        nodes = [start_python(cmd[1:], None, ROOT, forked=True) for _ in range(2)]
         try:
-            outputs = [n.communicate(timeout=300)[0] for n in nodes]
+            outputs = ["".join(n.communicate(timeout=300)) for n in nodes]  # stdout, then stderr
         finally:
             for n in nodes:
-                if n.poll() is None:
+                if n.returncode is None:  # its communicate did not finish
+                    kill_workers(n.pid)
                     n.kill()
         if not port_was_taken(outputs):
             break

@@ -24,7 +24,8 @@ import pytest
 from ckpt.commit_protocol import VerifyError, commit_checkpoint
 from ckpt.layout import COMMIT_FILE
 from ckpt.storage.base import Storage
-from conftest import FAST, ROOT, run_train, token_cache
+from common.procfs import running
+from conftest import FAST, ROOT, run_train, start_python, token_cache
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 WITHIN_S = 60  # the issue aims at 30 s on an idle machine (measured ~10 s); this one is shared with other tests
@@ -326,10 +327,9 @@ def test_a_data_file_gone_before_the_commit_fails_the_save_with_one_line(tmp_pat
     from conftest import train_cmd
     args = [*FAST, f"run.dir={run}", f"data.cache_dir={token_cache()}", "train.max_steps=2", "ckpt.interval=2",
             "ckpt.async_mode=off"]
-    with subprocess.Popen(train_cmd(2, args), cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as p:
+    with start_python(train_cmd(2, args)[1:], env, ROOT, True) as p:  # forked from tests/zygote.py
         deadline = time.monotonic() + 120
-        while not flag.exists() and p.poll() is None and time.monotonic() < deadline:
+        while not flag.exists() and running(p.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         os.remove(step / "__1_0.distcp")
         out, err = p.communicate(timeout=120)

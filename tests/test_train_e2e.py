@@ -5,12 +5,10 @@
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, assert_loss_falls, events, losses, run_train
+from conftest import assert_loss_falls, events, losses, run_python, run_train
 
 NO_CKPT = ["ckpt.interval=0", "ckpt.save_at_end=false"]
 
@@ -51,8 +49,7 @@ def test_loss_same_for_one_and_two_ranks(tmp_path, one_rank_run):
 
 
 def test_plot_command_renders_png(one_rank_run):
-    out = subprocess.run([sys.executable, "-m", "finetune.metrics", str(one_rank_run / "metrics.jsonl")], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = run_python(["-m", "finetune.metrics", str(one_rank_run / "metrics.jsonl")], timeout=120)
     assert out.returncode == 0, out.stderr
     png = one_rank_run / "loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
