@@ -27,8 +27,10 @@ per check 2(W-1) keys per reader (W-1 more once, the first time, to see that eve
 at W=2048). A TCPStore client serialises its requests: a reader's beat waits for its one multi_get in flight at most,
 never for a pass. A beat also needs the GIL: a C call holding it longer than about 2 x CHECK_S stops the beat as SIGSTOP
 would (Python's full collections over DCP's plans on the coordinator: seconds at W=64; ckpt/collector.py keeps them out
-of its saves). On a `step` overrun a reader judges at once, naming the frozen ranks or else those elsewhere; the backup
-waits one timeout more for that verdict, then judges itself (both readers frozen, or not in this step); every other rank
+of its saves; other holds, as the coordinator's finish pickling .metadata, last seconds at W=2048: in a slow phase a
+rank is called frozen only if it still has not beaten HOLD_CHECKS x CHECK_S later). On a `step` overrun a reader judges
+at once, naming the frozen ranks or else those elsewhere; the backup waits one timeout more for that verdict, then
+judges itself (both readers frozen, or not in this step); every other rank
 only acts on a verdict (none at all, readers and backup gone: NCCL's collective timeout ends the job).
 
 On a hang every live rank writes its Python stacks (all threads) to <run.dir>/hang/rank<r>-attempt<k>.txt (k counts
@@ -90,6 +92,7 @@ FAIL_GRACE_S = 3.0  # how long a rank waits to see whether it fails too before i
 CAP_SHARE = 0.8  # auto's step limit: at most this share of the collective timeout
 HANG_FILE_ENV = "FINETUNE_HANG_FILE"  # a path: on a hang, the error line is written there too
 CHECK_S = 1.0  # how often each rank publishes its record and looks at its own phase
+HOLD_CHECKS = 20  # x CHECK_S: how much longer a rank in a slow phase may not beat before it is frozen (`_confirmed`)
 SAID_KEY = FAILED_KEY + "/said"  # set once the hang's line is printed: the other ranks exit only after it
 SAID_WAIT_S = 15.0  # how long they wait for it (a printer that died meanwhile says nothing)
 AUTO_FLOOR_S = 60.0  # auto: never less than this
@@ -135,6 +138,7 @@ class HangWatchdog(ProgressRecords):
         self.step_times = deque(maxlen=50)  # recent `step` phases, for auto: bounded, O(1)
         self.heartbeat, self.where = 0, {"host": socket.gethostname(), "pid": os.getpid()}
         self._last_records: dict[int, dict] = {}
+        self._held: set[int] = set()  # ranks `_confirmed` frozen
         self._stop, self._signals = False, None  # (read, write) of the wakeup fd
         self._changed, self._wake = threading.Event(), threading.Event()  # the beat thread's; the watchdog thread's
         self._ended: dict | None = None  # FAILED_KEY's record once read: the first failure or hang never changes
@@ -416,7 +420,7 @@ class HangWatchdog(ProgressRecords):
                   (r not in after or r not in before or after[r]["heartbeat"] == before[r]["heartbeat"])
                   and not (r in after and after[r]["phase"] == "done")]
         self._last_records = after
-        return frozen
+        return self._confirmed(frozen, after, HOLD_CHECKS * CHECK_S)
 
     def _hang(self, phase: str, step: int, since: float, limit: float, verdict: dict | None = None) -> None:
         """A hang: `verdict` a reader's; None: this rank judges (reading the records) and tells the others."""

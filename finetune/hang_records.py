@@ -20,7 +20,8 @@ RETRY_S = 1.0  # a store that could not be read is tried once more after this
 
 
 class ProgressRecords:
-    """Mixin of HangWatchdog: needs self.store, rank, world_size, state, heartbeat, where, _seen, _last_records."""
+    """Mixin of HangWatchdog: needs self.store, rank, world_size, state, heartbeat, where, _seen, _last_records,
+    _held."""
 
     def readers(self) -> tuple[int, ...]:
         """The ranks that read the other ranks' records: rank 0 and rank W/2 (on another node whenever there are
@@ -81,3 +82,18 @@ class ProgressRecords:
             return frozen
         elsewhere = [r for r, rec in self._last_records.items() if (rec["step"], rec["phase"]) != (my_step, "step")]
         return elsewhere or list(range(self.world_size))
+
+    def _confirmed(self, frozen: list[int], records: dict[int, dict], hold_s: float) -> list[int]:
+        """Of `frozen`, those whose beat is still where `records` saw it `hold_s` later, if their record is in a slow
+        phase (not `step`): there one C call holding the GIL stops a rank's beat thread as SIGSTOP would. The DCP
+        coordinator's finish does (its pickle's memo, growing with T x W: docs/reliability.md), and a save overrunning
+        the timeout is when a reader looks. One more read of the suspects only; a rank confirmed stays so (the backup
+        looks twice: at the readers, then at everyone)."""
+        slow = [r for r in frozen if r not in self._held and records.get(r, {}).get("phase") not in (None, "step")]
+        if slow:
+            time.sleep(hold_s)
+            now = self._records(slow) or {}
+            moved = {r for r in slow if r in now and now[r]["heartbeat"] != records[r]["heartbeat"]}
+            frozen = [r for r in frozen if r not in moved]
+        self._held.update(frozen)
+        return frozen

@@ -551,6 +551,25 @@ def test_a_frozen_rank_is_still_named_through_a_slow_store(monkeypatch, exits_ra
     assert store.records_read <= 8 * 4
 
 
+@pytest.mark.quick
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # a false verdict: SystemExit
+def test_a_beat_held_up_in_a_slow_phase_is_not_a_hang(monkeypatch, exits_raise, tmp_path):
+    """Rank 0, the DCP coordinator, beats again 10 x CHECK_S after its readers began looking, as after a C call that
+    held its GIL (its finish's pickle memo: seconds at 70B and W=2048) during a save that overran: no verdict. Without
+    the HOLD_CHECKS confirmation, reader 2 named rank 0 after its 3 x CHECK_S window: a false hang, exit 76."""
+    monkeypatch.setattr(finetune.hang, "CHECK_S", 0.05)
+    store = CountingStore()
+    dogs = watchdogs(store, 4, tmp_path, frozen=(0,), timeout=3.0, overran=3.1)
+    time.sleep(10 * 0.05)
+    dogs[0]._beater.start()
+    dogs[0]._thread.start()
+    time.sleep(2.0)
+    alive = [d._thread.is_alive() for d in dogs]
+    stop(dogs)
+    assert verdict_of(store) is None and all(alive), verdict_of(store)
+    assert store.records_read <= 8 * 4
+
+
 def until_every_live_watchdog_ended(dogs, frozen, seconds: float = 20) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and any(d._thread.is_alive() for d in dogs if d.rank not in frozen):
