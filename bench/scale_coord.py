@@ -13,8 +13,9 @@ them; all start together (a barrier through the store, not counted):
 - job failure key (finetune/hang.py HangWatchdog): rank 0 `failed()` publishes the failure (add + set); then every
   rank's watchdog makes one `_failure()` check, as it does once a second (CHECK_S). Seconds: that round.
 - data-cache handoff (common/handoff.py): rank 0 `_build_and_tell` around a build of --handoff-s seconds, every
-  other rank `_wait_for_builder` at the defaults (poll 2 s, heartbeat check every 40 s). Seconds: the build until
-  the last waiter returned; requests scale with the build's length (the formula gives them per second).
+  other rank one_rank_builds' waiter (`_Waiting`) at the defaults (poll 2 s, heartbeat check every 40 s). Seconds:
+  the build until the last waiter returned; requests scale with the build's length (the formula gives them per
+  second).
 The seconds to connect the W clients are recorded (`connect_s`) but make no row: here each TCPStore connection
 waits ~0.16 s on this sandbox's resolver (c10d looks up the client socket's hostname, and the lookup times out), which
 says nothing about torchrun's store.
@@ -91,9 +92,11 @@ def _run_path(name: str, rank: int, world: int, store, handoff_s: float) -> None
         if rank == 0:
             handoff._build_and_tell(lambda: (time.sleep(handoff_s), "built")[1], store, keys, 120.0 / 6, RuntimeError)
         else:
-            out = handoff._wait_for_builder(store, keys, 0, "the simulated cache", RuntimeError, 2.0, 120.0, 60.0,
-                                            lambda line: None)
-            assert out == {"ok": "built"}
+            # one_rank_builds' waiter (its per-process key count would give each thread here its own keys)
+            waiting = handoff._Waiting(store, keys["beat"], "the simulated cache", RuntimeError, 2.0, 120.0, 60.0,
+                                       lambda line: None, rank)
+            waiting.until(lambda: store.check([keys["done"]]), lambda: "rank 0 stopped", "waiting for rank 0")
+            assert json.loads(store.get(keys["done"])) == {"ok": "built"}
 
 
 def worker(port: int, world: int, first: int, count: int, handoff_s: float) -> None:
