@@ -289,6 +289,7 @@ def _tier_save(rank: int, port: int, root: str, world: int, per_node: int) -> No
         md = dcp.save(state, storage_writer=TierWriter(path, 1))
         files = share_digests(md, layout, 1, path, dist.group.WORLD)
         assert committer.replicate(path, 1, files) is None
+        dist.barrier()  # NodeCommitter._finish agrees first: a leader checks the copies its node's ranks receive
         assert committer._mark_problem(path, 1, files, ["meta.json"]) is None
         committer.close()
         with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
