@@ -43,7 +43,9 @@ import math
 import os
 import pickle
 import subprocess
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -67,8 +69,8 @@ def _barrier(raw, name: str, count: int, world: int) -> None:
     raw.wait([f"sync/{name}/go"], timedelta(seconds=600))
 
 
-def _run_path(name: str, rank: int, world: int, store, handoff_s: float) -> None:
-    """One rank's part of a store path, through the project's own functions."""
+def _run_path(name: str, rank: int, world: int, store, handoff_s: float, run_dir: str) -> None:
+    """One rank's part of a store path, through the project's own functions; `run_dir` gets the failure's files."""
     import finetune.launch as launch
     from common import handoff
     from finetune.hang import CHECK_S, HangWatchdog
@@ -80,7 +82,7 @@ def _run_path(name: str, rank: int, world: int, store, handoff_s: float) -> None
         else:
             assert launch._seen_within(store, launch._reported_key(), launch.BAD_INPUT_WAIT_S)
     elif name == "failure_key":
-        dog = HangWatchdog(60.0, rank, world, "/nonexistent", None, store)
+        dog = HangWatchdog(60.0, rank, world, run_dir, None, store)
         if rank == 0:
             dog.failed(RuntimeError("simulated failure"))
             dog._failure()  # its own failure: None, one check
@@ -110,6 +112,7 @@ def worker(port: int, world: int, first: int, count: int, handoff_s: float) -> N
               for _ in range(count)]
     print("CONNECT " + json.dumps({"first": first, "seconds": time.perf_counter() - t0}), flush=True)
     sys.stderr = open(os.devnull, "w")  # the failure path's `error:` line, once per simulated failure
+    run_dir = tempfile.mkdtemp(prefix="scale_coord-")  # the failure path writes its traceback under <run.dir>/hang
     for name in STORE_PATHS:
         _barrier(raw, name, count, world)
         before = [s.totals() for s in stores]
@@ -118,7 +121,7 @@ def worker(port: int, world: int, first: int, count: int, handoff_s: float) -> N
 
         def one(i: int) -> None:
             try:
-                _run_path(name, first + i, world, stores[i], handoff_s)
+                _run_path(name, first + i, world, stores[i], handoff_s, run_dir)
             except BaseException as e:  # noqa: BLE001 - counted and reported: the row then says the path failed
                 errors.append(f"rank {first + i}: {type(e).__name__}: {e}")
             ends[i] = time.perf_counter()
@@ -130,6 +133,7 @@ def worker(port: int, world: int, first: int, count: int, handoff_s: float) -> N
         per = [{k: s.totals()[k] - b[k] for k in ("requests", "bytes")} for s, b in zip(stores, before)]
         print("PATH " + json.dumps({"path": name, "first": first, "per_rank": per, "errors": errors,
                                     "seconds": max(ends) - start}), flush=True)
+    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def store_paths(world: int, procs: int, handoff_s: float) -> dict:

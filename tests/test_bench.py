@@ -400,10 +400,13 @@ def test_scale_sim_carries_a_section_not_run_with_the_commit_it_ran_at(tmp_path)
 
 def test_scale_coord_smoke_runs_every_store_path_without_a_failure(tmp_path):
     """scale_coord calls the project's coordination code by name: a renamed function (common/handoff.py's waiter was)
-    made every handoff row 'FAILED' in the full simulation, which no test ran. A smoke at W=8 catches it."""
+    made every handoff row 'FAILED' in the full simulation, which no test ran. A smoke at W=8 catches it. Its
+    simulated failure writes a traceback file under the run dir: a temporary one, not '/nonexistent' (which, made as
+    root, broke test_shared_paths' check of a path no rank sees)."""
     out = tmp_path / "c.json"
     run_python([os.path.join(ROOT, "bench", "scale_coord.py"), "--worlds", "8", "--plan-worlds", "2,4",
                 "--layer-worlds", "8", "--handoff-s", "2", "--out", str(out)], timeout=300)
     rows = json.loads(out.read_text())["rows"]
     assert {r["path"].split(":")[0] for r in rows} >= {"data-cache handoff", "job failure key"}
     assert not [r["path"] for r in rows if "FAILED" in r["note"]]
+    assert not os.path.exists("/nonexistent")
